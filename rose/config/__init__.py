@@ -1,0 +1,100 @@
+"""Settings of the `rose-worker` daemon: `ROSE_*` environment variables, overridden by command-line flags."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
+
+
+class WorkerSettings(BaseSettings):
+    """Everything `rose-worker` can be told. Each field is `ROSE_<NAME>` in the environment."""
+
+    model_config = SettingsConfigDict(env_prefix="ROSE_", extra="forbid", validate_default=True)
+
+    redis_url: str = Field(
+        "redis://localhost:6379/0",
+        description="Redis to take jobs from and publish to: redis://[[user]:password@]host:port/db, rediss:// for TLS, "
+        "unix:///path/to.sock.",
+    )
+    queues: Annotated[list[str], NoDecode] = Field(
+        default_factory=lambda: ["rose"],
+        description="Queues to serve, highest priority first (env: comma-separated).",
+    )
+    model: str = Field("tiny-llama", description="Preset name (tiny-llama, tiny-qwen2, tiny-gpt2) or a local HF model dir.")
+    tokenizer: str | None = Field(None, description="Tokenizer dir, when it is not the model's.")
+    device: str = Field("cpu", description="Torch device: cpu, cuda, cuda:1, ...")
+    dtype: str = Field("float32", description="Weights dtype: float32, float16, bfloat16.")
+    max_num_seqs: int = Field(64, ge=1, description="Jobs generated at once (engine batch slots).")
+    max_model_len: int | None = Field(None, ge=1, description="Context limit per job; default: the model's.")
+    name: str | None = Field(
+        None,
+        description="Stable worker name. Restarting with the same name requeues the jobs its previous run held at "
+        "once. Default: a random name.",
+    )
+    drain_timeout: float = Field(
+        30.0, ge=0, description="On SIGTERM/SIGINT, seconds to let running jobs finish before requeueing them."
+    )
+    log_level: LogLevel = Field("INFO", description="Logging level.")
+    heartbeat_timeout: int = Field(
+        60,
+        ge=10,
+        description="Seconds without a heartbeat after which a worker counts as dead and other workers requeue its "
+        "jobs.",
+    )
+    max_requeues: int = Field(
+        3, ge=0, description="A job requeued this many times after worker deaths fails instead (poison-job guard)."
+    )
+    recovery_interval: float = Field(10.0, gt=0, description="Seconds between scans for orphaned jobs.")
+
+    @field_validator("queues", mode="before")
+    @classmethod
+    def _split_queues(cls, value: object) -> object:
+        if isinstance(value, str):
+            value = [part.strip() for part in value.split(",")]
+        return value
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _upper(cls, value: object) -> object:
+        return value.upper() if isinstance(value, str) else value
+
+    @field_validator("redis_url")
+    @classmethod
+    def _check_url(cls, value: str) -> str:
+        if not value.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"redis_url must start with redis://, rediss:// or unix://, got {value!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _check_queues(self) -> WorkerSettings:
+        if not self.queues or any(not q for q in self.queues):
+            raise ValueError("queues must be a non-empty list of non-empty queue names")
+        # Keep the priority order but drop repeats: serving a queue twice would only skew the order.
+        self.queues = list(dict.fromkeys(self.queues))
+        return self
+
+    @property
+    def heartbeat_interval(self) -> float:
+        """How often the worker refreshes its key and its jobs' registry entries."""
+        return max(1.0, self.heartbeat_timeout / 6)
+
+
+def redact_url(url: str) -> str:
+    """The URL without its password, for logs and error messages."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    if parts.port:
+        host = f"{host}:{parts.port}"
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+
+
+__all__ = ["WorkerSettings", "redact_url"]

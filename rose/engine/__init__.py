@@ -1,0 +1,1 @@
+"""The inference engine: continuous batching over a preallocated per-slot KV store."""

@@ -1,0 +1,334 @@
+"""The step loop: add requests, run one batched forward per step, sample, detokenize, retire finished requests."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel
+
+from rose.engine import loader
+from rose.engine.detokenizer import IncrementalDetokenizer
+from rose.engine.kv_cache import KVCache
+from rose.engine.model_runner import ModelRunner, model_geometry
+from rose.engine.outputs import RequestMetrics, RequestOutput, StepOutput, TokenLogprob
+from rose.engine.sampler import Sampler
+from rose.engine.sampling_params import SamplingParams
+from rose.engine.scheduler import Scheduler
+from rose.engine.sequence import Sequence, SequenceStatus
+
+logger = logging.getLogger(__name__)
+
+_MIN_MODEL_LEN = 128
+
+
+class Engine:
+    """Continuous-batching engine over a preallocated per-slot KV store.
+
+    Single-threaded: call every method from the same thread.
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike | PreTrainedModel,
+        tokenizer: Any = None,
+        *,
+        device: str | torch.device = "auto",
+        dtype: str | torch.dtype = "auto",
+        max_num_seqs: int = 64,
+        max_model_len: int | None = None,
+        max_num_batched_tokens: int | None = None,
+        max_kv_cache_bytes: int | None = None,
+        seed: int = 0,
+        trust_remote_code: bool = False,
+    ) -> None:
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        loaded = loader.load(model, tokenizer, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
+        self.model, self.tokenizer, self.model_name = loaded.model, loaded.tokenizer, loaded.name
+        self.device, self.dtype = loaded.device, loaded.dtype
+        self.max_num_seqs = max_num_seqs
+
+        layers, kv_heads, head_dim, context = model_geometry(self.model.config)
+        bytes_per_token = 2 * layers * kv_heads * head_dim * torch.empty((), dtype=self.dtype).element_size()
+        self.max_model_len = self._resolve_max_model_len(
+            max_model_len, context, max_num_seqs * bytes_per_token, max_kv_cache_bytes
+        )
+        self.cache = KVCache(layers, max_num_seqs, kv_heads, self.max_model_len, head_dim, self.dtype, self.device)
+        logger.info(
+            "KV store: %d slots x %d tokens, %.1f MiB", max_num_seqs, self.max_model_len, self.cache.nbytes / 2**20
+        )
+        self.runner = ModelRunner(self.model, self.cache)
+        self.scheduler = Scheduler(max_num_seqs, max_num_batched_tokens or max(2048, max_num_seqs))
+
+        config_vocab = self.model.config.get_text_config().vocab_size
+        vocab = config_vocab
+        if self.tokenizer is not None and 0 < len(self.tokenizer) < config_vocab:
+            vocab = len(self.tokenizer)  # ids past the tokenizer are padding rows of the embedding: never sample them
+        self.vocab_size = vocab
+        self.eos_token_ids = self._eos_ids()
+        self.sampler = Sampler(vocab, self.device, self.eos_token_ids, seed=seed)
+        self._seqs: dict[str, Sequence] = {}
+
+    # ----------------------------------------------------------------- configuration
+
+    @staticmethod
+    def _resolve_max_model_len(
+        requested: int | None, context: int, bytes_per_position: int, budget: int | None
+    ) -> int:
+        if budget is None:
+            budget = _default_kv_budget()
+        if requested is not None:
+            if requested < 1 or requested > context:
+                raise ValueError(f"max_model_len must be in [1, {context}] (the model's context), got {requested}")
+            if requested * bytes_per_position > budget:
+                raise ValueError(
+                    f"max_model_len {requested} x max_num_seqs needs a {requested * bytes_per_position / 2**30:.2f} "
+                    f"GiB KV store, over the {budget / 2**30:.2f} GiB budget: lower max_model_len or max_num_seqs, "
+                    "or raise max_kv_cache_bytes"
+                )
+            return requested
+        fit = budget // bytes_per_position
+        if fit < min(context, _MIN_MODEL_LEN):
+            raise ValueError(
+                f"a KV store of max_num_seqs slots fits only {fit} tokens per slot in {budget / 2**30:.2f} GiB: "
+                "lower max_num_seqs or raise max_kv_cache_bytes"
+            )
+        if fit < context:
+            logger.warning("max_model_len capped at %d (model context %d) to fit the KV budget", fit, context)
+        return int(min(context, fit))
+
+    def _eos_ids(self) -> set[int]:
+        ids: set[int] = set()
+        for source in (getattr(self.model, "generation_config", None), self.model.config, self.tokenizer):
+            value = getattr(source, "eos_token_id", None) if source is not None else None
+            if isinstance(value, int):
+                ids.add(value)
+            elif isinstance(value, list | tuple):
+                ids.update(v for v in value if isinstance(v, int))
+        return ids
+
+    # ----------------------------------------------------------------- requests
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        *,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue a request. Raises ValueError (naming the problem) for one that can never run."""
+        if request_id in self._seqs:
+            raise ValueError(f"request id {request_id!r} is already in the engine")
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        text, ids = self._tokenize(prompt)
+        if ids and params.max_tokens is None and len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens, which leaves no room to generate within max_model_len "
+                f"{self.max_model_len}"
+            )
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
+        if len(ids) + max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) = {len(ids) + max_tokens} exceeds "
+                f"max_model_len {self.max_model_len}: shorten the prompt or lower max_tokens"
+            )
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(params.seed)
+        detok = None
+        if self.tokenizer is not None:
+            detok = IncrementalDetokenizer(
+                self.tokenizer,
+                ids,
+                skip_special_tokens=params.skip_special_tokens,
+                stop=params.stop,
+                include_stop_str_in_output=params.include_stop_str_in_output,
+            )
+        seq = Sequence(
+            request_id=request_id,
+            prompt=text,
+            prompt_token_ids=ids,
+            params=params,
+            max_tokens=max_tokens,
+            metrics=RequestMetrics(arrival_time=arrival_time or time.time(), num_prompt_tokens=len(ids)),
+            detokenizer=detok,
+            priority=priority,
+            generator=generator,
+            logprobs=[] if params.logprobs is not None else None,
+        )
+        self._seqs[request_id] = seq
+        self.scheduler.add(seq)
+
+    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer; this engine has none: pass token ids instead")
+            ids = list(self.tokenizer.encode(prompt))
+            text = prompt
+        elif isinstance(prompt, list | tuple) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids, text = list(prompt), None
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
+        else:
+            raise TypeError(f"prompt must be a str or a list of token ids, got {type(prompt).__name__}")
+        if not ids:
+            raise ValueError("the prompt is empty: it must have at least one token")
+        return text, ids
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its slot. Returns its final output (finish_reason "abort")."""
+        seq = self._seqs.pop(request_id, None)
+        if seq is None:
+            return None
+        self._remove(seq)
+        seq.finish_reason = "abort"
+        seq.metrics.finished_time = time.time()
+        if seq.detokenizer is not None:
+            seq.text = seq.detokenizer.emitted_text
+        return self._output(seq)
+
+    def _remove(self, seq: Sequence) -> None:
+        move = self.scheduler.remove(seq)
+        if move is not None:
+            self.cache.move_row(move.src, move.dst, move.length)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ----------------------------------------------------------------- the step
+
+    def step(self) -> list[StepOutput]:
+        """Run one batched forward; returns what each request that produced a token got from it."""
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        now = time.time()
+        for chunk in batch.prefill:
+            if chunk.seq.metrics.first_scheduled_time is None:
+                chunk.seq.metrics.first_scheduled_time = now
+        logits = self.runner.execute(batch, self.scheduler.num_running)
+
+        sampled = list(batch.decode)
+        for seq in batch.decode:
+            seq.num_computed_tokens += 1
+        for chunk in batch.prefill:
+            chunk.seq.num_computed_tokens += chunk.length
+            if chunk.completes_prompt:
+                self.scheduler.prefill_done(chunk.seq)
+                sampled.append(chunk.seq)
+        if not sampled:
+            return []
+        result = self.sampler(logits, sampled)
+        now = time.time()
+        outputs = [
+            self._append(seq, tok, lp, now)
+            for seq, tok, lp in zip(sampled, result.token_ids, result.logprobs, strict=True)
+        ]
+        for out in outputs:
+            if out.finished:
+                self._remove(self._seqs.pop(out.request_id))
+        return outputs
+
+    def _append(self, seq: Sequence, token: int, logprob: TokenLogprob | None, now: float) -> StepOutput:
+        seq.output_token_ids.append(token)
+        if logprob is not None and seq.logprobs is not None:
+            seq.logprobs.append(logprob)
+        metrics = seq.metrics
+        metrics.num_generated_tokens += 1
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+        params = seq.params
+        may_stop = len(seq.output_token_ids) >= params.min_tokens
+        reason = None
+        stop_token = may_stop and (
+            token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids)
+        )
+        if stop_token:
+            reason = "stop"
+        delta = ""
+        detok = seq.detokenizer
+        if detok is not None:
+            decode = not stop_token or params.include_stop_str_in_output
+            delta = detok.update(token, decode=decode, check_stop=may_stop)
+            if detok.stop_reason is not None:
+                reason = "stop"
+        if reason is None and (
+            len(seq.output_token_ids) >= seq.max_tokens or seq.num_tokens >= self.max_model_len
+        ):
+            reason = "length"
+        new_logprobs = [logprob] if logprob is not None else None
+        if reason is None:
+            return StepOutput(seq.request_id, [token], delta, new_logprobs=new_logprobs)
+        if detok is not None:
+            delta += detok.finish()
+            seq.text = detok.text
+        seq.finish_reason = reason
+        metrics.finished_time = now
+        return StepOutput(
+            seq.request_id, [token], delta, True, reason, new_logprobs=new_logprobs, output=self._output(seq)
+        )
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt=seq.prompt,
+            prompt_token_ids=seq.prompt_token_ids,
+            text=seq.text,
+            token_ids=list(seq.output_token_ids),
+            finish_reason=seq.finish_reason,
+            metrics=seq.metrics,
+            logprobs=seq.logprobs,
+        )
+
+    # ----------------------------------------------------------------- counters
+
+    @property
+    def num_running(self) -> int:
+        return self.scheduler.num_running
+
+    @property
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting
+
+    @property
+    def kv_slots_used(self) -> int:
+        return self.scheduler.num_running
+
+    @property
+    def kv_slots_total(self) -> int:
+        return self.max_num_seqs
+
+    def get_stats(self) -> dict[str, int]:
+        return {
+            "num_running": self.num_running,
+            "num_waiting": self.num_waiting,
+            "kv_slots_used": self.kv_slots_used,
+            "kv_slots_total": self.kv_slots_total,
+            "kv_tokens_used": sum(s.num_computed_tokens for s in self.scheduler.running),
+            "kv_tokens_total": self.max_num_seqs * self.max_model_len,
+        }
+
+    def get_request(self, request_id: str) -> Sequence | None:
+        seq = self._seqs.get(request_id)
+        return seq if seq is not None and seq.status is not SequenceStatus.FINISHED else None
+
+
+def _default_kv_budget() -> int:
+    """CUDA: 85% of free device memory; CPU: a quarter of physical memory."""
+    if torch.cuda.is_available():
+        free, _ = torch.cuda.mem_get_info()
+        return int(free * 0.85)
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
+    except (ValueError, OSError):
+        return 4 * 2**30

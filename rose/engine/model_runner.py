@@ -1,0 +1,86 @@
+"""Turns a scheduled batch into one forward of the model over the flattened step tokens."""
+
+from __future__ import annotations
+
+import torch
+from transformers import PreTrainedModel
+
+from rose.engine.kv_cache import CONTEXT_KWARG, AttentionMetadata, KVCache, PrefillSegment, bind_kv_cache
+from rose.engine.scheduler import ScheduledBatch
+
+
+def model_geometry(config) -> tuple[int, int, int, int]:
+    """(num_layers, num_kv_heads, head_dim, context length) from a transformers config."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    layers = getattr(text, "num_hidden_layers", None) or getattr(text, "n_layer")
+    heads = getattr(text, "num_attention_heads", None) or getattr(text, "n_head")
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    hidden = getattr(text, "hidden_size", None) or getattr(text, "n_embd")
+    head_dim = getattr(text, "head_dim", None) or hidden // heads
+    context = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None) or 2048
+    return layers, kv_heads, head_dim, context
+
+
+class ModelRunner:
+    def __init__(self, model: PreTrainedModel, cache: KVCache) -> None:
+        self.model = model
+        self.cache = cache
+        self.device = cache.k[0].device
+        bind_kv_cache(model, cache)
+
+    def _tensor(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch, num_slots: int) -> torch.Tensor:
+        """Run the step's forward; returns logits [num_sampled, vocab] for decode rows, then completed prefills."""
+        ids: list[int] = []
+        slots: list[int] = []
+        positions: list[int] = []
+        sample_index: list[int] = []
+        for seq in batch.decode:
+            sample_index.append(len(ids))
+            ids.append(seq.last_token_id)
+            slots.append(seq.slot)
+            positions.append(seq.num_computed_tokens)
+        segments = []
+        for chunk in batch.prefill:
+            seq = chunk.seq
+            offset = len(ids)
+            ids.extend(seq.prompt_token_ids[chunk.start : chunk.start + chunk.length])
+            slots.extend([seq.slot] * chunk.length)
+            positions.extend(range(chunk.start, chunk.start + chunk.length))
+            segments.append(PrefillSegment(seq.slot, chunk.start, chunk.length, offset))
+            if chunk.completes_prompt:
+                sample_index.append(len(ids) - 1)
+
+        num_decode = len(batch.decode)
+        decode_slots = None
+        span = num_decode
+        lengths = [p + 1 for p in positions[:num_decode]]
+        if num_decode and num_decode != num_slots:
+            # rows mid-prefill sit among the decoding ones: run all occupied rows, dummy length 1 for those
+            span = num_slots
+            full = [1] * num_slots
+            for seq, length in zip(batch.decode, lengths, strict=True):
+                full[seq.slot] = length
+            lengths = full
+            decode_slots = self._tensor(slots[:num_decode])
+        meta = AttentionMetadata(
+            write_slots=self._tensor(slots),
+            write_positions=self._tensor(positions),
+            num_decode=num_decode,
+            decode_slots=decode_slots,
+            decode_span=span,
+            decode_lengths=self._tensor(lengths),
+            decode_max_len=max(lengths, default=0),
+            prefills=segments,
+        )
+        out = self.model(
+            input_ids=self._tensor(ids)[None],
+            position_ids=self._tensor(positions)[None],
+            use_cache=False,
+            logits_to_keep=self._tensor(sample_index),
+            **{CONTEXT_KWARG: meta},
+        )
+        return out.logits[0]

@@ -1,0 +1,153 @@
+"""Batched sampling with per-row parameters.
+
+Order of operations (as in vLLM): penalties, min_tokens masking, then greedy rows take the argmax and the others go
+through temperature, top-k, top-p, min-p and an exponential-race draw (argmax of p / q with q ~ Exp(1)). Seeded rows
+draw q from their own generator, so they yield the same tokens alone or in any batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rose.engine.outputs import TokenLogprob
+from rose.engine.sequence import Sequence
+
+_NEG_INF = float("-inf")
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None]
+
+
+class Sampler:
+    def __init__(self, vocab_size: int, device: torch.device, eos_token_ids: set[int], seed: int = 0) -> None:
+        self.vocab_size = vocab_size
+        self.device = device
+        self.eos_token_ids = eos_token_ids
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+        """logits: [len(seqs), vocab] for the rows' next tokens."""
+        logits = logits[:, : self.vocab_size].float()
+        raw = logits
+        params = [s.params for s in seqs]
+        if any(p.uses_penalties for p in params):
+            logits = self._apply_penalties(logits.clone(), seqs)
+        banned = self._min_tokens_bans(seqs)
+        if banned:
+            if logits is raw:
+                logits = logits.clone()
+            rows, cols = zip(*banned, strict=True)
+            logits[list(rows), list(cols)] = _NEG_INF
+
+        greedy = [p.greedy for p in params]
+        if all(greedy):
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = self._sample(logits, seqs, greedy)
+        token_list = tokens.tolist()
+
+        logprobs: list[TokenLogprob | None] = [None] * len(seqs)
+        wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if wanted:
+            logprobs = self._logprobs(raw, token_list, params, wanted, logprobs)
+        return SamplerOutput(token_list, logprobs)
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], greedy: list[bool]) -> torch.Tensor:
+        params = [s.params for s in seqs]
+        device = logits.device
+        temps = torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy, params, strict=True)], device=device)
+        scaled = logits / temps[:, None]
+        top_k = [p.top_k for p in params]
+        top_p = [p.top_p for p in params]
+        if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
+            scaled = apply_top_k_top_p(scaled, top_k, top_p)
+        probs = scaled.softmax(dim=-1)
+        min_p = [p.min_p for p in params]
+        if any(m > 0 for m in min_p):
+            probs = apply_min_p(probs, min_p)
+
+        q = torch.empty_like(probs)
+        seeded = [i for i, s in enumerate(seqs) if s.generator is not None]
+        if len(seeded) < len(seqs):
+            q.exponential_(generator=self.generator)
+        for i in seeded:
+            q[i].exponential_(generator=seqs[i].generator)
+        sampled = (probs / q).argmax(dim=-1)
+        if any(greedy):
+            is_greedy = torch.tensor(greedy, device=device)
+            sampled = torch.where(is_greedy, logits.argmax(dim=-1), sampled)
+        return sampled
+
+    def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        rows = [i for i, s in enumerate(seqs) if s.params.uses_penalties]
+        device = logits.device
+        counts = torch.zeros((len(rows), logits.shape[1]), device=device)
+        seen = torch.zeros((len(rows), logits.shape[1]), dtype=torch.bool, device=device)
+        for j, i in enumerate(rows):
+            out = seqs[i].output_token_ids
+            if out:
+                counts[j].index_add_(0, torch.tensor(out, device=device), torch.ones(len(out), device=device))
+            seen[j, torch.tensor(seqs[i].prompt_token_ids, device=device)] = True
+        seen |= counts > 0
+        p = [seqs[i].params for i in rows]
+        rep = torch.tensor([x.repetition_penalty for x in p], device=device)[:, None]
+        freq = torch.tensor([x.frequency_penalty for x in p], device=device)[:, None]
+        pres = torch.tensor([x.presence_penalty for x in p], device=device)[:, None]
+        sub = logits[rows]
+        # repetition penalty (prompt and output tokens): shrink positive logits, push negative ones further down
+        penalized = torch.where(sub > 0, sub / rep, sub * rep)
+        sub = torch.where(seen, penalized, sub)
+        sub = sub - freq * counts - pres * (counts > 0).float()
+        logits[rows] = sub
+        return logits
+
+    def _min_tokens_bans(self, seqs: list[Sequence]) -> list[tuple[int, int]]:
+        banned = []
+        for i, s in enumerate(seqs):
+            p = s.params
+            if len(s.output_token_ids) < p.min_tokens:
+                stops = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
+                banned.extend((i, t) for t in stops if t < self.vocab_size)
+        return banned
+
+    def _logprobs(self, raw, tokens, params, wanted, out):
+        logp = raw[wanted].log_softmax(dim=-1)
+        chosen = torch.tensor([tokens[i] for i in wanted], device=raw.device)
+        chosen_lp = logp.gather(1, chosen[:, None])[:, 0].tolist()
+        k = max(params[i].logprobs for i in wanted)
+        top_vals, top_ids = logp.topk(k, dim=-1) if k else (None, None)
+        for j, i in enumerate(wanted):
+            n = params[i].logprobs
+            top = {}
+            if n:
+                top = dict(zip(top_ids[j, :n].tolist(), top_vals[j, :n].tolist(), strict=True))
+            out[i] = TokenLogprob(token_id=tokens[i], logprob=chosen_lp[j], top=top)
+        return out
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """Mask (to -inf) tokens outside each row's top-k and top-p nucleus; 0 / 1.0 disable them."""
+    vocab = logits.shape[1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab, device=logits.device)[None, :]
+    k = torch.tensor([v if v > 0 else vocab for v in top_k], device=logits.device)[:, None]
+    drop = ranks >= k
+    p = torch.tensor(top_p, device=logits.device)[:, None]
+    probs = sorted_logits.masked_fill(drop, _NEG_INF).softmax(dim=-1)
+    before = probs.cumsum(dim=-1) - probs  # mass of strictly more likely tokens
+    drop |= before >= p
+    drop[:, 0] = False  # always keep the most likely token
+    masked = sorted_logits.masked_fill(drop, _NEG_INF)
+    return torch.empty_like(logits).scatter_(1, order, masked)
+
+
+def apply_min_p(probs: torch.Tensor, min_p: list[float]) -> torch.Tensor:
+    """Zero tokens whose probability is below min_p times the row's most likely token's."""
+    threshold = torch.tensor(min_p, device=probs.device)[:, None] * probs.max(dim=-1, keepdim=True).values
+    return probs.masked_fill(probs < threshold, 0.0)

@@ -1,0 +1,132 @@
+"""Continuous batching: which tokens run in the next forward.
+
+Every step, each running sequence that is decoding gets one token; the rest of the per-step token budget goes to
+prompt chunks (chunked prefill), first of sequences already admitted, then of waiting requests admitted into free
+slots. Waiting requests are served by priority, then FIFO: a lower `priority` value is served earlier (as in vLLM).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field
+
+from rose.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class PrefillChunk:
+    seq: Sequence
+    start: int
+    length: int
+
+    @property
+    def completes_prompt(self) -> bool:
+        return self.start + self.length == self.seq.num_prompt_tokens
+
+
+@dataclass
+class ScheduledBatch:
+    decode: list[Sequence] = field(default_factory=list)  # in slot order
+    prefill: list[PrefillChunk] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decode) + sum(c.length for c in self.prefill)
+
+    def __bool__(self) -> bool:
+        return bool(self.decode or self.prefill)
+
+
+@dataclass
+class SlotMove:
+    """Row `src` of the KV store must be copied to row `dst` (its first `length` positions)."""
+
+    src: int
+    dst: int
+    length: int
+
+
+class Scheduler:
+    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        if max_num_batched_tokens < max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_num_seqs ({max_num_seqs}) "
+                "so that every running sequence can decode each step"
+            )
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.running: list[Sequence] = []  # index == slot; occupied slots are always [0, len(running))
+        self._prefilling: list[Sequence] = []  # admitted, prompt not done, in admission order
+        self._waiting: list[tuple[int, int, Sequence]] = []
+        self._num_waiting = 0
+        self._counter = itertools.count()
+
+    @property
+    def num_waiting(self) -> int:
+        return self._num_waiting
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running) or self._num_waiting > 0
+
+    def add(self, seq: Sequence) -> None:
+        heapq.heappush(self._waiting, (seq.priority, next(self._counter), seq))
+        self._num_waiting += 1
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch(decode=[s for s in self.running if not s.is_prefilling])
+        budget = self.max_num_batched_tokens - len(batch.decode)
+        for seq in self._prefilling:
+            if budget <= 0:
+                break
+            budget -= self._chunk(batch, seq, budget)
+        while budget > 0 and len(self.running) < self.max_num_seqs and self._num_waiting:
+            seq = self._pop_waiting()
+            if seq is None:
+                break
+            seq.status = SequenceStatus.RUNNING
+            seq.slot = len(self.running)
+            self.running.append(seq)
+            self._prefilling.append(seq)
+            budget -= self._chunk(batch, seq, budget)
+        return batch
+
+    def _chunk(self, batch: ScheduledBatch, seq: Sequence, budget: int) -> int:
+        length = min(seq.num_prompt_tokens - seq.num_computed_tokens, budget)
+        batch.prefill.append(PrefillChunk(seq, seq.num_computed_tokens, length))
+        return length
+
+    def _pop_waiting(self) -> Sequence | None:
+        while self._waiting:
+            _, _, seq = heapq.heappop(self._waiting)
+            if seq.status is SequenceStatus.WAITING:  # aborted ones stay in the heap until popped
+                self._num_waiting -= 1
+                return seq
+        return None
+
+    def prefill_done(self, seq: Sequence) -> None:
+        self._prefilling.remove(seq)
+
+    def remove(self, seq: Sequence) -> SlotMove | None:
+        """Take `seq` out (finished or aborted). Returns the KV row move that keeps slots contiguous, if any."""
+        if seq.status is SequenceStatus.WAITING:
+            seq.status = SequenceStatus.FINISHED
+            self._num_waiting -= 1
+            return None
+        if seq.status is not SequenceStatus.RUNNING:
+            return None
+        seq.status = SequenceStatus.FINISHED
+        if seq in self._prefilling:
+            self._prefilling.remove(seq)
+        slot, last = seq.slot, self.running.pop()
+        seq.slot = -1
+        if last is seq:
+            return None
+        self.running[slot] = last
+        move = SlotMove(src=last.slot, dst=slot, length=last.num_computed_tokens)
+        last.slot = slot
+        return move

@@ -1,0 +1,358 @@
+"""Producer API: submit generation jobs, stream their tokens, wait for their results, cancel them.
+
+Jobs are plain RQ jobs (JSONSerializer, function path `rose.jobs.generate`); this module only adds convenience.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
+from typing import Any
+
+import redis
+import redis.asyncio as aioredis
+from rq import Queue
+from rq.exceptions import NoSuchJobError
+from rq.job import Job as RQJob
+from rq.job import JobStatus
+from rq.results import Result
+from rq.serializers import JSONSerializer
+
+from rose.jobs import keys
+from rose.jobs.events import TERMINAL_TYPES, CanceledEvent, parse_event
+from rose.jobs.schemas import GenerateRequest
+
+__all__ = ["AsyncClient", "AsyncJob", "Client", "Job", "JobCanceled", "JobFailed", "StreamReset"]
+
+# Enqueue options RQ takes for itself; everything else is a generation field.
+_RQ_OPTIONS = ("job_id", "job_timeout", "result_ttl", "ttl", "failure_ttl", "description", "retry", "at_front",
+               "meta", "depends_on", "on_success", "on_failure", "on_stopped")
+_ENDED = {JobStatus.FAILED, JobStatus.CANCELED, JobStatus.STOPPED}
+_POLL_S = 1.0
+_SILENT_POLLS = 3
+
+
+class JobFailed(Exception):
+    """The job failed; `message` is the worker's explanation (validation error, timeout, engine error...)."""
+
+    def __init__(self, job_id: str, message: str):
+        super().__init__(f"job {job_id} failed: {message}")
+        self.job_id = job_id
+        self.message = message
+
+
+class JobCanceled(Exception):
+    """The job was canceled (or stopped) before it finished."""
+
+    def __init__(self, job_id: str, reason: str = "canceled"):
+        super().__init__(f"job {job_id} {reason}")
+        self.job_id = job_id
+        self.reason = reason
+
+
+class StreamReset(Exception):
+    """The job restarted from scratch while its text was being streamed; `text` is what had been yielded.
+    Iterate `stream()` again to get the new attempt from its start."""
+
+    def __init__(self, job_id: str, text: str):
+        super().__init__(f"job {job_id} restarted from scratch; drop the {len(text)} characters received")
+        self.job_id = job_id
+        self.text = text
+
+
+def _request_kwargs(prompt: str | list[int] | None, fields: dict[str, Any]) -> dict[str, Any]:
+    """Validate locally (fail at submit time, not in the worker) and keep only what the caller set."""
+    if prompt is not None:
+        fields["prompt_token_ids" if isinstance(prompt, list) else "prompt"] = prompt
+    return GenerateRequest(**fields).model_dump(exclude_unset=True)
+
+
+def _split(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    rq_opts = {k: options.pop(k) for k in _RQ_OPTIONS if k in options}
+    return rq_opts, options
+
+
+def _failure_message(job: RQJob) -> str:
+    result = job.latest_result()
+    if result is not None and result.type == Result.Type.FAILED and result.exc_string:
+        return result.exc_string.strip()
+    return "no failure message stored"
+
+
+def _reset_point(entries: list[tuple[Any, dict]]) -> int:
+    """Index just after the last reset among already stored entries: earlier attempts are superseded."""
+    start = 0
+    for i, (_, fields) in enumerate(entries):
+        if json.loads(fields[keys.STREAM_FIELD.encode()]).get("type") == "reset":
+            start = i + 1
+    return start
+
+
+class Job:
+    """Handle on one submitted job."""
+
+    def __init__(self, client: Client, job_id: str):
+        self.client = client
+        self.id = job_id
+
+    def __repr__(self) -> str:
+        return f"rose.Job({self.id!r})"
+
+    @property
+    def rq_job(self) -> RQJob:
+        return RQJob.fetch(self.id, connection=self.client.redis, serializer=JSONSerializer)
+
+    def status(self) -> str:
+        return str(self.rq_job.get_status(refresh=False).value)
+
+    def events(self, timeout: float | None = None) -> Iterator[Any]:
+        """Every event of the current attempt (and of later ones, after a reset), ending with the terminal event.
+
+        Reads the job's Redis stream from the start, so nothing is missed or repeated whenever this is called.
+        `timeout`: seconds without any event before TimeoutError.
+        """
+        r = self.client.redis
+        stream = keys.stream_key(self.id)
+        stored = r.xrange(stream)
+        last_id: Any = stored[-1][0] if stored else "0"
+        pending = stored[_reset_point(stored):]
+        quiet_since = time.monotonic()
+        quiet_polls = 0
+        while True:
+            for _, fields in pending:
+                event = parse_event(fields[keys.STREAM_FIELD.encode()])
+                yield event
+                if event.type in TERMINAL_TYPES:
+                    return
+            if pending:
+                quiet_since = time.monotonic()
+                quiet_polls = 0
+            reply = r.xread({stream: last_id}, block=int(_POLL_S * 1000), count=1000)
+            pending = reply[0][1] if reply else []
+            if pending:
+                last_id = pending[-1][0]
+                continue
+            # Nothing new: a job that ended without reaching the worker (canceled while queued...) has no
+            # terminal event, so look at its status too.
+            quiet_polls += 1
+            self._raise_if_ended_silently(quiet_polls)
+            if timeout is not None and time.monotonic() - quiet_since > timeout:
+                raise TimeoutError(f"no event from job {self.id} for {timeout} s")
+
+    def _raise_if_ended_silently(self, quiet_polls: int) -> None:
+        """Called after each quiet poll. The worker publishes the terminal event right after ending the job, so
+        an ended job still silent a few polls later ended without a worker (e.g. canceled while queued)."""
+        try:
+            job = self.rq_job
+        except NoSuchJobError:
+            raise JobFailed(self.id, "job does not exist (expired or deleted)") from None
+        status = job.get_status(refresh=False)
+        if status in _ENDED and quiet_polls >= _SILENT_POLLS:
+            if status == JobStatus.FAILED:
+                raise JobFailed(self.id, _failure_message(job))
+            raise JobCanceled(self.id, str(status.value))
+
+    def stream(self, timeout: float | None = None) -> Iterator[str]:
+        """Text deltas as they are generated; their concatenation equals the result's text.
+
+        Raises JobFailed / JobCanceled if the job ends that way, StreamReset if it restarts mid-stream.
+        """
+        text: list[str] = []
+        for event in self.events(timeout=timeout):
+            if event.type == "token":
+                text.append(event.text)
+                yield event.text
+            elif event.type == "reset":
+                if text:
+                    raise StreamReset(self.id, "".join(text))
+            elif event.type == "error":
+                raise JobFailed(self.id, event.message)
+            elif event.type == "canceled":
+                raise JobCanceled(self.id, event.reason)
+
+    def result(self, timeout: float | None = None) -> dict[str, Any]:
+        """Wait for the job to end: its result dict, or JobFailed / JobCanceled; TimeoutError after `timeout` s."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            try:
+                job = self.rq_job
+            except NoSuchJobError:
+                raise JobFailed(self.id, "job does not exist (expired or deleted)") from None
+            status = job.get_status(refresh=False)
+            if status == JobStatus.FINISHED:
+                return job.return_value(refresh=True)
+            if status == JobStatus.FAILED:
+                raise JobFailed(self.id, _failure_message(job))
+            if status in (JobStatus.CANCELED, JobStatus.STOPPED):
+                raise JobCanceled(self.id, str(status.value))
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise TimeoutError(f"job {self.id} still {status.value} after {timeout} s")
+            # Block on RQ's result stream rather than spinning; wake up now and then to re-check the status.
+            wait = _POLL_S if left is None else min(_POLL_S, left)
+            job.latest_result(timeout=max(1, int(wait)))
+
+    def cancel(self) -> bool:
+        """Cancel the job: a queued job never starts, a running one stops within one engine step.
+        Returns False if the job had already ended."""
+        return self.client.cancel(self.id)
+
+
+class Client:
+    """`Client("redis://localhost:6379/0", queue="rose")`: submit jobs to rose-worker."""
+
+    def __init__(self, redis_url: str | redis.Redis = "redis://localhost:6379/0", queue: str = keys.DEFAULT_QUEUE):
+        self.redis = redis.Redis.from_url(redis_url) if isinstance(redis_url, str) else redis_url
+        self.queue = Queue(queue, connection=self.redis, serializer=JSONSerializer)
+
+    def submit(self, prompt: str | list[int] | None = None, **options: Any) -> Job:
+        """Enqueue one job. `options`: GenerateRequest fields (max_tokens, temperature, metadata, ...) and RQ's
+        enqueue options (job_id, job_timeout, result_ttl, failure_ttl, ttl, retry, at_front, meta, ...)."""
+        rq_opts, fields = _split(dict(options))
+        rq_job = self.queue.enqueue(keys.FUNC_PATH, kwargs=_request_kwargs(prompt, fields), **rq_opts)
+        return Job(self, rq_job.id)
+
+    def submit_many(self, requests: Iterable[str | list[int] | Mapping[str, Any]], **common: Any) -> list[Job]:
+        """Enqueue many jobs in one round trip. Each request is a prompt or a dict of fields (merged over `common`)."""
+        prepared = []
+        for request in requests:
+            options = dict(common)
+            if isinstance(request, Mapping):
+                options.update(request)
+                prompt = None
+            else:
+                prompt = request
+            rq_opts, fields = _split(options)
+            if "job_timeout" in rq_opts:
+                rq_opts["timeout"] = rq_opts.pop("job_timeout")
+            prepared.append(Queue.prepare_data(keys.FUNC_PATH, kwargs=_request_kwargs(prompt, fields), **rq_opts))
+        with self.redis.pipeline() as pipe:
+            jobs = self.queue.enqueue_many(prepared, pipeline=pipe)
+            pipe.execute()
+        return [Job(self, j.id) for j in jobs]
+
+    def job(self, job_id: str) -> Job:
+        return Job(self, job_id)
+
+    def cancel(self, job_id: str) -> bool:
+        try:
+            job = RQJob.fetch(job_id, connection=self.redis, serializer=JSONSerializer)
+        except NoSuchJobError:
+            return False
+        status = job.get_status(refresh=False)
+        if status in (JobStatus.FINISHED, JobStatus.FAILED, JobStatus.CANCELED, JobStatus.STOPPED):
+            return False
+        job.cancel()
+        if status != JobStatus.STARTED:
+            # No worker will ever see it: publish the terminal event ourselves so streams end.
+            publish_event(self.redis, CanceledEvent(job_id=job_id, seq=0, reason="canceled before it started"),
+                          ttl=job.get_result_ttl(500))
+        return True
+
+
+def publish_event(r: redis.Redis, event: Any, ttl: int) -> None:
+    """PUBLISH + XADD one event (what the worker does for every event), in one round trip."""
+    data = event.to_json()
+    with r.pipeline(transaction=False) as pipe:
+        pipe.publish(keys.tokens_channel(event.job_id), data)
+        pipe.xadd(keys.stream_key(event.job_id), {keys.STREAM_FIELD: data})
+        if ttl > 0:
+            pipe.expire(keys.stream_key(event.job_id), ttl)
+        pipe.execute()
+
+
+class AsyncJob:
+    """asyncio twin of `Job`."""
+
+    def __init__(self, client: AsyncClient, job_id: str):
+        self.client = client
+        self.id = job_id
+        self._sync = Job(client._sync, job_id)
+
+    async def events(self, timeout: float | None = None) -> AsyncIterator[Any]:
+        r = self.client.redis
+        stream = keys.stream_key(self.id)
+        stored = await r.xrange(stream)
+        last_id: Any = stored[-1][0] if stored else "0"
+        pending = stored[_reset_point(stored):]
+        quiet_since = time.monotonic()
+        quiet_polls = 0
+        while True:
+            for _, fields in pending:
+                event = parse_event(fields[keys.STREAM_FIELD.encode()])
+                yield event
+                if event.type in TERMINAL_TYPES:
+                    return
+            if pending:
+                quiet_since = time.monotonic()
+                quiet_polls = 0
+            reply = await r.xread({stream: last_id}, block=int(_POLL_S * 1000), count=1000)
+            pending = reply[0][1] if reply else []
+            if pending:
+                last_id = pending[-1][0]
+                continue
+            quiet_polls += 1
+            await asyncio.to_thread(self._sync._raise_if_ended_silently, quiet_polls)
+            if timeout is not None and time.monotonic() - quiet_since > timeout:
+                raise TimeoutError(f"no event from job {self.id} for {timeout} s")
+
+    async def stream(self, timeout: float | None = None) -> AsyncIterator[str]:
+        text: list[str] = []
+        async for event in self.events(timeout=timeout):
+            if event.type == "token":
+                text.append(event.text)
+                yield event.text
+            elif event.type == "reset":
+                if text:
+                    raise StreamReset(self.id, "".join(text))
+            elif event.type == "error":
+                raise JobFailed(self.id, event.message)
+            elif event.type == "canceled":
+                raise JobCanceled(self.id, event.reason)
+
+    async def result(self, timeout: float | None = None) -> dict[str, Any]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        delay = 0.05
+        while True:
+            raw = await self.client.redis.hget(RQJob.key_for(self.id), "status")
+            if raw is None:
+                raise JobFailed(self.id, "job does not exist (expired or deleted)")
+            if raw.decode() in ("finished", "failed", "canceled", "stopped"):
+                # Decoding results is RQ's business; it is quick once the job has ended.
+                return await asyncio.to_thread(self._sync.result, 0)
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"job {self.id} still {raw.decode()} after {timeout} s")
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.5)
+
+    async def cancel(self) -> bool:
+        return await self.client.cancel(self.id)
+
+
+class AsyncClient:
+    """asyncio twin of `Client` for web applications (streams and waits use redis.asyncio)."""
+
+    def __init__(self, redis_url: str = "redis://localhost:6379/0", queue: str = keys.DEFAULT_QUEUE):
+        self.redis = aioredis.Redis.from_url(redis_url)
+        # RQ is synchronous: enqueue/cancel (short, one round trip) run in a thread with their own connection.
+        self._sync = Client(redis_url, queue=queue)
+
+    async def submit(self, prompt: str | list[int] | None = None, **options: Any) -> AsyncJob:
+        job = await asyncio.to_thread(self._sync.submit, prompt, **options)
+        return AsyncJob(self, job.id)
+
+    async def submit_many(self, requests: Iterable[Any], **common: Any) -> list[AsyncJob]:
+        jobs = await asyncio.to_thread(self._sync.submit_many, list(requests), **common)
+        return [AsyncJob(self, j.id) for j in jobs]
+
+    def job(self, job_id: str) -> AsyncJob:
+        return AsyncJob(self, job_id)
+
+    async def cancel(self, job_id: str) -> bool:
+        return await asyncio.to_thread(self._sync.cancel, job_id)
+
+    async def aclose(self) -> None:
+        await self.redis.aclose()
+        self._sync.redis.close()

@@ -1,0 +1,82 @@
+"""Events published for each job on `rose:tokens:<id>` (pub/sub) and `rose:stream:<id>` (replayable stream).
+
+Within one attempt, token events carry seq 0, 1, 2, ... without gaps and the single terminal event (done, error
+or canceled) carries the next seq. A `reset` event means the job restarts from scratch (worker crash, requeue):
+drop what was received so far; the seq of the new attempt starts again at 0.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+
+__all__ = [
+    "TERMINAL_TYPES",
+    "CanceledEvent",
+    "DoneEvent",
+    "ErrorEvent",
+    "Event",
+    "ResetEvent",
+    "TokenEvent",
+    "Usage",
+    "parse_event",
+]
+
+
+class _Base(BaseModel):
+    model_config = ConfigDict(extra="allow", frozen=True)  # extra: newer workers may add fields
+
+    job_id: str
+
+    def to_json(self) -> str:
+        return self.model_dump_json()
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class TokenEvent(_Base):
+    type: Literal["token"] = "token"
+    seq: int
+    text: str
+    token_ids: list[int]
+
+
+class DoneEvent(_Base):
+    type: Literal["done"] = "done"
+    seq: int
+    finish_reason: str
+    usage: Usage
+
+
+class ErrorEvent(_Base):
+    type: Literal["error"] = "error"
+    seq: int
+    message: str
+
+
+class CanceledEvent(_Base):
+    type: Literal["canceled"] = "canceled"
+    seq: int
+    reason: str = "canceled"
+
+
+class ResetEvent(_Base):
+    type: Literal["reset"] = "reset"
+    reason: str = "restart"
+
+
+Event = Annotated[TokenEvent | DoneEvent | ErrorEvent | CanceledEvent | ResetEvent, Field(discriminator="type")]
+TERMINAL_TYPES = frozenset({"done", "error", "canceled"})
+
+_adapter: TypeAdapter[Any] = TypeAdapter(Event)
+
+
+def parse_event(data: str | bytes | dict) -> TokenEvent | DoneEvent | ErrorEvent | CanceledEvent | ResetEvent:
+    if isinstance(data, str | bytes):
+        data = json.loads(data)
+    return _adapter.validate_python(data)
