@@ -10,7 +10,9 @@ from typing import Any
 
 from tokenizers.decoders import DecodeStream
 
-_CONTEXT_TOKENS = 6  # prompt tokens given to the decoder so the first output token is spaced as in a full decode
+_CONTEXT_TOKENS = (
+    6  # prompt tokens given to the decoder so the first output token is spaced as in a full decode
+)
 
 
 class _SlowStream:

@@ -47,7 +47,9 @@ class Engine:
     ) -> None:
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
-        loaded = loader.load(model, tokenizer, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
+        loaded = loader.load(
+            model, tokenizer, device=device, dtype=dtype, trust_remote_code=trust_remote_code
+        )
         self.model, self.tokenizer, self.model_name = loaded.model, loaded.tokenizer, loaded.name
         self.device, self.dtype = loaded.device, loaded.dtype
         self.max_num_seqs = max_num_seqs
@@ -57,9 +59,14 @@ class Engine:
         self.max_model_len = self._resolve_max_model_len(
             max_model_len, context, max_num_seqs * bytes_per_token, max_kv_cache_bytes
         )
-        self.cache = KVCache(layers, max_num_seqs, kv_heads, self.max_model_len, head_dim, self.dtype, self.device)
+        self.cache = KVCache(
+            layers, max_num_seqs, kv_heads, self.max_model_len, head_dim, self.dtype, self.device
+        )
         logger.info(
-            "KV store: %d slots x %d tokens, %.1f MiB", max_num_seqs, self.max_model_len, self.cache.nbytes / 2**20
+            "KV store: %d slots x %d tokens, %.1f MiB",
+            max_num_seqs,
+            self.max_model_len,
+            self.cache.nbytes / 2**20,
         )
         self.runner = ModelRunner(self.model, self.cache)
         self.scheduler = Scheduler(max_num_seqs, max_num_batched_tokens or max(2048, max_num_seqs))
@@ -67,7 +74,9 @@ class Engine:
         config_vocab = self.model.config.get_text_config().vocab_size
         vocab = config_vocab
         if self.tokenizer is not None and 0 < len(self.tokenizer) < config_vocab:
-            vocab = len(self.tokenizer)  # ids past the tokenizer are padding rows of the embedding: never sample them
+            vocab = len(
+                self.tokenizer
+            )  # ids past the tokenizer are padding rows of the embedding: never sample them
         self.vocab_size = vocab
         self.eos_token_ids = self._eos_ids()
         self.sampler = Sampler(vocab, self.device, self.eos_token_ids, seed=seed)
@@ -83,7 +92,9 @@ class Engine:
             budget = _default_kv_budget()
         if requested is not None:
             if requested < 1 or requested > context:
-                raise ValueError(f"max_model_len must be in [1, {context}] (the model's context), got {requested}")
+                raise ValueError(
+                    f"max_model_len must be in [1, {context}] (the model's context), got {requested}"
+                )
             if requested * bytes_per_position > budget:
                 raise ValueError(
                     f"max_model_len {requested} x max_num_seqs needs a {requested * bytes_per_position / 2**30:.2f} "
@@ -171,10 +182,14 @@ class Engine:
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("a text prompt needs a tokenizer; this engine has none: pass token ids instead")
+                raise ValueError(
+                    "a text prompt needs a tokenizer; this engine has none: pass token ids instead"
+                )
             ids = list(self.tokenizer.encode(prompt))
             text = prompt
-        elif isinstance(prompt, list | tuple) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        elif isinstance(prompt, list | tuple) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt
+        ):
             ids, text = list(prompt), None
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
             if bad:

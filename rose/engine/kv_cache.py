@@ -18,7 +18,9 @@ from transformers import AttentionInterface, PreTrainedModel
 logger = logging.getLogger(__name__)
 
 ATTN_IMPLEMENTATION = "rose_slots"
-CONTEXT_KWARG = "rose_attn"  # the forward kwarg carrying the step's AttentionMetadata to every attention layer
+CONTEXT_KWARG = (
+    "rose_attn"  # the forward kwarg carrying the step's AttentionMetadata to every attention layer
+)
 
 
 @dataclass
@@ -41,7 +43,9 @@ class AttentionMetadata:
     write_slots: torch.Tensor  # [num_tokens] slot of each token
     write_positions: torch.Tensor  # [num_tokens] position of each token
     num_decode: int
-    decode_slots: torch.Tensor | None  # [num_decode] slot of each decoding token; None when it is 0..num_decode-1
+    decode_slots: (
+        torch.Tensor | None
+    )  # [num_decode] slot of each decoding token; None when it is 0..num_decode-1
     decode_span: int  # rows [0, decode_span) of the store take part in the decode attention
     decode_lengths: torch.Tensor  # [decode_span] context length of each row after this step's write
     decode_max_len: int

@@ -92,10 +92,14 @@ def load(
             raise ValueError(
                 f"model {name!r} is neither a preset ({', '.join(presets.PRESET_NAMES)}) nor an existing directory"
             )
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=torch_dtype, trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(
+            name, dtype=torch_dtype, trust_remote_code=trust_remote_code
+        )
         tok = load_tokenizer(tokenizer if tokenizer is not None else name)
     else:
-        raise TypeError(f"model must be a preset name, a path, a hub id or a PreTrainedModel, got {type(model)}")
+        raise TypeError(
+            f"model must be a preset name, a path, a hub id or a PreTrainedModel, got {type(model)}"
+        )
     model = model.to(device=dev, dtype=torch_dtype).eval()
     model.requires_grad_(False)
     logger.info("loaded model %s on %s (%s)", name, dev, str(torch_dtype).removeprefix("torch."))

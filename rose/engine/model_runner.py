@@ -12,10 +12,10 @@ from rose.engine.scheduler import ScheduledBatch
 def model_geometry(config) -> tuple[int, int, int, int]:
     """(num_layers, num_kv_heads, head_dim, context length) from a transformers config."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    layers = getattr(text, "num_hidden_layers", None) or getattr(text, "n_layer")
-    heads = getattr(text, "num_attention_heads", None) or getattr(text, "n_head")
+    layers = getattr(text, "num_hidden_layers", None) or text.n_layer
+    heads = getattr(text, "num_attention_heads", None) or text.n_head
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    hidden = getattr(text, "hidden_size", None) or getattr(text, "n_embd")
+    hidden = getattr(text, "hidden_size", None) or text.n_embd
     head_dim = getattr(text, "head_dim", None) or hidden // heads
     context = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None) or 2048
     return layers, kv_heads, head_dim, context

@@ -132,7 +132,9 @@ def is_preset(name: object) -> bool:
     return isinstance(name, str) and name in _PRESETS
 
 
-def model_from_config(config: PretrainedConfig, model_cls: type[PreTrainedModel] | None = None, seed: int = 0):
+def model_from_config(
+    config: PretrainedConfig, model_cls: type[PreTrainedModel] | None = None, seed: int = 0
+):
     """Random weights for `config`, the same for the same seed."""
     from transformers import AutoModelForCausalLM
 

@@ -61,7 +61,9 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], greedy: list[bool]) -> torch.Tensor:
         params = [s.params for s in seqs]
         device = logits.device
-        temps = torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy, params, strict=True)], device=device)
+        temps = torch.tensor(
+            [1.0 if g else p.temperature for g, p in zip(greedy, params, strict=True)], device=device
+        )
         scaled = logits / temps[:, None]
         top_k = [p.top_k for p in params]
         top_p = [p.top_p for p in params]

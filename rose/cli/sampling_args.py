@@ -1,0 +1,66 @@
+"""Command-line flags for every SamplingParams field, shared by the subcommands that submit work."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from rose.engine.sampling_params import SamplingParams
+
+_HELP = {
+    "max_tokens": "most tokens to generate (default 16)",
+    "min_tokens": "generate at least this many tokens before EOS / stop may end the request",
+    "temperature": "sampling temperature; 0 = greedy",
+    "top_k": "keep the k most likely tokens (0 or -1 = off)",
+    "top_p": "nucleus sampling: keep the smallest set of tokens with this much probability",
+    "min_p": "drop tokens less likely than min_p times the most likely one",
+    "repetition_penalty": "penalize tokens already in the prompt or output (1 = off)",
+    "presence_penalty": "penalize tokens already generated, once (0 = off)",
+    "frequency_penalty": "penalize tokens by how often they were generated (0 = off)",
+    "seed": "per-request seed: the same tokens alone or in any batch",
+    "stop": "stop string (repeatable)",
+    "stop_token_ids": "stop token id (repeatable)",
+    "ignore_eos": "keep generating past EOS",
+    "include_stop_str_in_output": "keep the stop string in the text",
+    "skip_special_tokens": "leave special tokens out of the text",
+    "logprobs": "return the log-probability of each token and the top-N alternatives",
+}
+_TYPES: dict[str, Any] = {
+    "max_tokens": int,
+    "min_tokens": int,
+    "top_k": int,
+    "seed": int,
+    "logprobs": int,
+    "temperature": float,
+    "top_p": float,
+    "min_p": float,
+    "repetition_penalty": float,
+    "presence_penalty": float,
+    "frequency_penalty": float,
+}
+
+
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("sampling (vLLM SamplingParams; unset flags keep their defaults)")
+    for name in SamplingParams.field_names():
+        flag = "--" + name.replace("_", "-")
+        if name in ("stop", "stop_token_ids"):
+            group.add_argument(
+                flag,
+                action="append",
+                type=int if name == "stop_token_ids" else str,
+                dest=name,
+                default=None,
+                help=_HELP[name],
+            )
+        elif name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            group.add_argument(
+                flag, action=argparse.BooleanOptionalAction, dest=name, default=None, help=_HELP[name]
+            )
+        else:
+            group.add_argument(flag, type=_TYPES[name], dest=name, default=None, help=_HELP[name])
+
+
+def sampling_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The sampling fields the user set on the command line."""
+    return {n: getattr(args, n) for n in SamplingParams.field_names() if getattr(args, n, None) is not None}

@@ -1,0 +1,54 @@
+"""`rose generate` driven as a user would: a real subprocess."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from rose import LLM, SamplingParams
+
+
+def rose(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "rose", *args], capture_output=True, text=True, timeout=300, check=False
+    )
+
+
+@pytest.fixture(scope="module")
+def expected() -> str:
+    llm = LLM("tiny-llama", device="cpu", max_num_seqs=2)
+    return llm.generate("Hello", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0].text
+
+
+def test_generate_prints_the_engine_output(expected: str) -> None:
+    res = rose(
+        "generate", "--device", "cpu", "--temperature", "0", "--max-tokens", "8", "--ignore-eos", "Hello"
+    )
+    assert res.returncode == 0, res.stderr
+    assert "'Hello' -> length, 8 tokens" in res.stdout
+    assert expected in res.stdout
+
+
+def test_generate_stream_writes_prompt_then_text(expected: str) -> None:
+    res = rose(
+        "generate",
+        "--device",
+        "cpu",
+        "--stream",
+        "--temperature",
+        "0",
+        "--max-tokens",
+        "8",
+        "--ignore-eos",
+        "Hello",
+    )
+    assert res.returncode == 0, res.stderr
+    assert res.stdout == "Hello" + expected + "\n"
+
+
+def test_generate_rejects_bad_sampling_flag_with_its_name() -> None:
+    res = rose("generate", "--top-p", "2", "Hello")
+    assert res.returncode == 2
+    assert "top_p" in res.stderr and "(0, 1]" in res.stderr
