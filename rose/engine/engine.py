@@ -84,12 +84,11 @@ class Engine:
 
     # ----------------------------------------------------------------- configuration
 
-    @staticmethod
     def _resolve_max_model_len(
-        requested: int | None, context: int, bytes_per_position: int, budget: int | None
+        self, requested: int | None, context: int, bytes_per_position: int, budget: int | None
     ) -> int:
         if budget is None:
-            budget = _default_kv_budget()
+            budget = _default_kv_budget(self.device)
         if requested is not None:
             if requested < 1 or requested > context:
                 raise ValueError(
@@ -338,10 +337,10 @@ class Engine:
         return seq if seq is not None and seq.status is not SequenceStatus.FINISHED else None
 
 
-def _default_kv_budget() -> int:
-    """CUDA: 85% of free device memory; CPU: a quarter of physical memory."""
-    if torch.cuda.is_available():
-        free, _ = torch.cuda.mem_get_info()
+def _default_kv_budget(device: torch.device) -> int:
+    """CUDA: 85% of free device memory (weights are loaded by then); CPU: a quarter of physical memory."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
         return int(free * 0.85)
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
