@@ -43,17 +43,28 @@ class IncrementalDetokenizer:
         stop: list[str] | None = None,
         include_stop_str_in_output: bool = False,
     ) -> None:
-        context = prompt_token_ids[-_CONTEXT_TOKENS:]
         backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._tok = backend if backend is not None else tokenizer
+        self._skip = skip_special_tokens
+        # Seed the decoder with the prompt's tail, up to its last complete character: bytes of a character the
+        # prompt leaves unfinished are fed as pending, so the first output token completes it without re-emitting
+        # the prompt's text.
+        tail = prompt_token_ids[-_CONTEXT_TOKENS:]
+        clean = len(tail)
+        while clean and self._decode(tail[:clean]).endswith("\ufffd"):
+            clean -= 1
+        context, partial = tail[:clean], tail[clean:]
         if backend is not None:
-            self._tok = backend
             self._stream: Any = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
         else:
-            self._tok = tokenizer
             self._stream = _SlowStream(tokenizer, context, skip_special_tokens)
-        self._skip = skip_special_tokens
+        for token_id in partial:
+            self._stream.step(self._tok, token_id)
         self._context = list(context)  # ids decoded so far (a short tail), to flush pending bytes at the end
-        self._pending: list[int] = []  # ids whose bytes do not yet form complete characters
+        self._pending: list[int] = list(partial)  # ids whose bytes do not yet form complete characters
+        self._pending_output = (
+            False  # whether any pending id was generated (prompt bytes alone are not flushed)
+        )
         self.stop = stop or []
         self.include_stop = include_stop_str_in_output
         self._max_stop = max((len(s) for s in self.stop), default=0)
@@ -74,9 +85,11 @@ class IncrementalDetokenizer:
             piece = self._stream.step(self._tok, token_id)
             if piece is None:
                 self._pending.append(token_id)
+                self._pending_output = True
             else:
                 self._context = (self._context + self._pending + [token_id])[-_CONTEXT_TOKENS:]
                 self._pending = []
+                self._pending_output = False
                 self.text += piece
                 if self.stop and check_stop:
                     self._check_stop(len(self.text) - self._emitted)
@@ -84,7 +97,7 @@ class IncrementalDetokenizer:
 
     def finish(self) -> str:
         """The request ended: flush incomplete bytes (as replacement characters) and any held-back text."""
-        if self._pending and self.stop_reason is None:
+        if self._pending_output and self.stop_reason is None:
             before = self._decode(self._context)
             self.text += self._decode(self._context + self._pending)[len(before) :]
             self._pending = []

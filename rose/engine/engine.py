@@ -43,6 +43,7 @@ class Engine:
         max_num_batched_tokens: int | None = None,
         max_kv_cache_bytes: int | None = None,
         seed: int = 0,
+        max_logprobs: int = 20,
         trust_remote_code: bool = False,
     ) -> None:
         if max_num_seqs < 1:
@@ -53,6 +54,7 @@ class Engine:
         self.model, self.tokenizer, self.model_name = loaded.model, loaded.tokenizer, loaded.name
         self.device, self.dtype = loaded.device, loaded.dtype
         self.max_num_seqs = max_num_seqs
+        self.max_logprobs = max_logprobs
 
         layers, kv_heads, head_dim, context = model_geometry(self.model.config)
         bytes_per_token = 2 * layers * kv_heads * head_dim * torch.empty((), dtype=self.dtype).element_size()
@@ -138,6 +140,11 @@ class Engine:
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        if params.logprobs is not None and params.logprobs > self.max_logprobs:
+            raise ValueError(
+                f"SamplingParams.logprobs must be <= {self.max_logprobs} (the engine's max_logprobs), "
+                f"got {params.logprobs}"
+            )
         text, ids = self._tokenize(prompt)
         if ids and params.max_tokens is None and len(ids) >= self.max_model_len:
             raise ValueError(
@@ -169,7 +176,9 @@ class Engine:
             prompt_token_ids=ids,
             params=params,
             max_tokens=max_tokens,
-            metrics=RequestMetrics(arrival_time=arrival_time or time.time(), num_prompt_tokens=len(ids)),
+            metrics=RequestMetrics(
+                arrival_time=time.time() if arrival_time is None else arrival_time, num_prompt_tokens=len(ids)
+            ),
             detokenizer=detok,
             priority=priority,
             generator=generator,
@@ -231,18 +240,19 @@ class Engine:
             if chunk.seq.metrics.first_scheduled_time is None:
                 chunk.seq.metrics.first_scheduled_time = now
         logits = self.runner.execute(batch, self.scheduler.num_running)
+        sampled = list(batch.decode) + [c.seq for c in batch.prefill if c.completes_prompt]
+        result = self.sampler(logits, sampled) if sampled else None
 
-        sampled = list(batch.decode)
+        # Only now, with the forward and the sampler done, does the step change request state: an exception above
+        # leaves every request as it was, so the caller can abort the ones it touched and carry on.
         for seq in batch.decode:
             seq.num_computed_tokens += 1
         for chunk in batch.prefill:
             chunk.seq.num_computed_tokens += chunk.length
             if chunk.completes_prompt:
                 self.scheduler.prefill_done(chunk.seq)
-                sampled.append(chunk.seq)
-        if not sampled:
+        if result is None:
             return []
-        result = self.sampler(logits, sampled)
         now = time.time()
         outputs = [
             self._append(seq, tok, lp, now)

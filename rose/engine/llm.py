@@ -11,7 +11,7 @@ import torch
 from transformers import PreTrainedModel
 
 from rose.engine.engine import Engine
-from rose.engine.outputs import RequestOutput
+from rose.engine.outputs import RequestOutput, StepOutput
 from rose.engine.sampling_params import SamplingParams
 
 PromptType = str | list[int] | dict[str, Any]
@@ -45,6 +45,7 @@ class LLM:
             **engine_kwargs,
         )
         self._ids = itertools.count()
+        self._inbox: dict[str, list[StepOutput]] = {}  # step outputs not yet read, per request of this LLM
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
@@ -67,53 +68,81 @@ class LLM:
                 raise ValueError(
                     f"got {len(params_list)} sampling_params for {len(prompt_list)} prompts: pass one, or one per prompt"
                 )
+        if priority is not None and len(priority) != len(prompt_list):
+            raise ValueError(
+                f"got {len(priority)} priority values for {len(prompt_list)} prompts: pass one per prompt"
+            )
         ids = [str(next(self._ids)) for _ in prompt_list]
-        added = []
         try:
             for i, (rid, prompt, params) in enumerate(zip(ids, prompt_list, params_list, strict=True)):
-                self.engine.add_request(rid, prompt, params, priority=priority[i] if priority else 0)
-                added.append(rid)
-            results = self._run(set(ids), use_tqdm)
-        except BaseException:
-            for rid in added:
-                self.engine.abort(rid)
-            raise
-        return [results[rid] for rid in ids]
+                self._add(rid, prompt, params, priority[i] if priority else 0)
+            results = self._run(ids, use_tqdm)
+        finally:
+            self._release(ids)
+        return results
 
-    def _run(self, ids: set[str], use_tqdm: bool) -> dict[str, RequestOutput]:
+    def _add(self, rid: str, prompt: str | list[int], params: SamplingParams, priority: int = 0) -> None:
+        self.engine.add_request(rid, prompt, params, priority=priority)
+        self._inbox[rid] = []
+
+    def _release(self, ids: list[str]) -> None:
+        """Forget requests (aborting any still running): their caller is done with them."""
+        for rid in ids:
+            if self._inbox.pop(rid, None) is not None:
+                self.engine.abort(rid)
+
+    def _step(self) -> None:
+        """One engine step; each output goes to the inbox of the call that owns its request."""
+        if not self.engine.has_unfinished():
+            raise RuntimeError("the engine has nothing left to run but a request is still waiting for output")
+        for out in self.engine.step():
+            inbox = self._inbox.get(out.request_id)
+            if inbox is not None:
+                inbox.append(out)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         results: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=len(ids), desc="generate", unit="req")
-        while len(results) < len(ids) and self.engine.has_unfinished():
-            for out in self.engine.step():
-                if out.finished and out.request_id in ids:
-                    results[out.request_id] = out.output
-                    if bar is not None:
-                        bar.update(1)
+        pending = set(ids)
+        while pending:
+            for rid in list(pending):
+                for out in self._inbox[rid]:
+                    if out.finished:
+                        results[rid] = out.output
+                        pending.discard(rid)
+                        if bar is not None:
+                            bar.update(1)
+                self._inbox[rid].clear()
+            if pending:
+                self._step()
         if bar is not None:
             bar.close()
-        return results
+        return [results[rid] for rid in ids]
 
     def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[str]:
-        """Yield the text of one request as it is generated (runs the engine; other queued requests advance too)."""
+        """Yield the text of one request as it is generated.
+
+        Other requests of this LLM (other streams, a generate call) advance in the same steps; none loses output.
+        """
         rid = str(next(self._ids))
         (normalized,) = _normalize_prompts([prompt])
-        self.engine.add_request(rid, normalized, sampling_params or SamplingParams())
+        self._add(rid, normalized, sampling_params or SamplingParams())
         try:
-            done = False
-            while not done:
-                for out in self.engine.step():
-                    if out.request_id != rid:
-                        continue
+            while True:
+                inbox = self._inbox[rid]
+                while inbox:
+                    out = inbox.pop(0)
                     if out.new_text:
                         yield out.new_text
-                    done = out.finished
+                    if out.finished:
+                        return
+                self._step()
         finally:
-            if not done:
-                self.engine.abort(rid)
+            self._release([rid])
 
 
 def _normalize_prompts(prompts: PromptType | Sequence[PromptType]) -> list[str | list[int]]:

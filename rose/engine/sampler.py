@@ -122,10 +122,10 @@ class Sampler:
         logp = raw[wanted].log_softmax(dim=-1)
         chosen = torch.tensor([tokens[i] for i in wanted], device=raw.device)
         chosen_lp = logp.gather(1, chosen[:, None])[:, 0].tolist()
-        k = max(params[i].logprobs for i in wanted)
+        k = min(max(params[i].logprobs for i in wanted), logp.shape[-1])
         top_vals, top_ids = logp.topk(k, dim=-1) if k else (None, None)
         for j, i in enumerate(wanted):
-            n = params[i].logprobs
+            n = min(params[i].logprobs, k)
             top = {}
             if n:
                 top = dict(zip(top_ids[j, :n].tolist(), top_vals[j, :n].tolist(), strict=True))

@@ -37,8 +37,11 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        for name in ("stop", "stop_token_ids"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, list | tuple):
+                raise ValueError(f"SamplingParams.{name} must be a list, got {value!r}")
+            setattr(self, name, list(value or []))
         if self.top_k == -1:
             self.top_k = 0
         self._validate()
@@ -69,8 +72,11 @@ class SamplingParams:
             value = getattr(self, name)
             if not _is_num(value) or not -2 <= value <= 2:
                 raise bad(name, "in [-2, 2]")
-        if self.seed is not None and not _is_int(self.seed):
-            raise bad("seed", "an integer or None")
+        if self.seed is not None and (not _is_int(self.seed) or not -(2**63) <= self.seed < 2**64):
+            raise bad("seed", "an integer in [-2**63, 2**64) or None")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, "a bool")
         if not all(isinstance(s, str) for s in self.stop) or any(s == "" for s in self.stop):
             raise bad("stop", "a list of non-empty strings")
         if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):

@@ -1,0 +1,114 @@
+"""Engine configuration and robustness: KV budget, padded vocabularies, requests that must not break a step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_helpers import drain, generate, greedy, hf_greedy, make_engine, text_prompt
+from transformers import LlamaForCausalLM
+
+from rose.engine.engine import Engine
+from rose.engine.llm import LLM
+from rose.engine.presets import build_preset, build_tokenizer, model_from_config, tiny_llama_config
+from rose.engine.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def engine() -> Engine:
+    return make_engine("tiny-gpt2", max_num_seqs=2, max_model_len=32)
+
+
+def test_logprobs_beyond_the_vocabulary_do_not_break_other_requests():
+    """Asking for more top logprobs than there are tokens must be rejected up front or clipped, never crash."""
+    engine = make_engine("tiny-gpt2", max_num_seqs=2, max_model_len=32)
+    reference = generate(engine, [("ok", "hello world", greedy(4))]).outputs["ok"]
+    engine.add_request("ok", "hello world", greedy(4))
+    try:
+        engine.add_request("big", "hello world", greedy(4, logprobs=engine.vocab_size + 1))
+    except ValueError as exc:
+        assert "logprobs" in str(exc)
+        drain(engine)
+        return
+    run = drain(engine)
+    assert run.outputs["ok"].token_ids == reference.token_ids
+    big = run.outputs["big"]
+    assert big.logprobs is not None and all(len(lp.top) == engine.vocab_size for lp in big.logprobs)
+
+
+def test_stop_token_on_the_last_allowed_token_reports_stop(engine):
+    ids = generate(engine, [("g", "hello world", greedy(6))]).outputs["g"].token_ids
+    out = generate(engine, [("s", "hello world", greedy(4, stop_token_ids=[ids[3]]))]).outputs["s"]
+    assert out.token_ids[-1] == ids[3]
+    assert len(out.token_ids) == ids.index(ids[3]) + 1
+    assert out.finish_reason == "stop"
+
+
+def test_get_request_and_stats(engine):
+    engine.add_request("x", "hello world", greedy(3))
+    seq = engine.get_request("x")
+    assert seq is not None and seq.prompt == "hello world"
+    assert engine.get_stats() == {
+        "num_running": 0,
+        "num_waiting": 1,
+        "kv_slots_used": 0,
+        "kv_slots_total": 2,
+        "kv_tokens_used": 0,
+        "kv_tokens_total": 64,
+    }
+    drain(engine)
+    assert engine.get_request("x") is None
+
+
+def test_kv_budget_caps_or_rejects_max_model_len():
+    model, tok = build_preset("tiny-gpt2")
+    # gpt2 preset: 4 layers x 8 heads x 32 dims, K and V, float32 = 8 KiB per token per slot
+    per_token = 2 * 4 * 8 * 32 * 4
+    engine = Engine(model, tok, device="cpu", max_num_seqs=2, max_kv_cache_bytes=2 * per_token * 200)
+    assert engine.max_model_len == 200
+    assert engine.cache.nbytes == 2 * per_token * 200
+    with pytest.raises(ValueError, match="max_model_len"):
+        Engine(
+            build_preset("tiny-gpt2")[0],
+            tok,
+            device="cpu",
+            max_num_seqs=2,
+            max_model_len=300,
+            max_kv_cache_bytes=2 * per_token * 200,
+        )
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        Engine(
+            build_preset("tiny-gpt2")[0], tok, device="cpu", max_num_seqs=2, max_kv_cache_bytes=per_token * 10
+        )
+
+
+def test_padded_embedding_rows_are_never_sampled():
+    """A model whose vocabulary is padded past the tokenizer: ids >= len(tokenizer) are not real tokens."""
+    tokenizer = build_tokenizer()
+    config = tiny_llama_config()
+    config.vocab_size = len(tokenizer) + 64
+
+    def padded_model():
+        model = model_from_config(config, LlamaForCausalLM).eval()
+        with torch.no_grad():
+            model.lm_head.weight[len(tokenizer) + 10] = model.lm_head.weight[:50].sum(0) * 50
+        return model
+
+    reference = padded_model()
+    prompt = tokenizer.encode(text_prompt(6))
+    hf = hf_greedy(reference, prompt, 4)
+    assert any(t >= len(tokenizer) for t in hf)  # transformers happily picks the padding row
+
+    engine = Engine(padded_model(), tokenizer, device="cpu", max_num_seqs=1, max_model_len=32)
+    assert engine.vocab_size == len(tokenizer)
+    out = generate(engine, [("p", prompt, greedy(4))]).outputs["p"]
+    assert all(t < len(tokenizer) for t in out.token_ids)
+    with pytest.raises(ValueError, match="token ids"):
+        engine.add_request("bad", [len(tokenizer) + 1], greedy(2))
+
+
+def test_llm_priority_length_must_match_prompts():
+    model, tok = build_preset("tiny-gpt2")
+    llm = LLM(model, tok, device="cpu", max_num_seqs=1, max_model_len=32)
+    with pytest.raises(ValueError, match="priority"):
+        llm.generate(["a b", "c d", "e f"], SamplingParams(max_tokens=2), priority=[1, 0])
+    assert not llm.engine.has_unfinished()

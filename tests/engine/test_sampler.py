@@ -1,0 +1,322 @@
+"""The sampler against simple, independent references on small logits."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+import torch
+from engine_helpers import fake_seq
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from rose.engine.sampler import Sampler, apply_min_p, apply_top_k_top_p
+from rose.engine.sampling_params import SamplingParams
+
+NEG_INF = float("-inf")
+
+
+# ----------------------------------------------------------------------------------------------- references
+
+
+def _softmax(values: list[float]) -> list[float]:
+    m = max(values)
+    exps = [math.exp(v - m) for v in values]
+    total = sum(exps)
+    return [e / total for e in exps]
+
+
+def ref_top_k_top_p_keep(row: list[float], k: int, p: float) -> tuple[set[int], list[float]]:
+    """Tokens kept by top-k then top-p (on the top-k renormalized probabilities), and the cumulative masses."""
+    order = sorted(range(len(row)), key=lambda i: -row[i])
+    if k > 0:
+        order = order[:k]
+    probs = _softmax([row[i] for i in order])
+    kept, cumulative, masses = set(), 0.0, []
+    for i, prob in zip(order, probs, strict=True):
+        kept.add(i)
+        cumulative += prob
+        masses.append(cumulative)
+        if cumulative >= p:
+            break
+    return kept, masses
+
+
+def ref_penalties(
+    row: list[float], prompt: list[int], output: list[int], rep: float, pres: float, freq: float
+) -> list[float]:
+    """vLLM semantics: repetition over prompt + output tokens; presence / frequency over output tokens only."""
+    out = list(row)
+    for t in set(prompt) | set(output):
+        out[t] = out[t] / rep if out[t] > 0 else out[t] * rep
+    for t, count in Counter(output).items():
+        out[t] -= freq * count + pres
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- top-k / top-p
+
+_distinct_rows = st.lists(st.integers(-400, 400), min_size=2, max_size=12, unique=True).map(
+    lambda xs: [x / 50 for x in xs]
+)
+
+
+@settings(
+    max_examples=150,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.filter_too_much],
+)
+@given(
+    rows=st.lists(st.tuples(_distinct_rows, st.integers(0, 14), st.floats(0.05, 1.0)), min_size=1, max_size=4)
+)
+def test_top_k_top_p_mask_matches_reference(rows):
+    width = max(len(r) for r, _, _ in rows)
+    padded, top_k, top_p, expected = [], [], [], []
+    for row, k, p in rows:
+        # pad short rows with very unlikely, still distinct, values
+        full = row + [-30.0 - j for j in range(width - len(row))]
+        kept, masses = ref_top_k_top_p_keep(full, k, p)
+        assume(all(abs(m - p) > 1e-4 for m in masses))  # keep clear of float ties at the nucleus boundary
+        padded.append(full)
+        top_k.append(k)
+        top_p.append(p)
+        expected.append(kept)
+    logits = torch.tensor(padded, dtype=torch.float32)
+    out = apply_top_k_top_p(logits.clone(), top_k, top_p)
+    for i, kept in enumerate(expected):
+        got = {j for j in range(width) if out[i, j] != NEG_INF}
+        assert got == kept, f"row {i}: top_k={top_k[i]} top_p={top_p[i]} logits={padded[i]}"
+        for j in kept:
+            assert out[i, j].item() == logits[i, j].item()  # kept logits are untouched
+
+
+def test_top_k_top_p_examples():
+    logits = torch.tensor(
+        [[1.0, 3.0, 2.0, 0.0], [1.0, 3.0, 2.0, 0.0], [1.0, 3.0, 2.0, 0.0], [0.0, 0.0, 5.0, 0.0]]
+    )
+    out = apply_top_k_top_p(logits, [2, 0, 1, 0], [1.0, 0.9, 1.0, 0.01])
+    finite = (out != NEG_INF).tolist()
+    assert finite[0] == [False, True, True, False]  # top-2
+    # softmax([3, 2, 1, 0]) = .644 .237 .087 .032: the 0.9 nucleus needs the three largest
+    assert finite[1] == [True, True, True, False]
+    assert finite[2] == [False, True, False, False]
+    assert finite[3] == [False, False, True, False]  # the most likely token is always kept
+
+
+def test_top_k_larger_than_vocab_keeps_everything():
+    logits = torch.tensor([[0.5, -1.0, 2.0]])
+    assert torch.equal(apply_top_k_top_p(logits, [10], [1.0]), logits)
+
+
+# ----------------------------------------------------------------------------------------------- min-p
+
+
+@settings(max_examples=100, deadline=None, derandomize=True, database=None)
+@given(rows=st.lists(st.tuples(_distinct_rows, st.floats(0.0, 1.0)), min_size=1, max_size=4))
+def test_min_p_matches_reference(rows):
+    width = max(len(r) for r, _ in rows)
+    probs, min_p, expected = [], [], []
+    for row, m in rows:
+        full = row + [-30.0 - j for j in range(width - len(row))]
+        pr = _softmax(full)
+        threshold = m * max(pr)
+        assume(all(abs(x - threshold) > 1e-6 for x in pr))
+        probs.append(pr)
+        min_p.append(m)
+        expected.append([x if x >= threshold else 0.0 for x in pr])
+    out = apply_min_p(torch.tensor(probs, dtype=torch.float64), min_p)
+    torch.testing.assert_close(out, torch.tensor(expected, dtype=torch.float64))
+
+
+# ----------------------------------------------------------------------------------------------- penalties
+
+PENALTY_CASES = [
+    pytest.param(dict(repetition_penalty=1.7), id="repetition"),
+    pytest.param(dict(repetition_penalty=0.6), id="repetition<1"),
+    pytest.param(dict(presence_penalty=1.3), id="presence"),
+    pytest.param(dict(presence_penalty=-0.7), id="presence<0"),
+    pytest.param(dict(frequency_penalty=0.9), id="frequency"),
+    pytest.param(dict(frequency_penalty=-0.4), id="frequency<0"),
+    pytest.param(dict(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.25), id="all"),
+]
+
+
+@pytest.mark.parametrize("kwargs", PENALTY_CASES)
+def test_penalties_match_reference(kwargs):
+    gen = torch.Generator().manual_seed(5)
+    vocab = 12
+    logits = torch.randn((3, vocab), generator=gen) * 2
+    prompts = [[1, 4, 4, 7], [0, 2], [3]]
+    outputs = [[4, 5, 5, 5, 9], [], [11, 11]]
+    penalized = SamplingParams(temperature=0.0, **kwargs)
+    plain = SamplingParams(temperature=0.0)
+    seqs = [
+        fake_seq(penalized, prompts[0], outputs[0]),
+        fake_seq(plain, prompts[1], outputs[1]),  # a row without penalties must stay as it is
+        fake_seq(penalized, prompts[2], outputs[2]),
+    ]
+    sampler = Sampler(vocab, torch.device("cpu"), eos_token_ids=set())
+    got = sampler._apply_penalties(logits.clone(), seqs)
+    rep = kwargs.get("repetition_penalty", 1.0)
+    pres = kwargs.get("presence_penalty", 0.0)
+    freq = kwargs.get("frequency_penalty", 0.0)
+    expected = [
+        ref_penalties(logits[0].tolist(), prompts[0], outputs[0], rep, pres, freq),
+        logits[1].tolist(),
+        ref_penalties(logits[2].tolist(), prompts[2], outputs[2], rep, pres, freq),
+    ]
+    torch.testing.assert_close(got, torch.tensor(expected))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "prompt", "output", "expected_token"),
+    [
+        # token 0 is the argmax (3.0); token 1 is next (2.5)
+        (dict(repetition_penalty=1.5), [0], [], 1),  # 3.0 / 1.5 = 2.0 < 2.5
+        (dict(repetition_penalty=1.1), [0], [], 0),  # 2.73 > 2.5
+        (dict(repetition_penalty=1.5), [2], [0], 1),  # output tokens count for repetition too
+        (dict(presence_penalty=0.6), [], [0], 1),  # 3.0 - 0.6 = 2.4
+        (dict(presence_penalty=0.6), [0], [], 0),  # presence ignores prompt tokens
+        (dict(frequency_penalty=0.2), [], [0, 0, 0], 1),  # 3.0 - 0.6
+        (dict(frequency_penalty=0.2), [], [0, 0], 0),  # 3.0 - 0.4
+        (dict(repetition_penalty=2.0), [3], [], 0),  # a negative logit goes further down, not up
+    ],
+)
+def test_penalties_through_greedy_sampling(kwargs, prompt, output, expected_token):
+    logits = torch.tensor([[3.0, 2.5, 0.0, -4.0, 1.0]])
+    sampler = Sampler(5, torch.device("cpu"), eos_token_ids=set())
+    seq = fake_seq(SamplingParams(temperature=0.0, **kwargs), prompt or [4], output)
+    assert sampler(logits, [seq]).token_ids == [expected_token]
+
+
+def test_negative_logit_repetition_penalty_direction():
+    logits = torch.tensor([[-4.0, -3.0, -10.0]])
+    sampler = Sampler(3, torch.device("cpu"), eos_token_ids=set())
+    # token 1 (-3.0) becomes -6.0 with penalty 2: token 0 (-4.0) wins
+    assert sampler(
+        logits, [fake_seq(SamplingParams(temperature=0.0, repetition_penalty=2.0), [1])]
+    ).token_ids == [0]
+
+
+# ----------------------------------------------------------------------------------------------- min_tokens
+
+
+def test_min_tokens_bans_eos_and_stop_tokens_until_reached():
+    logits = torch.tensor([[5.0, 1.0, 4.0, 0.0]])
+    sampler = Sampler(4, torch.device("cpu"), eos_token_ids={0})
+    params = SamplingParams(temperature=0.0, min_tokens=3, max_tokens=8, stop_token_ids=[2])
+    assert sampler(logits, [fake_seq(params, output=[1, 1])]).token_ids == [1]
+    assert sampler(logits, [fake_seq(params, output=[1, 1, 1])]).token_ids == [0]
+    ignore = SamplingParams(temperature=0.0, min_tokens=3, max_tokens=8, stop_token_ids=[2], ignore_eos=True)
+    assert sampler(logits, [fake_seq(ignore, output=[])]).token_ids == [0]  # EOS is not a stop: not banned
+    no_stops = SamplingParams(temperature=0.0, min_tokens=3, max_tokens=8)
+    assert sampler(logits[:, [2, 1, 0, 3]], [fake_seq(no_stops, output=[])]).token_ids == [2]
+
+
+# ----------------------------------------------------------------------------------------------- distribution
+
+LOGITS = [1.0, 0.5, 0.0, -0.5, -1.2, 2.0]
+N_DRAWS = 20_000
+
+
+def _chi_square(counts: list[int], probs: list[float]) -> float:
+    n = sum(counts)
+    return sum((c - n * p) ** 2 / (n * p) for c, p in zip(counts, probs, strict=True) if p > 0)
+
+
+def _draw(params: SamplingParams, seed: int = 0) -> list[int]:
+    sampler = Sampler(len(LOGITS), torch.device("cpu"), eos_token_ids=set(), seed=seed)
+    logits = torch.tensor([LOGITS]).expand(N_DRAWS, -1)
+    seq = fake_seq(params)
+    tokens = sampler(logits, [seq] * N_DRAWS).token_ids
+    return [tokens.count(t) for t in range(len(LOGITS))]
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 1.6])
+def test_sampling_follows_softmax_of_logits_over_temperature(temperature):
+    counts = _draw(SamplingParams(temperature=temperature))
+    expected = _softmax([x / temperature for x in LOGITS])
+    # 5 degrees of freedom: P(chi2 > 25) is about 1e-4
+    assert _chi_square(counts, expected) < 25, (counts, expected)
+    wrong_t = 1.0 if temperature != 1.0 else 0.5
+    assert _chi_square(counts, _softmax([x / wrong_t for x in LOGITS])) > 100
+
+
+def test_sampling_with_top_k_and_min_p_follows_the_truncated_distribution():
+    counts = _draw(SamplingParams(temperature=1.0, top_k=3))
+    kept = [_softmax(LOGITS)[i] if i in (5, 0, 1) else 0.0 for i in range(len(LOGITS))]
+    total = sum(kept)
+    assert counts[2] == counts[3] == counts[4] == 0
+    assert _chi_square(counts, [k / total for k in kept]) < 20
+    counts = _draw(SamplingParams(temperature=1.0, min_p=0.3))
+    probs = _softmax(LOGITS)
+    kept = [p if p >= 0.3 * max(probs) else 0.0 for p in probs]
+    assert [c > 0 for c in counts] == [k > 0 for k in kept]
+    assert _chi_square(counts, [k / sum(kept) for k in kept]) < 20
+
+
+def test_top_p_sampling_stays_in_the_nucleus():
+    counts = _draw(SamplingParams(temperature=1.0, top_p=0.75))
+    kept, _ = ref_top_k_top_p_keep(LOGITS, 0, 0.75)
+    assert {t for t, c in enumerate(counts) if c} == kept
+
+
+def test_greedy_rows_mixed_with_sampled_rows_take_the_argmax():
+    logits = torch.tensor([LOGITS] * 4)
+    sampler = Sampler(len(LOGITS), torch.device("cpu"), eos_token_ids=set())
+    seqs = [fake_seq(SamplingParams(temperature=t)) for t in (0.0, 5.0, 0.0, 5.0)]
+    for _ in range(20):
+        tokens = sampler(logits, seqs).token_ids
+        assert tokens[0] == tokens[2] == 5
+
+
+# ----------------------------------------------------------------------------------------------- seeds, logprobs
+
+
+def test_seeded_row_draws_the_same_alone_and_in_any_batch():
+    gen = torch.Generator().manual_seed(0)
+    vocab = 50
+    steps = [torch.randn((4, vocab), generator=gen) for _ in range(8)]
+    params = SamplingParams(temperature=0.9, top_k=20, top_p=0.95, seed=42)
+
+    alone_seq = fake_seq(params, seed=42)
+    alone = Sampler(vocab, torch.device("cpu"), set(), seed=1)
+    alone_tokens = [alone(logits[2:3], [alone_seq]).token_ids[0] for logits in steps]
+
+    mixed_seq = fake_seq(params, seed=42)
+    others = [
+        fake_seq(SamplingParams(temperature=1.3)),
+        fake_seq(SamplingParams(temperature=0.5, seed=7), seed=7),
+    ]
+    mixed = Sampler(vocab, torch.device("cpu"), set(), seed=2)
+    mixed_tokens = []
+    for i, logits in enumerate(steps):
+        rows = [others[0], mixed_seq, others[1]] if i % 2 else [mixed_seq, others[1], others[0]]
+        batch = torch.stack([logits[0], logits[2], logits[1]]) if i % 2 else logits[[2, 1, 0]]
+        mixed_tokens.append(mixed(batch, rows).token_ids[rows.index(mixed_seq)])
+    assert mixed_tokens == alone_tokens
+
+    other_seed = fake_seq(SamplingParams(temperature=0.9, top_k=20, top_p=0.95, seed=43), seed=43)
+    other_tokens = [alone(logits[2:3], [other_seed]).token_ids[0] for logits in steps]
+    assert other_tokens != alone_tokens
+
+
+def test_logprobs_are_raw_log_softmax_with_top_n():
+    logits = torch.tensor([[0.1, 2.0, -1.0, 1.5], [3.0, 0.0, 0.0, 1.0]])
+    sampler = Sampler(4, torch.device("cpu"), set())
+    seqs = [
+        fake_seq(SamplingParams(temperature=0.0, logprobs=2, repetition_penalty=5.0), prompt=[1]),
+        fake_seq(SamplingParams(temperature=0.0)),
+    ]
+    out = sampler(logits, seqs)
+    assert out.token_ids == [3, 0]  # the penalty moved row 0 off token 1
+    expected = torch.log_softmax(logits[0], dim=-1)
+    lp = out.logprobs[0]
+    assert lp is not None and lp.token_id == 3
+    assert lp.logprob == pytest.approx(expected[3].item(), abs=1e-6)
+    assert list(lp.top) == [1, 3]
+    assert lp.top[1] == pytest.approx(expected[1].item(), abs=1e-6)
+    assert out.logprobs[1] is None
