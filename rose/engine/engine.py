@@ -15,6 +15,7 @@ from rose.engine.detokenizer import IncrementalDetokenizer
 from rose.engine.kv_cache import KVCache
 from rose.engine.model_runner import ModelRunner, model_geometry
 from rose.engine.outputs import RequestMetrics, RequestOutput, StepOutput, TokenLogprob
+from rose.engine.prefix_cache import PrefixCache, block_hashes
 from rose.engine.sampler import Sampler
 from rose.engine.sampling_params import SamplingParams
 from rose.engine.scheduler import Scheduler
@@ -44,6 +45,9 @@ class Engine:
         max_kv_cache_bytes: int | None = None,
         seed: int = 0,
         max_logprobs: int = 20,
+        enable_prefix_caching: bool = False,
+        prefix_cache_slots: int | None = None,
+        prefix_block_size: int = 16,
         trust_remote_code: bool = False,
     ) -> None:
         if max_num_seqs < 1:
@@ -58,20 +62,31 @@ class Engine:
 
         layers, kv_heads, head_dim, context = model_geometry(self.model.config)
         bytes_per_token = 2 * layers * kv_heads * head_dim * torch.empty((), dtype=self.dtype).element_size()
+        spare = 0  # rows beyond max_num_seqs that keep finished sequences' K/V for prefix caching
+        if enable_prefix_caching:
+            spare = max_num_seqs // 2 if prefix_cache_slots is None else prefix_cache_slots
+            if spare < 0 or prefix_block_size < 1:
+                raise ValueError("prefix_cache_slots must be >= 0 and prefix_block_size >= 1")
+        rows = max_num_seqs + spare
         self.max_model_len = self._resolve_max_model_len(
-            max_model_len, context, max_num_seqs * bytes_per_token, max_kv_cache_bytes
+            max_model_len, context, rows * bytes_per_token, max_kv_cache_bytes
         )
-        self.cache = KVCache(
-            layers, max_num_seqs, kv_heads, self.max_model_len, head_dim, self.dtype, self.device
-        )
+        self.cache = KVCache(layers, rows, kv_heads, self.max_model_len, head_dim, self.dtype, self.device)
         logger.info(
             "KV store: %d slots x %d tokens, %.1f MiB",
-            max_num_seqs,
+            rows,
             self.max_model_len,
             self.cache.nbytes / 2**20,
         )
         self.runner = ModelRunner(self.model, self.cache)
         self.scheduler = Scheduler(max_num_seqs, max_num_batched_tokens or max(2048, max_num_seqs))
+        self.prefix_cache: PrefixCache | None = None
+        if enable_prefix_caching:
+            self.prefix_cache = PrefixCache(
+                prefix_block_size, first_spare_slot=max_num_seqs, num_spare_slots=spare
+            )
+            self.scheduler.should_defer = self.prefix_cache.pending_overlap
+            self.scheduler.on_admit = self._reuse_prefix
 
         config_vocab = self.model.config.get_text_config().vocab_size
         vocab = config_vocab
@@ -184,6 +199,8 @@ class Engine:
             generator=generator,
             logprobs=[] if params.logprobs is not None else None,
         )
+        if self.prefix_cache is not None:
+            seq.block_hashes = block_hashes(ids, self.prefix_cache.block_size)
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
 
@@ -220,7 +237,18 @@ class Engine:
             seq.text = seq.detokenizer.emitted_text
         return self._output(seq)
 
-    def _remove(self, seq: Sequence) -> None:
+    def _reuse_prefix(self, seq: Sequence) -> None:
+        match = self.prefix_cache.match(seq)
+        if match is not None:
+            self.cache.move_row(match.src_slot, seq.slot, match.num_tokens)
+            seq.num_computed_tokens = match.num_tokens
+
+    def _remove(self, seq: Sequence, finished: bool = False) -> None:
+        if self.prefix_cache is not None:
+            running = seq.status is SequenceStatus.RUNNING
+            spare = self.prefix_cache.release(seq, retain=finished and running)
+            if spare is not None:
+                self.cache.move_row(seq.slot, spare, seq.num_computed_tokens)
         move = self.scheduler.remove(seq)
         if move is not None:
             self.cache.move_row(move.src, move.dst, move.length)
@@ -251,6 +279,8 @@ class Engine:
             chunk.seq.num_computed_tokens += chunk.length
             if chunk.completes_prompt:
                 self.scheduler.prefill_done(chunk.seq)
+            if self.prefix_cache is not None:
+                self.prefix_cache.register(chunk.seq)
         if result is None:
             return []
         now = time.time()
@@ -260,7 +290,7 @@ class Engine:
         ]
         for out in outputs:
             if out.finished:
-                self._remove(self._seqs.pop(out.request_id))
+                self._remove(self._seqs.pop(out.request_id), finished=True)
         return outputs
 
     def _append(self, seq: Sequence, token: int, logprob: TokenLogprob | None, now: float) -> StepOutput:
@@ -333,7 +363,17 @@ class Engine:
         return self.max_num_seqs
 
     def get_stats(self) -> dict[str, int]:
+        prefix = {}
+        if self.prefix_cache is not None:
+            st = self.prefix_cache.stats
+            prefix = {
+                "prefix_cache_queries": st.queries,
+                "prefix_cache_hits": st.hits,
+                "prefix_cache_query_tokens": st.query_tokens,
+                "prefix_cache_hit_tokens": st.hit_tokens,
+            }
         return {
+            **prefix,
             "num_running": self.num_running,
             "num_waiting": self.num_waiting,
             "kv_slots_used": self.kv_slots_used,

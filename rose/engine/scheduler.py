@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from rose.engine.sequence import Sequence, SequenceStatus
@@ -61,6 +62,9 @@ class Scheduler:
         self._waiting: list[tuple[int, int, Sequence]] = []
         self._num_waiting = 0
         self._counter = itertools.count()
+        # prefix caching: may hold a request back for a step, and sets up its reused prefix once it has a slot
+        self.should_defer: Callable[[Sequence, list[Sequence]], bool] | None = None
+        self.on_admit: Callable[[Sequence], None] | None = None
 
     @property
     def num_waiting(self) -> int:
@@ -85,13 +89,20 @@ class Scheduler:
                 break
             budget -= self._chunk(batch, seq, budget)
         while budget > 0 and len(self.running) < self.max_num_seqs and self._num_waiting:
-            seq = self._pop_waiting()
-            if seq is None:
+            entry = self._pop_waiting()
+            if entry is None:
+                break
+            seq = entry[2]
+            if self.should_defer is not None and self.should_defer(seq, self._prefilling):
+                heapq.heappush(self._waiting, entry)  # same place in line; nothing behind it jumps ahead
+                self._num_waiting += 1
                 break
             seq.status = SequenceStatus.RUNNING
             seq.slot = len(self.running)
             self.running.append(seq)
             self._prefilling.append(seq)
+            if self.on_admit is not None:
+                self.on_admit(seq)
             budget -= self._chunk(batch, seq, budget)
         return batch
 
@@ -100,12 +111,12 @@ class Scheduler:
         batch.prefill.append(PrefillChunk(seq, seq.num_computed_tokens, length))
         return length
 
-    def _pop_waiting(self) -> Sequence | None:
+    def _pop_waiting(self) -> tuple[int, int, Sequence] | None:
         while self._waiting:
-            _, _, seq = heapq.heappop(self._waiting)
-            if seq.status is SequenceStatus.WAITING:  # aborted ones stay in the heap until popped
+            entry = heapq.heappop(self._waiting)
+            if entry[2].status is SequenceStatus.WAITING:  # aborted ones stay in the heap until popped
                 self._num_waiting -= 1
-                return seq
+                return entry
         return None
 
     def prefill_done(self, seq: Sequence) -> None:

@@ -36,6 +36,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     text: str = ""
+    block_hashes: list[int] | None = None  # chained hashes of the prompt's full blocks (prefix caching only)
 
     @property
     def num_prompt_tokens(self) -> int:
