@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -30,6 +31,7 @@ class RunResult:
     token_counts_ok: bool
     settings: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
+    outputs: dict[str, list[int]] = field(default_factory=dict, repr=False)  # generated ids; not in to_dict()
 
     @property
     def requests_per_s(self) -> float:
@@ -41,6 +43,7 @@ class RunResult:
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
+        out.pop("outputs")
         out["requests_per_s"] = self.requests_per_s
         out["generated_tokens_per_s"] = self.tokens_per_s
         return out
@@ -82,7 +85,45 @@ def make_result(
         token_counts_ok=ok,
         settings=dict(settings or {}),
         extra=extra,
+        outputs=outputs,
     )
+
+
+def cpu_busy_fraction(interval_s: float = 0.5) -> float | None:
+    """Share of all CPUs' time that *other* processes kept busy over `interval_s` (Linux /proc/stat minus this
+    process's own CPU time; None elsewhere). Sampled before a timed pass, it says whether someone else was
+    competing for the cores the benchmark is about to use."""
+
+    def sample() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+        return sum(fields), idle
+
+    try:
+        total0, idle0 = sample()
+        own0, wall0 = time.process_time(), time.perf_counter()
+        time.sleep(interval_s)
+        total1, idle1 = sample()
+        own1, wall1 = time.process_time(), time.perf_counter()
+    except (OSError, ValueError, IndexError):
+        return None
+    total = total1 - total0
+    if total <= 0:
+        return None
+    busy = 1.0 - (idle1 - idle0) / total
+    own = (own1 - own0) / ((wall1 - wall0) * (os.cpu_count() or 1))
+    return round(min(max(busy - own, 0.0), 1.0), 3)
+
+
+def wait_for_idle(max_wait_s: float, threshold: float = 0.15, interval_s: float = 1.0) -> float | None:
+    """Wait (up to `max_wait_s`) until other processes keep less than `threshold` of the CPUs busy; returns the last
+    busy share seen. For shared machines: a pass timed while another job runs measures that job too."""
+    deadline = time.monotonic() + max_wait_s
+    busy = cpu_busy_fraction(interval_s)
+    while busy is not None and busy >= threshold and time.monotonic() < deadline:
+        busy = cpu_busy_fraction(interval_s)
+    return busy
 
 
 def set_threads(num_threads: int | None) -> int:

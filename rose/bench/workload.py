@@ -48,6 +48,14 @@ class Workload:
     def max_total_len(self) -> int:
         return max((r.prompt_len + r.max_tokens for r in self.requests), default=0)
 
+    def head(self, n: int, id_prefix: str = "") -> Workload:
+        """The first `n` requests (ids prefixed with `id_prefix`), e.g. to warm a system up."""
+        reqs = [
+            BenchRequest(id_prefix + r.request_id, r.prompt_token_ids, r.max_tokens)
+            for r in self.requests[:n]
+        ]
+        return Workload(reqs, self.seed, self.prompt_len_range, self.output_len_range, self.vocab_size)
+
     def describe(self) -> dict[str, Any]:
         return {
             "num_requests": len(self.requests),

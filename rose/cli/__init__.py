@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from rose.cli import generate
+from rose.cli import bench, generate
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -14,6 +14,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="WARNING", help="logging level (default: WARNING)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     generate.add_parser(sub)
+    bench.add_parser(sub)
     return parser
 
 

@@ -1,0 +1,244 @@
+"""Argument parsers and entry points of the benchmarks, shared by `benchmarks/*.py` (and a future `rose bench`)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from rose.bench.baselines import HFContinuousBatchingConfig, StaticBatchingConfig
+from rose.bench.engine_bench import HF_CB, ROSE, STATIC, TARGET_RATIO, EngineBenchConfig, run_engine_bench
+from rose.bench.report import engine_rows, markdown_table, print_table, step_rows, write_json
+from rose.bench.rose_runner import RoseConfig
+from rose.bench.step_bench import StepBenchConfig, run_step_bench
+
+DEFAULT_ENGINE_JSON = "benchmarks/results/bench_engine.json"
+DEFAULT_STEP_JSON = "benchmarks/results/bench_step.json"
+
+
+def _range(text: str) -> tuple[int, int]:
+    """'16,128' or '16:128' -> (16, 128), inclusive."""
+    for sep in (",", ":", "-"):
+        if sep in text:
+            lo, hi = text.split(sep, 1)
+            try:
+                return int(lo), int(hi)
+            except ValueError:
+                break
+    raise argparse.ArgumentTypeError(f"expected LO,HI (e.g. 16,128), got {text!r}")
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _common(parser: argparse.ArgumentParser, json_default: str) -> None:
+    parser.add_argument(
+        "--model", default="tiny-llama", help="model preset (tiny-llama, tiny-qwen2, tiny-gpt2)"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="workload seed")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)"
+    )
+    parser.add_argument(
+        "--json-out", default=json_default, help="where to write the JSON report ('' for none)"
+    )
+    parser.add_argument("--markdown", action="store_true", help="also print the table as Markdown")
+    parser.add_argument("--plain", action="store_true", help="plain-text table instead of rich")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress (INFO)")
+
+
+def build_engine_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description="rose's engine vs transformers' static batching and continuous batching (one process).",
+    )
+    _common(p, DEFAULT_ENGINE_JSON)
+    p.add_argument("--num-requests", type=int, default=128)
+    p.add_argument("--prompt-len-range", type=_range, default=(16, 128), metavar="LO,HI")
+    p.add_argument(
+        "--output-len-range", type=_range, default=(16, 128), metavar="LO,HI", help="max_tokens range"
+    )
+    p.add_argument(
+        "--repeats", type=int, default=1, help="timed passes per system, round-robin; median reported"
+    )
+    p.add_argument(
+        "--wait-idle",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="before each pass wait up to SECONDS for other processes to leave the CPUs idle (shared machines)",
+    )
+    p.add_argument("--skip-rose", action="store_true")
+    p.add_argument("--skip-static", action="store_true")
+    p.add_argument("--skip-hf-cb", action="store_true")
+    g = p.add_argument_group("static batching (model.generate)")
+    g.add_argument("--batch-size", type=int, default=16)
+    g.add_argument(
+        "--static-sort", action="store_true", help="batch requests sorted by length (default: in order)"
+    )
+    g.add_argument("--static-cache", default=None, help="generate's cache_implementation (default: dynamic)")
+    g = p.add_argument_group("transformers continuous batching")
+    d = HFContinuousBatchingConfig()
+    g.add_argument("--hf-cb-page-size", type=int, default=d.page_size)
+    g.add_argument(
+        "--hf-cb-num-blocks", type=int, default=None, help="default: room for every request at once"
+    )
+    g.add_argument("--hf-cb-max-batch-tokens", type=int, default=d.max_batch_tokens)
+    g.add_argument(
+        "--hf-cb-max-requests",
+        type=int,
+        default=d.max_requests_per_batch,
+        help="max requests per step (0: all); transformers' CB gets slower with more, see benchmarks/README.md",
+    )
+    g.add_argument("--hf-cb-block-sharing", action="store_true", help="allow prefix block sharing")
+    g = p.add_argument_group("rose")
+    g.add_argument("--max-num-seqs", type=int, default=RoseConfig().max_num_seqs)
+    g.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: the engine's")
+    return p
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineBenchConfig:
+    systems = [
+        name
+        for name, skip in ((ROSE, args.skip_rose), (STATIC, args.skip_static), (HF_CB, args.skip_hf_cb))
+        if not skip
+    ]
+    return EngineBenchConfig(
+        model=args.model,
+        num_requests=args.num_requests,
+        prompt_len_range=args.prompt_len_range,
+        output_len_range=args.output_len_range,
+        seed=args.seed,
+        repeats=args.repeats,
+        num_threads=args.threads,
+        wait_idle_s=args.wait_idle,
+        systems=tuple(systems),
+        static=StaticBatchingConfig(
+            batch_size=args.batch_size,
+            sort_by_length=args.static_sort,
+            cache_implementation=args.static_cache,
+        ),
+        hf_cb=HFContinuousBatchingConfig(
+            page_size=args.hf_cb_page_size,
+            num_blocks=args.hf_cb_num_blocks,
+            max_batch_tokens=args.hf_cb_max_batch_tokens,
+            max_requests_per_batch=args.hf_cb_max_requests or None,
+            allow_block_sharing=args.hf_cb_block_sharing,
+        ),
+        rose=RoseConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens),
+    )
+
+
+def _setup_logging(verbose: bool) -> None:
+    logging.basicConfig(
+        level=logging.INFO if verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    # transformers' CB logs an error about psutil on CPU even when the cache is sized by hand.
+    logging.getLogger("ContinuousBatchingLogger").setLevel(logging.CRITICAL)
+
+
+def engine_main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
+    args = build_engine_parser(prog).parse_args(argv)
+    _setup_logging(args.verbose)
+    cfg = engine_config_from_args(args)
+    if not cfg.systems:
+        print("nothing to run: every system skipped", file=sys.stderr)
+        return 2
+    report = run_engine_bench(cfg, progress=lambda m: print(m, file=sys.stderr, flush=True))
+    wl, env = report.workload, report.environment
+    title = (
+        f"{cfg.model}: {wl['num_requests']} requests, prompts {cfg.prompt_len_range}, max_tokens "
+        f"{cfg.output_len_range}, {wl['requested_tokens']} tokens requested; torch threads "
+        f"{env['torch_num_threads']}, {env['cpu_count']} CPUs, repeats {cfg.repeats}"
+    )
+    headers, rows = engine_rows(report)
+    print_table(title, headers, rows, use_rich=not args.plain)
+    for key, value in report.ratios.items():
+        verdict = "meets" if value >= TARGET_RATIO else "BELOW"
+        print(f"{key}: {value:.2f}x ({verdict} the {TARGET_RATIO:.0f}x target)")
+    for key, value in report.agreement.items():
+        print(
+            f"greedy agreement {key}: {value['identical']:.0%} identical, {value['mean_prefix_share']:.0%} prefix"
+        )
+    print(f"load average before/after: {report.load_average['before']} / {report.load_average['after']}")
+    if args.markdown:
+        print(markdown_table(headers, rows))
+    if args.json_out:
+        print(f"wrote {write_json(args.json_out, report.to_dict())}")
+    ok = all(s.token_counts_ok for s in report.systems.values())
+    return 0 if ok else 1
+
+
+def build_step_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    d = StepBenchConfig()
+    p = argparse.ArgumentParser(
+        prog=prog, description="rose decode-step time vs batch size and context length."
+    )
+    _common(p, DEFAULT_STEP_JSON)
+    p.add_argument("--batch-sizes", type=_ints, default=d.batch_sizes, metavar="B,B,...")
+    p.add_argument("--batch-sweep-context", type=int, default=d.batch_sweep_context)
+    p.add_argument("--context-lens", type=_ints, default=d.context_lens, metavar="L,L,...")
+    p.add_argument("--context-sweep-batch", type=int, default=d.context_sweep_batch)
+    p.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
+    p.add_argument("--timed-steps", type=int, default=d.timed_steps)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: the engine's")
+    p.add_argument("--profile", action="store_true", help="split one decode step: model forward vs the rest")
+    p.add_argument("--profile-batch", type=int, default=d.profile_batch)
+    p.add_argument("--profile-context", type=int, default=d.profile_context)
+    return p
+
+
+def step_main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
+    args = build_step_parser(prog).parse_args(argv)
+    _setup_logging(args.verbose)
+    cfg = StepBenchConfig(
+        model=args.model,
+        batch_sizes=args.batch_sizes,
+        batch_sweep_context=args.batch_sweep_context,
+        context_lens=args.context_lens,
+        context_sweep_batch=args.context_sweep_batch,
+        warmup_steps=args.warmup_steps,
+        timed_steps=args.timed_steps,
+        seed=args.seed,
+        num_threads=args.threads,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        profile=args.profile,
+        profile_batch=args.profile_batch,
+        profile_context=args.profile_context,
+    )
+    report = run_step_bench(cfg, progress=lambda m: print(m, file=sys.stderr, flush=True))
+    env = report.environment
+    title = (
+        f"{cfg.model} decode step (rose engine), {cfg.timed_steps} timed steps per point; torch threads "
+        f"{env['torch_num_threads']}, {env['cpu_count']} CPUs"
+    )
+    headers, rows = step_rows(report.points)
+    print_table(title, headers, rows, use_rich=not args.plain)
+    if report.fit:
+        f = report.fit
+        print(
+            f"fit: step ms = {f['fixed_ms']:.2f} + {f['per_seq_ms']:.3f}·B + "
+            f"{f['per_cached_token_us']:.4f} µs·B·ctx   (R² = {f['r2']:.3f})"
+        )
+    if report.profile:
+        pr = report.profile
+        print(
+            f"profile at batch {pr['batch_size']}, ctx {pr['context_len']}: {pr['wall_ms_per_step']:.2f} ms/step, "
+            f"model forward {pr['model_forward_ms_per_step']:.2f} ms, "
+            f"outside forward {pr['outside_model_forward_ms_per_step']:.2f} ms"
+        )
+        print(pr["top_ops"])
+    if args.markdown:
+        print(markdown_table(headers, rows))
+    if args.json_out:
+        print(f"wrote {write_json(args.json_out, report.to_dict())}")
+    return 0

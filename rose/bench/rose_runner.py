@@ -1,0 +1,87 @@
+"""Runs rose's engine (`rose.engine.llm.LLM`) over a benchmark workload."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from rose.bench.common import RunResult, make_result
+from rose.bench.workload import Workload
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RoseConfig:
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int | None = None  # None: the engine's default
+    max_model_len: int | None = None  # None: the workload's longest request (prompt + max_tokens), rounded up
+    warmup_requests: int = 8
+
+
+def _filtered_kwargs(fn: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Drop None values and keys `fn` does not accept (the engine's constructor is still evolving)."""
+    params = inspect.signature(fn).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    out = {}
+    for key, value in kwargs.items():
+        if value is None:
+            continue
+        if takes_any or key in params:
+            out[key] = value
+        else:
+            logger.warning("rose LLM does not accept %s=%r; ignored", key, value)
+    return out
+
+
+def build_llm(model: Any, tokenizer: Any, cfg: RoseConfig, max_model_len: int | None) -> Any:
+    from rose.engine.llm import LLM
+
+    kwargs = _filtered_kwargs(
+        LLM.__init__,
+        {
+            "device": "cpu",
+            "dtype": "float32",
+            "max_num_seqs": cfg.max_num_seqs,
+            "max_model_len": max_model_len,
+            "max_num_batched_tokens": cfg.max_num_batched_tokens,
+        },
+    )
+    return LLM(model, tokenizer, **kwargs), kwargs
+
+
+def greedy_params(max_tokens: int) -> Any:
+    from rose.engine.sampling_params import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def _generate(llm: Any, workload: Workload) -> dict[str, list[int]]:
+    prompts = [list(r.prompt_token_ids) for r in workload.requests]
+    params = [greedy_params(r.max_tokens) for r in workload.requests]
+    outs = llm.generate(prompts, params)
+    if len(outs) != len(workload):
+        raise RuntimeError(f"rose returned {len(outs)} outputs for {len(workload)} requests")
+    return {r.request_id: list(o.token_ids) for r, o in zip(workload.requests, outs, strict=True)}
+
+
+def run_rose(model: Any, tokenizer: Any, workload: Workload, cfg: RoseConfig | None = None) -> RunResult:
+    """Time `LLM.generate` on the whole workload at once (after building the engine and warming it up)."""
+    cfg = cfg or RoseConfig()
+    max_model_len = cfg.max_model_len
+    if max_model_len is None:
+        max_model_len = -(-workload.max_total_len // 64) * 64 + 64
+    with torch.inference_mode():
+        llm, kwargs = build_llm(model, tokenizer, cfg, max_model_len)
+        if cfg.warmup_requests > 0:
+            _generate(llm, workload.head(cfg.warmup_requests, "warmup-"))
+        start = time.perf_counter()
+        outputs = _generate(llm, workload)
+        wall = time.perf_counter() - start
+    logger.info("rose: %.2f s", wall)
+    return make_result("rose", workload, outputs, wall, settings={**asdict(cfg), "llm_kwargs": kwargs})
