@@ -1,17 +1,56 @@
-"""rose: a queue-driven LLM batch-job worker."""
+"""rose: a queue-driven LLM batch-job worker.
 
+Names load lazily: `import rose.jobs` (producers, a stock RQ worker resolving `rose.jobs.generate`) never pays for
+torch and transformers; `from rose import LLM` does.
+"""
+
+import importlib
 import os
+from typing import TYPE_CHECKING, Any
 
 # Before torch loads OpenMP: idle intra-op threads sleep instead of spinning. On a host shared with other
 # processes (a worker beside its Redis, tests beside a worker) spinning threads steal the core a descheduled peer
 # needs, and steps slow down by 5-20x. Set OMP_WAIT_POLICY yourself to override.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from rose.engine.engine import Engine
-from rose.engine.llm import LLM
-from rose.engine.outputs import RequestOutput, StepOutput
-from rose.engine.sampling_params import SamplingParams
-
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "Engine", "RequestOutput", "SamplingParams", "StepOutput", "__version__"]
+_EXPORTS = {
+    "LLM": "rose.engine.llm",
+    "Engine": "rose.engine.engine",
+    "SamplingParams": "rose.engine.sampling_params",
+    "RequestOutput": "rose.engine.outputs",
+    "StepOutput": "rose.engine.outputs",
+    "Client": "rose.jobs.client",
+    "AsyncClient": "rose.jobs.client",
+    "JobFailed": "rose.jobs.client",
+    "JobCanceled": "rose.jobs.client",
+}
+
+__all__ = [
+    "LLM",
+    "AsyncClient",
+    "Client",
+    "Engine",
+    "JobCanceled",
+    "JobFailed",
+    "RequestOutput",
+    "SamplingParams",
+    "StepOutput",
+    "__version__",
+]
+
+if TYPE_CHECKING:
+    from rose.engine.engine import Engine
+    from rose.engine.llm import LLM
+    from rose.engine.outputs import RequestOutput, StepOutput
+    from rose.engine.sampling_params import SamplingParams
+    from rose.jobs.client import AsyncClient, Client, JobCanceled, JobFailed
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'rose' has no attribute {name!r}")

@@ -11,7 +11,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="benchmarks: rose vs transformers (engine), decode-step time (step)",
         description="Benchmarks that print a table and write JSON. `rose bench KIND --help` lists each one's flags.",
     )
-    p.add_argument("kind", choices=["engine", "step"], help="engine: rose vs transformers; step: decode-step time")
+    p.add_argument(
+        "kind", choices=["engine", "step"], help="engine: rose vs transformers; step: decode-step time"
+    )
     p.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's own flags")
     p.set_defaults(func=run)
 

@@ -24,19 +24,34 @@ class WorkerSettings(BaseSettings):
         default_factory=lambda: ["rose"],
         description="Queues to serve, highest priority first (env: comma-separated).",
     )
-    model: str = Field("tiny-llama", description="Preset name (tiny-llama, tiny-qwen2, tiny-gpt2) or a local HF model dir.")
+    model: str = Field(
+        "tiny-llama", description="Preset name (tiny-llama, tiny-qwen2, tiny-gpt2) or a local HF model dir."
+    )
     tokenizer: str | None = Field(None, description="Tokenizer dir, when it is not the model's.")
-    device: str = Field("cpu", description="Torch device: cpu, cuda, cuda:1, ...")
-    dtype: str = Field("float32", description="Weights dtype: float32, float16, bfloat16.")
+    device: str = Field("auto", description="Torch device: auto (CUDA when present), cpu, cuda, cuda:1, ...")
+    dtype: str = Field(
+        "auto",
+        description="Weights dtype: auto (bfloat16 on CUDA, float32 on CPU), float32, float16, bfloat16.",
+    )
     max_num_seqs: int = Field(64, ge=1, description="Jobs generated at once (engine batch slots).")
     max_model_len: int | None = Field(None, ge=1, description="Context limit per job; default: the model's.")
+    max_num_batched_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="Tokens per engine step (decodes + prompt chunks); default max(2048, max_num_seqs).",
+    )
+    enable_prefix_caching: bool = Field(
+        False, description="Reuse the K/V of prompt prefixes shared with running or recently finished jobs."
+    )
     name: str | None = Field(
         None,
         description="Stable worker name. Restarting with the same name requeues the jobs its previous run held at "
         "once. Default: a random name.",
     )
     drain_timeout: float = Field(
-        30.0, ge=0, description="On SIGTERM/SIGINT, seconds to let running jobs finish before requeueing them."
+        30.0,
+        ge=0,
+        description="On SIGTERM/SIGINT, seconds to let running jobs finish before requeueing them.",
     )
     log_level: LogLevel = Field("INFO", description="Logging level.")
     heartbeat_timeout: int = Field(
@@ -46,7 +61,9 @@ class WorkerSettings(BaseSettings):
         "jobs.",
     )
     max_requeues: int = Field(
-        3, ge=0, description="A job requeued this many times after worker deaths fails instead (poison-job guard)."
+        3,
+        ge=0,
+        description="A job requeued this many times after worker deaths fails instead (poison-job guard).",
     )
     recovery_interval: float = Field(10.0, gt=0, description="Seconds between scans for orphaned jobs.")
 

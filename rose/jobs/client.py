@@ -27,8 +27,21 @@ from rose.jobs.schemas import GenerateRequest
 __all__ = ["AsyncClient", "AsyncJob", "Client", "Job", "JobCanceled", "JobFailed", "StreamReset"]
 
 # Enqueue options RQ takes for itself; everything else is a generation field.
-_RQ_OPTIONS = ("job_id", "job_timeout", "result_ttl", "ttl", "failure_ttl", "description", "retry", "at_front",
-               "meta", "depends_on", "on_success", "on_failure", "on_stopped")
+_RQ_OPTIONS = (
+    "job_id",
+    "job_timeout",
+    "result_ttl",
+    "ttl",
+    "failure_ttl",
+    "description",
+    "retry",
+    "at_front",
+    "meta",
+    "depends_on",
+    "on_success",
+    "on_failure",
+    "on_stopped",
+)
 _ENDED = {JobStatus.FAILED, JobStatus.CANCELED, JobStatus.STOPPED}
 _POLL_S = 1.0
 _SILENT_POLLS = 3
@@ -117,7 +130,7 @@ class Job:
         stream = keys.stream_key(self.id)
         stored = r.xrange(stream)
         last_id: Any = stored[-1][0] if stored else "0"
-        pending = stored[_reset_point(stored):]
+        pending = stored[_reset_point(stored) :]
         quiet_since = time.monotonic()
         quiet_polls = 0
         while True:
@@ -203,7 +216,9 @@ class Job:
 class Client:
     """`Client("redis://localhost:6379/0", queue="rose")`: submit jobs to rose-worker."""
 
-    def __init__(self, redis_url: str | redis.Redis = "redis://localhost:6379/0", queue: str = keys.DEFAULT_QUEUE):
+    def __init__(
+        self, redis_url: str | redis.Redis = "redis://localhost:6379/0", queue: str = keys.DEFAULT_QUEUE
+    ):
         self.redis = redis.Redis.from_url(redis_url) if isinstance(redis_url, str) else redis_url
         self.queue = Queue(queue, connection=self.redis, serializer=JSONSerializer)
 
@@ -214,7 +229,9 @@ class Client:
         rq_job = self.queue.enqueue(keys.FUNC_PATH, kwargs=_request_kwargs(prompt, fields), **rq_opts)
         return Job(self, rq_job.id)
 
-    def submit_many(self, requests: Iterable[str | list[int] | Mapping[str, Any]], **common: Any) -> list[Job]:
+    def submit_many(
+        self, requests: Iterable[str | list[int] | Mapping[str, Any]], **common: Any
+    ) -> list[Job]:
         """Enqueue many jobs in one round trip. Each request is a prompt or a dict of fields (merged over `common`)."""
         prepared = []
         for request in requests:
@@ -227,7 +244,9 @@ class Client:
             rq_opts, fields = _split(options)
             if "job_timeout" in rq_opts:
                 rq_opts["timeout"] = rq_opts.pop("job_timeout")
-            prepared.append(Queue.prepare_data(keys.FUNC_PATH, kwargs=_request_kwargs(prompt, fields), **rq_opts))
+            prepared.append(
+                Queue.prepare_data(keys.FUNC_PATH, kwargs=_request_kwargs(prompt, fields), **rq_opts)
+            )
         with self.redis.pipeline() as pipe:
             jobs = self.queue.enqueue_many(prepared, pipeline=pipe)
             pipe.execute()
@@ -247,8 +266,11 @@ class Client:
         job.cancel()
         if status != JobStatus.STARTED:
             # No worker will ever see it: publish the terminal event ourselves so streams end.
-            publish_event(self.redis, CanceledEvent(job_id=job_id, seq=0, reason="canceled before it started"),
-                          ttl=job.get_result_ttl(500))
+            publish_event(
+                self.redis,
+                CanceledEvent(job_id=job_id, seq=0, reason="canceled before it started"),
+                ttl=job.get_result_ttl(500),
+            )
         return True
 
 
@@ -276,7 +298,7 @@ class AsyncJob:
         stream = keys.stream_key(self.id)
         stored = await r.xrange(stream)
         last_id: Any = stored[-1][0] if stored else "0"
-        pending = stored[_reset_point(stored):]
+        pending = stored[_reset_point(stored) :]
         quiet_since = time.monotonic()
         quiet_polls = 0
         while True:

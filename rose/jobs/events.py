@@ -70,7 +70,9 @@ class ResetEvent(_Base):
     reason: str = "restart"
 
 
-Event = Annotated[TokenEvent | DoneEvent | ErrorEvent | CanceledEvent | ResetEvent, Field(discriminator="type")]
+Event = Annotated[
+    TokenEvent | DoneEvent | ErrorEvent | CanceledEvent | ResetEvent, Field(discriminator="type")
+]
 TERMINAL_TYPES = frozenset({"done", "error", "canceled"})
 
 _adapter: TypeAdapter[Any] = TypeAdapter(Event)

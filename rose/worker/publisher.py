@@ -1,8 +1,10 @@
 """Sends job events to Redis from a background thread, so the engine loop never waits on the network.
 
-Each batch handed over (one engine step's events) goes out in one pipeline: PUBLISH on the job's channel and XADD
-to its stream, then one EXPIRE per stream. Batches are sent in order; on a connection error the batch is retried
-with backoff, never dropped, so a subscriber sees seq without gaps even across a Redis blip.
+Each batch handed over (one engine step's events) goes out in one round trip: a Lua script that, for each event,
+XADDs it to the job's stream, sets the stream's expiry and PUBLISHes it on the job's channel. Batches are sent in
+order; on a connection error the batch is retried with backoff, never dropped. The script is atomic and numbered
+(a per-publisher counter key), so a retry of a batch that did reach Redis before the connection broke is a no-op:
+subscribers see every seq exactly once, without gaps, even across Redis blips.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import logging
 import queue
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 
 import redis
@@ -20,6 +23,27 @@ from rose.jobs import keys
 log = logging.getLogger(__name__)
 
 NO_EXPIRY = -1
+_COUNTER_TTL_S = 3600
+_MAX_EVENTS_PER_CALL = (
+    2000  # merged batches per script call, so that a backlog after an outage goes in chunks
+)
+
+# KEYS[1]: this publisher's batch counter; KEYS[1 + i]: stream of event i.
+# ARGV[1]: batch number; ARGV[2]: counter TTL; then per event: channel, data, stream TTL (-1 = persist).
+_SCRIPT = """
+local batch = tonumber(ARGV[1])
+local last = tonumber(redis.call('GET', KEYS[1]) or '0')
+if batch <= last then return 0 end
+redis.call('SET', KEYS[1], batch, 'EX', ARGV[2])
+for i = 2, #KEYS do
+  local a = 3 + (i - 2) * 3
+  redis.call('XADD', KEYS[i], '*', 'event', ARGV[a + 1])
+  local ttl = tonumber(ARGV[a + 2])
+  if ttl < 0 then redis.call('PERSIST', KEYS[i]) else redis.call('EXPIRE', KEYS[i], ttl) end
+  redis.call('PUBLISH', ARGV[a], ARGV[a + 1])
+end
+return #KEYS - 1
+"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +62,9 @@ class Publisher:
         self._unsent = 0  # batches handed over and not yet written
         self._closing = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rose-publisher", daemon=True)
+        self._script = connection.register_script(_SCRIPT)
+        self._counter_key = f"rose:publisher:{uuid.uuid4().hex}"
+        self._batch_no = 0
         self.sent_events = 0
 
     def start(self) -> Publisher:
@@ -66,7 +93,9 @@ class Publisher:
         if not self._thread.is_alive():
             return
         if not self.flush(timeout):
-            log.warning("publisher: %d event batches not written after %.0f s; dropping them", self._unsent, timeout)
+            log.warning(
+                "publisher: %d event batches not written after %.0f s; dropping them", self._unsent, timeout
+            )
         self._closing.set()
         self._queue.put(None)
         self._thread.join(timeout=2)
@@ -78,7 +107,7 @@ class Publisher:
                 return
             # Merge whatever else is waiting: one round trip for several steps when Redis is the bottleneck.
             batches = [first]
-            while True:
+            while sum(len(b) for b in batches) < _MAX_EVENTS_PER_CALL:
                 try:
                     more = self._queue.get_nowait()
                 except queue.Empty:
@@ -94,26 +123,26 @@ class Publisher:
                 self._idle.notify_all()
 
     def _write(self, events: list[Outgoing]) -> None:
+        self._batch_no += 1
+        keys_ = [self._counter_key] + [keys.stream_key(e.job_id) for e in events]
+        args: list[object] = [self._batch_no, _COUNTER_TTL_S]
+        for e in events:
+            args += [
+                keys.tokens_channel(e.job_id),
+                e.data,
+                e.stream_ttl if e.stream_ttl == NO_EXPIRY else max(1, e.stream_ttl),
+            ]
         delay = 0.1
         while True:
             try:
-                with self.connection.pipeline(transaction=False) as pipe:
-                    ttls: dict[str, int] = {}
-                    for e in events:
-                        pipe.publish(keys.tokens_channel(e.job_id), e.data)
-                        pipe.xadd(keys.stream_key(e.job_id), {keys.STREAM_FIELD: e.data})
-                        ttls[e.job_id] = e.stream_ttl
-                    for job_id, ttl in ttls.items():
-                        if ttl == NO_EXPIRY:
-                            pipe.persist(keys.stream_key(job_id))
-                        else:
-                            pipe.expire(keys.stream_key(job_id), max(1, ttl))
-                    pipe.execute()
+                self._script(keys=keys_, args=args)
                 self.sent_events += len(events)
                 return
             except (redis.ConnectionError, redis.TimeoutError) as exc:
                 if self._closing.is_set():
-                    log.error("publisher: Redis unreachable while closing (%s); %d events lost", exc, len(events))
+                    log.error(
+                        "publisher: Redis unreachable while closing (%s); %d events lost", exc, len(events)
+                    )
                     return
                 log.warning("publisher: Redis unreachable (%s); retrying in %.1f s", exc, delay)
                 time.sleep(delay)

@@ -1,0 +1,158 @@
+"""`rose-worker`: serve rose generation jobs from RQ queues with a continuous-batching engine.
+
+Every flag can also be set with its `ROSE_*` environment variable; flags win.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+from typing import Any
+
+import redis
+from pydantic import ValidationError
+
+from rose.config import WorkerSettings, redact_url
+
+log = logging.getLogger("rose.worker")
+
+_FLAGS: list[tuple[str, str, dict[str, Any]]] = [
+    ("--redis-url", "redis_url", {"metavar": "URL"}),
+    ("--queue", "queues", {"action": "append", "metavar": "NAME"}),
+    ("--model", "model", {}),
+    ("--tokenizer", "tokenizer", {"metavar": "DIR"}),
+    ("--device", "device", {}),
+    ("--dtype", "dtype", {}),
+    ("--max-num-seqs", "max_num_seqs", {"type": int, "metavar": "N"}),
+    ("--max-model-len", "max_model_len", {"type": int, "metavar": "TOKENS"}),
+    ("--max-num-batched-tokens", "max_num_batched_tokens", {"type": int, "metavar": "N"}),
+    ("--enable-prefix-caching", "enable_prefix_caching", {"action": "store_const", "const": True}),
+    ("--name", "name", {}),
+    ("--drain-timeout", "drain_timeout", {"type": float, "metavar": "SECONDS"}),
+    ("--log-level", "log_level", {"metavar": "LEVEL"}),
+    ("--heartbeat-timeout", "heartbeat_timeout", {"type": int, "metavar": "SECONDS"}),
+    ("--max-requeues", "max_requeues", {"type": int, "metavar": "N"}),
+    ("--recovery-interval", "recovery_interval", {"type": float, "metavar": "SECONDS"}),
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rose-worker",
+        description="Take rose.jobs.generate jobs from RQ queues, generate many at once with a continuous-batching "
+        "engine, stream tokens on Redis (pub/sub rose:tokens:<job_id> + stream rose:stream:<job_id>) and store "
+        "results as RQ job results. SIGTERM/SIGINT drains; a second signal stops at once (running jobs are "
+        "requeued, never lost).",
+        epilog="Every option can also be given as an environment variable ROSE_<OPTION> (e.g. ROSE_REDIS_URL, "
+        "ROSE_QUEUES=high,low). Command-line flags take precedence.",
+    )
+    fields = WorkerSettings.model_fields
+    for flag, name, extra in _FLAGS:
+        info = fields[name]
+        default = info.default_factory() if info.default_factory else info.default  # type: ignore[call-arg]
+        help_text = f"{info.description} [env ROSE_{name.upper()}; default: {default}]"
+        if name == "queues":
+            help_text = (
+                f"Queue to serve; repeat for several, highest priority first. [env ROSE_QUEUES, "
+                f"comma-separated; default: {','.join(default)}]"
+            )
+        parser.add_argument(flag, dest=name, default=None, help=help_text, **extra)
+    parser.add_argument(
+        "--burst", action="store_true", help="Exit once the queues are empty and no job runs."
+    )
+    return parser
+
+
+def load_settings(argv: list[str] | None = None) -> tuple[WorkerSettings, argparse.Namespace]:
+    args = build_parser().parse_args(argv)
+    overrides = {name: value for _, name, _ in _FLAGS if (value := getattr(args, name)) is not None}
+    return WorkerSettings(**overrides), args
+
+
+def connect(url: str) -> redis.Redis:
+    """A client for `url`, checked with PING. Raises SystemExit with a one-line explanation if it fails."""
+    try:
+        conn = redis.Redis.from_url(url, socket_connect_timeout=5, health_check_interval=30)
+        conn.ping()
+    except (
+        redis.ConnectionError,
+        redis.TimeoutError,
+        redis.AuthenticationError,
+        redis.ResponseError,
+        ValueError,
+        OSError,
+    ) as exc:
+        reason = " ".join(str(exc).split()).rstrip(".") or type(exc).__name__
+        raise SystemExit(
+            f"rose-worker: cannot reach Redis at {redact_url(url)}: {reason}. Check --redis-url / ROSE_REDIS_URL "
+            "(redis://[user:password@]host:port/db, rediss:// for TLS) and that the server is running."
+        ) from None
+    return conn
+
+
+def build_engine(settings: WorkerSettings) -> Any:
+    from rose.engine.engine import Engine
+
+    return Engine(
+        model=settings.model,
+        tokenizer=settings.tokenizer,
+        device=settings.device,
+        dtype=settings.dtype,
+        max_num_seqs=settings.max_num_seqs,
+        max_model_len=settings.max_model_len,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+        enable_prefix_caching=settings.enable_prefix_caching,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    # A signal while starting (model loading): nothing is held yet, so just leave (exit 0, as a drain would).
+    early: list[int] = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, _frame: early.append(signum))
+    try:
+        settings, args = load_settings(argv)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(map(str, e['loc'])) or 'settings'}: {e['msg']}" for e in exc.errors()
+        )
+        print(f"rose-worker: invalid settings: {problems}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+    conn = connect(settings.redis_url)
+
+    from rose.worker import recovery
+    from rose.worker.worker import NameInUse, RoseWorker
+
+    if settings.name and not recovery.wait_for_name(conn, settings.name, settings.heartbeat_timeout):
+        print(
+            f"rose-worker: a live worker named {settings.name!r} is already running; use another --name",
+            file=sys.stderr,
+        )
+        return 2
+    if early:
+        return 0
+    try:
+        engine = build_engine(settings)
+    except Exception as exc:
+        log.debug("engine construction failed", exc_info=True)
+        print(f"rose-worker: cannot load model {settings.model!r}: {exc}", file=sys.stderr)
+        return 2
+    try:
+        worker = RoseWorker(settings.queues, engine=engine, connection=conn, settings=settings)
+    except NameInUse as exc:
+        print(f"rose-worker: {exc}", file=sys.stderr)
+        return 2
+    if early:
+        log.warning("signal %s while starting: exiting before taking any job", early[0])
+        return 0
+    worker.work(burst=args.burst)
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

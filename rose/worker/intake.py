@@ -1,0 +1,248 @@
+"""Taking jobs off the queues and starting them: dequeue, start-of-job bookkeeping, validation.
+
+Dequeue moves ids into RQ's intermediate list (`rq:queue:<q>:intermediate`, LMOVE) and starting a job removes
+the id from there in the same transaction that puts it in the StartedJobRegistry, so a crash at any point leaves
+the job findable: recovery.py puts it back.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import redis
+from rq.exceptions import DequeueTimeout, DeserializationError
+from rq.executions import Execution
+from rq.job import Job, JobStatus
+from rq.queue import Queue
+
+from rose.jobs import keys
+from rose.jobs.schemas import GenerateRequest, ValidationError, format_validation_error
+
+if TYPE_CHECKING:
+    from rose.worker.worker import RoseWorker
+
+log = logging.getLogger(__name__)
+
+DEFAULT_JOB_TIMEOUT = Queue.DEFAULT_TIMEOUT  # what RQ applies when neither job nor queue sets one
+# Registry entries outlive a dead worker by this much: long enough for a rose-worker to requeue its jobs
+# (RQ's cleanup would FAIL them as abandoned once the score passes).
+ORPHAN_GRACE_S = 3600
+
+PICKLE_MESSAGE = (
+    "the job's payload is not JSON (was it enqueued with RQ's default pickle serializer?). rose-worker never "
+    "unpickles anything, so nothing in this job was run. Enqueue with "
+    "Queue('{queue}', connection=r, serializer=JSONSerializer).enqueue('rose.jobs.generate', "
+    "kwargs={{'prompt': ..., 'max_tokens': ...}}) or use rose.Client."
+)
+
+
+@dataclass
+class Running:
+    """A job this worker has started (it may still be waiting in the engine)."""
+
+    job: Job
+    queue: Queue
+    execution: Execution
+    started_wall: float
+    started_mono: float
+    timeout: int | None  # seconds, None = no limit
+    request: GenerateRequest | None = None
+    restarted: bool = False  # an earlier attempt left events in the stream
+    seq: int = 0  # next event seq in the current attempt
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    output: Any = None  # engine RequestOutput once finished
+    in_engine: bool = False
+    callback_done: bool = False  # a Redis retry of the retirement must not run the success callback twice
+
+    @property
+    def id(self) -> str:
+        return self.job.id
+
+    @property
+    def composite_key(self) -> str:
+        return self.execution.composite_key
+
+    def registry_ttl(self) -> int:
+        return (self.timeout or 0) + ORPHAN_GRACE_S
+
+    def next_seq(self) -> int:
+        self.seq += 1
+        return self.seq - 1
+
+
+def job_timeout(job: Job) -> int | None:
+    timeout = job.timeout if job.timeout is not None else DEFAULT_JOB_TIMEOUT
+    return None if timeout is None or int(timeout) < 0 else int(timeout)
+
+
+def take(worker: RoseWorker, limit: int) -> list[tuple[str, Queue]]:
+    """Up to `limit` job ids, highest-priority queue first, without blocking: one round trip to size the queues,
+    one to move the ids (LMOVE into each queue's intermediate list, as RQ's own dequeue does)."""
+    conn = worker.connection
+    with conn.pipeline(transaction=False) as pipe:
+        for queue in worker.queues:
+            pipe.llen(queue.key)
+        lengths = pipe.execute()
+    if not any(lengths):
+        return []
+    plan: list[tuple[Queue, int]] = []
+    left = limit
+    for queue, length in zip(worker.queues, lengths, strict=True):
+        n = min(left, int(length))
+        if n > 0:
+            plan.append((queue, n))
+            left -= n
+    taken: list[tuple[str, Queue]] = []
+    with conn.pipeline(transaction=False) as pipe:
+        for queue, n in plan:
+            for _ in range(n):
+                pipe.lmove(queue.key, queue.intermediate_queue_key, "LEFT", "RIGHT")
+        replies = iter(pipe.execute())
+    for queue, n in plan:
+        for _ in range(n):
+            job_id = next(replies)
+            if job_id is not None:  # another worker was quicker
+                taken.append((job_id.decode() if isinstance(job_id, bytes) else job_id, queue))
+    return taken
+
+
+def wait_for_one(worker: RoseWorker, timeout: int) -> list[tuple[str, Queue]]:
+    """Block up to `timeout` s for a job on any queue (RQ's own dequeue: BLMOVE for one queue, BLPOP for several)."""
+    try:
+        found = Queue.dequeue_any(
+            worker.queues,
+            timeout,
+            connection=worker.connection,
+            job_class=worker.job_class,
+            serializer=worker.serializer,
+        )
+    except DequeueTimeout:
+        return []
+    except Exception as exc:
+        # RQ tags errors raised while loading the popped job with its id: start it anyway (start() reloads it and
+        # fails it cleanly if it is unusable) rather than lose it.
+        job_id, queue = getattr(exc, "job_id", None), getattr(exc, "queue", None)
+        if job_id is None or queue is None or isinstance(exc, redis.ConnectionError | redis.TimeoutError):
+            raise
+        log.error("job %s: could not load it (%s); starting it only to fail it", job_id, exc)
+        return [(job_id, queue)]
+    if found is None:
+        return []
+    job, queue = found
+    return [(job.id, queue)]
+
+
+def start(worker: RoseWorker, taken: list[tuple[str, Queue]]) -> list[Running]:
+    """Start the taken jobs the RQ way (StartedJobRegistry + Execution, status started), in one transaction."""
+    if not taken:
+        return []
+    conn = worker.connection
+    jobs = Job.fetch_many([i for i, _ in taken], connection=conn, serializer=worker.serializer)
+    started: list[Running] = []
+    exists_at: list[int] = []  # index of each started job's EXISTS reply in the pipeline's results
+    with conn.pipeline() as pipe:
+        for (job_id, queue), job in zip(taken, jobs, strict=True):
+            pipe.lrem(queue.intermediate_queue_key, 1, job_id)
+            if job is None:
+                log.info("job %s vanished before it started; skipping", job_id)
+                continue
+            status = job.get_status(refresh=False)
+            if status != JobStatus.QUEUED:
+                # e.g. canceled between dequeue and now: a canceled job never starts.
+                log.info("job %s is %s, not queued; not starting it", job_id, status.value)
+                continue
+            job.redis_server_version = worker.get_redis_server_version()
+            timeout = job_timeout(job)
+            run = Running(
+                job=job,
+                queue=queue,
+                execution=None,
+                started_wall=time.time(),  # type: ignore[arg-type]
+                started_mono=time.monotonic(),
+                timeout=timeout,
+            )
+            run.execution = Execution.create(job, run.registry_ttl(), pipeline=pipe, worker_name=worker.name)
+            job.prepare_for_execution(worker.name, pipeline=pipe)
+            pipe.persist(job.key)  # as Job.perform does: a running job must not expire under us
+            exists_at.append(len(pipe))
+            pipe.exists(keys.stream_key(job_id))
+            started.append(run)
+        results = pipe.execute()
+    for run, idx in zip(started, exists_at, strict=True):
+        run.restarted = bool(results[idx])
+        log.debug("job %s started from %s%s", run.id, run.queue.name, " (restart)" if run.restarted else "")
+    return started
+
+
+def adopt(worker: RoseWorker, taken: list[tuple[str, Queue]]) -> list[Running]:
+    """Jobs whose start transaction may or may not have gone through (the connection broke before its reply):
+    pick up those we did start, start those still queued. Without this they would be orphans, restarted later."""
+    if not taken:
+        return []
+    conn = worker.connection
+    with conn.pipeline(transaction=False) as pipe:
+        for job_id, _ in taken:
+            pipe.hmget(Job.key_for(job_id), "status", "worker_name")
+        states = pipe.execute()
+    to_start: list[tuple[str, Queue]] = []
+    adopted: list[Running] = []
+    for (job_id, queue), (status, owner) in zip(taken, states, strict=True):
+        if status == JobStatus.QUEUED.value.encode():
+            to_start.append((job_id, queue))
+        elif status == JobStatus.STARTED.value.encode() and owner == worker.name.encode():
+            prefix = f"{job_id}:".encode()
+            member = next(
+                (m for m in conn.zrange(queue.started_job_registry.key, 0, -1) if m.startswith(prefix)), None
+            )
+            if member is None:
+                continue
+            job = Job.fetch(job_id, connection=conn, serializer=worker.serializer)
+            execution = Execution.from_composite_key(member.decode(), conn)
+            execution.worker_name = worker.name
+            run = Running(
+                job=job,
+                queue=queue,
+                execution=execution,
+                started_wall=time.time(),
+                started_mono=time.monotonic(),
+                timeout=job_timeout(job),
+            )
+            run.restarted = bool(conn.exists(keys.stream_key(job_id)))
+            adopted.append(run)
+            log.info("job %s: its start went through before the connection broke; carrying on", job_id)
+    return adopted + start(worker, to_start)
+
+
+def validate(worker: RoseWorker, run: Running) -> str | None:
+    """Parse the job's arguments. Returns the failure message for a job that must fail, else None."""
+    job = run.job
+    try:
+        func_name, args, kwargs = job.func_name, job.args, job.kwargs
+    except DeserializationError as exc:
+        if isinstance(exc.__cause__, ValueError | TypeError) and not isinstance(
+            exc.__cause__, UnicodeError | json.JSONDecodeError
+        ):
+            return (
+                "the job's payload is JSON but not RQ's [\"rose.jobs.generate\", null, [], {kwargs}] layout "
+                f"({exc.__cause__}); enqueue with RQ's JSONSerializer or follow docs/jobs.md"
+            )
+        return PICKLE_MESSAGE.format(queue=run.queue.name)
+    if func_name != keys.FUNC_PATH:
+        return (
+            f"rose-worker only runs {keys.FUNC_PATH} jobs, not {func_name!r}: keep other jobs off the queues "
+            f"it serves ({', '.join(worker.queue_names())})"
+        )
+    if args:
+        return f"{keys.FUNC_PATH} takes keyword arguments only (kwargs={{'prompt': ...}}), got positional {json.dumps(args)[:200]}"
+    try:
+        run.request = GenerateRequest(**kwargs)
+    except ValidationError as exc:
+        return format_validation_error(exc)
+    except TypeError as exc:  # e.g. non-string keys
+        return f"invalid {keys.FUNC_PATH} arguments: {exc}"
+    return None

@@ -1,0 +1,232 @@
+"""How a job ends on this worker: finished, failed, canceled, stopped, or requeued. Always through RQ's own
+handlers (`handle_job_success` / `handle_job_failure`), so callbacks, dependents, Retry, result_ttl and
+failure_ttl behave as RQ documents; then the job's terminal event is queued for publishing.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from rq.executions import Execution
+from rq.job import Job, JobStatus
+from rq.queue import Queue
+from rq.utils import now
+
+from rose.jobs.events import CanceledEvent, DoneEvent, ErrorEvent, ResetEvent, TokenEvent, Usage
+from rose.worker.intake import Running
+from rose.worker.publisher import NO_EXPIRY, Outgoing
+
+if TYPE_CHECKING:
+    from rose.worker.worker import RoseWorker
+
+log = logging.getLogger(__name__)
+
+
+class RoseJobError(Exception):
+    """Raised (for failure callbacks' exc_info) when rose-worker fails a job."""
+
+
+class RoseJobTimeout(RoseJobError):
+    """The job ran past its RQ job timeout."""
+
+
+def result_ttl(worker: RoseWorker, job: Job) -> int:
+    return job.get_result_ttl(worker.default_result_ttl)
+
+
+def stream_ttl(worker: RoseWorker, job: Job, run: Running | None = None) -> int:
+    """Streams expire with the job's result TTL once the job has ended (-1: never); while the job runs, they
+    live at least until its timeout plus that TTL."""
+    ttl = result_ttl(worker, job)
+    if ttl is not None and ttl < 0:
+        return NO_EXPIRY
+    ttl = max(1, ttl or 0)
+    if run is not None:
+        ttl += run.registry_ttl()
+    return ttl
+
+
+def result_dict(worker: RoseWorker, run: Running) -> dict[str, Any]:
+    out = run.output
+    m = out.metrics
+    start = m.arrival_time or run.started_wall
+    finished = m.finished_time or time.time()
+    generation_s = max(0.0, finished - start)
+    completion = len(out.token_ids)
+    job = run.job
+    queue_s = None
+    if job.enqueued_at is not None and job.started_at is not None:
+        queue_s = max(0.0, (job.started_at - job.enqueued_at).total_seconds())
+    streamed = "".join(run.text)
+    if streamed != out.text:
+        log.error("job %s: streamed text differs from the engine's final text (engine bug?)", run.id)
+    return {
+        "text": out.text,
+        "token_ids": list(out.token_ids),
+        "finish_reason": out.finish_reason,
+        "usage": {"prompt_tokens": len(out.prompt_token_ids), "completion_tokens": completion},
+        "metrics": {
+            "queue_s": queue_s,
+            "ttft_s": (m.first_token_time - start) if m.first_token_time else None,
+            "generation_s": generation_s,
+            "tokens_per_s": completion / generation_s if generation_s > 0 else None,
+        },
+        "worker": worker.name,
+        "metadata": run.request.metadata if run.request is not None else None,
+    }
+
+
+class Outcomes:
+    """Mixin of RoseWorker: ending jobs and queueing their events."""
+
+    def _emit(self: RoseWorker, job: Job, event: Any, ttl: int) -> None:
+        self._outbox.append(Outgoing(job.id, event.to_json(), ttl))
+
+    def _emit_token(self: RoseWorker, run: Running, text: str, token_ids: list[int]) -> None:
+        event = TokenEvent(job_id=run.id, seq=run.next_seq(), text=text, token_ids=token_ids)
+        self._emit(run.job, event, stream_ttl(self, run.job, run))
+
+    def _emit_reset(self: RoseWorker, run: Running, reason: str = "restart") -> None:
+        self._emit(run.job, ResetEvent(job_id=run.id, reason=reason), stream_ttl(self, run.job, run))
+
+    def _forget(self: RoseWorker, run: Running) -> None:
+        self.running.pop(run.id, None)
+        if run.in_engine:
+            run.in_engine = False
+            try:
+                self.engine.abort(run.id)
+            except Exception:  # the request may already be gone from a broken engine
+                log.debug("engine.abort(%s) failed", run.id, exc_info=True)
+
+    def _succeed(self: RoseWorker, run: Running) -> None:
+        job = run.job
+        result = result_dict(self, run)
+        job.ended_at = now()
+        job._result = result
+        if job.success_callback and not run.callback_done:
+            try:
+                job.execute_success_callback(self.death_penalty_class, result)
+            except Exception as exc:  # RQ: a failing success callback fails the job
+                log.exception("job %s: success callback failed", job.id)
+                self._fail(run, f"success callback failed: {exc!r}", retry=True)
+                return
+            run.callback_done = True
+        job._status = JobStatus.FINISHED
+        self.execution = run.execution
+        self.handle_job_success(job, run.queue, run.queue.started_job_registry)
+        job.send_webhooks(JobStatus.FINISHED)
+        self._announce_done(run, result)
+
+    def _announce_done(self: RoseWorker, run: Running, result: dict[str, Any] | None = None) -> None:
+        """The job's result is stored: let it go and publish its `done` event."""
+        job = run.job
+        result = result or result_dict(self, run)
+        self._forget(run)
+        done = DoneEvent(
+            job_id=run.id,
+            seq=run.next_seq(),
+            finish_reason=result["finish_reason"] or "stop",
+            usage=Usage(**result["usage"]),
+        )
+        self._emit(job, done, stream_ttl(self, job))
+        self.completed += 1
+        log.info(
+            "job %s finished (%s, %d tokens, %.2f s)",
+            job.id,
+            result["finish_reason"],
+            result["usage"]["completion_tokens"],
+            result["metrics"]["generation_s"],
+        )
+
+    def _fail(
+        self: RoseWorker,
+        run: Running,
+        message: str,
+        *,
+        retry: bool = True,
+        exc_class: type[RoseJobError] = RoseJobError,
+        callbacks: bool = True,
+    ) -> None:
+        """Fail the job through RQ. `retry=False` for deterministic errors (bad input) where RQ's Retry would
+        only fail again; `callbacks=False` when the payload is untrusted (not JSON)."""
+        job = run.job
+        self._forget(run)
+        job.ended_at = now()
+        job._status = JobStatus.FAILED
+        if not retry:
+            job.retries_left = None
+        exc = exc_class(message)
+        exc_string = f"{exc_class.__name__}: {message}\n"
+        if callbacks:
+            try:
+                job.execute_failure_callback(self.death_penalty_class, exc_class, exc, None)
+            except Exception:
+                log.exception("job %s: failure callback failed", job.id)
+        will_retry = job.should_retry
+        self.execution = run.execution
+        self.handle_job_failure(
+            job, run.queue, started_job_registry=run.queue.started_job_registry, exc_string=exc_string
+        )
+        log.warning("job %s failed%s: %s", job.id, " (RQ will retry it)" if will_retry else "", message)
+        if not will_retry:  # a retried job's stream goes on with a reset when it restarts
+            self._emit(
+                job, ErrorEvent(job_id=run.id, seq=run.next_seq(), message=message), stream_ttl(self, job)
+            )
+
+    def _cancel(self: RoseWorker, run: Running, reason: str) -> None:
+        """The job was canceled (job.cancel(), client cancel) or deleted: free its slot, clean up, tell subscribers."""
+        self._forget(run)
+        with self.connection.pipeline() as pipe:
+            run.execution.delete(run.job, pipeline=pipe)
+            self.set_current_job_id(None, pipeline=pipe)
+            pipe.execute()
+        self._emit(
+            run.job,
+            CanceledEvent(job_id=run.id, seq=run.next_seq(), reason=reason),
+            stream_ttl(self, run.job),
+        )
+        log.info("job %s %s", run.id, reason)
+
+    def _stop(self: RoseWorker, run: Running) -> None:
+        """rq's send_stop_job_command: status `stopped`, as RQ's own worker does."""
+        job = run.job
+        self._forget(run)
+        job.ended_at = now()
+        self._stopped_job_id = job.id
+        self.execution = run.execution
+        self.handle_job_failure(
+            job,
+            run.queue,
+            started_job_registry=run.queue.started_job_registry,
+            exc_string="Job stopped by user, work-horse terminated.",
+        )
+        if job.stopped_callback is not None:
+            try:
+                job.execute_stopped_callback(self.death_penalty_class)
+            except Exception:
+                log.exception("job %s: stopped callback failed", job.id)
+        self._emit(
+            job, CanceledEvent(job_id=run.id, seq=run.next_seq(), reason="stopped"), stream_ttl(self, job)
+        )
+        log.info("job %s stopped by command", job.id)
+
+    def fail_orphan(
+        self: RoseWorker, job: Job, queue: Queue, execution: Execution, owner: str, requeues: int
+    ) -> None:
+        """A job whose workers died `requeues` times already: fail it instead of requeueing it again."""
+        message = (
+            f"the job was requeued {requeues} times after its worker died while running it (last: {owner or '?'}); "
+            f"failing it instead of retrying forever, as it may be what crashes workers (--max-requeues)"
+        )
+        run = Running(
+            job=job,
+            queue=queue,
+            execution=execution,
+            started_wall=time.time(),
+            started_mono=time.monotonic(),
+            timeout=None,
+        )
+        self._emit_reset(run, reason="worker died")
+        self._fail(run, message, retry=False)

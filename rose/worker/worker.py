@@ -1,0 +1,336 @@
+"""RoseWorker: a real RQ worker (registered, heartbeating, using RQ's handlers) whose loop feeds many jobs at once
+into a continuous-batching engine.
+
+One thread owns the engine and all job bookkeeping. Per iteration: take jobs while the engine has room (block on
+the queues only when idle), step the engine, check cancels / stop commands / timeouts, retire finished jobs,
+hand the step's events to the publisher thread. Heartbeats, orphan recovery and RQ maintenance run on timers.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from typing import Any
+
+import redis
+from rq.job import JobStatus
+from rq.serializers import JSONSerializer
+from rq.suspension import is_suspended
+from rq.timeouts import TimerDeathPenalty, UnixSignalDeathPenalty
+from rq.worker import BaseWorker, WorkerStatus
+
+from rose.config import WorkerSettings
+from rose.worker import intake, recovery
+from rose.worker.intake import Running
+from rose.worker.lifecycle import Lifecycle
+from rose.worker.outcomes import Outcomes, RoseJobTimeout
+from rose.worker.publisher import Outgoing, Publisher
+
+log = logging.getLogger(__name__)
+
+_REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError)
+IDLE_BLOCK_S = 1  # longest blocking dequeue: bounds how late a signal, heartbeat or recovery scan can be
+
+
+class NameInUse(RuntimeError):
+    pass
+
+
+class RoseWorker(Lifecycle, Outcomes, BaseWorker):
+    """`RoseWorker(["rose"], engine=engine, connection=r, settings=WorkerSettings(...)).work()`."""
+
+    def __init__(
+        self,
+        queues: Any,
+        *,
+        engine: Any,
+        connection: redis.Redis,
+        settings: WorkerSettings | None = None,
+        name: str | None = None,
+        **kwargs: Any,
+    ):
+        self.settings = settings or WorkerSettings()
+        name = name or self.settings.name
+        if name and recovery.name_in_use(connection, name, self.settings.heartbeat_timeout):
+            raise NameInUse(f"a live worker named {name!r} is already running; give this one another --name")
+        kwargs.setdefault("worker_ttl", self.settings.heartbeat_timeout)
+        super().__init__(queues, name=name, connection=connection, serializer=JSONSerializer, **kwargs)
+        # Every connection of this process carries the worker's name, so a restart can tell a live holder of
+        # the name (connections open) from a killed one (connections closed by the kernel).
+        self.connection.connection_pool.connection_kwargs["client_name"] = self.name
+        self.engine = engine
+        self.running: dict[str, Running] = {}
+        self.publisher = Publisher(self.connection)
+        self._outbox: list[Outgoing] = []
+        self._limbo: list[tuple[str, Any]] = []  # taken ids whose start may not have gone through
+        self._stop_job_ids: collections.deque[str] = collections.deque()
+        self._drain_deadline: float | None = None
+        self._force_stop = False
+        self._suspended = False
+        self._redis_down_until = 0.0
+        self._redis_backoff = 0.5
+        self._next_heartbeat = 0.0
+        self._next_recovery = 0.0
+        self._intermediate = recovery.IntermediateWatch()
+        self.completed = 0
+
+    @property
+    def connection_timeout(self) -> int:
+        # RQ sizes the socket timeout for its ~7-minute blocking dequeue; ours blocks IDLE_BLOCK_S at most, and a
+        # stalled Redis must not freeze the engine loop for long.
+        return IDLE_BLOCK_S + 9
+
+    # ---- public helpers -------------------------------------------------------------------------------------
+
+    def held_executions(self) -> set[str]:
+        return {run.composite_key for run in self.running.values()}
+
+    @property
+    def draining(self) -> bool:
+        return self._drain_deadline is not None
+
+    # ---- the loop ---------------------------------------------------------------------------------------------
+
+    def work(self, burst: bool = False, max_idle_time: int | None = None, **_: Any) -> bool:  # type: ignore[override]
+        """Run until a signal (or, with burst=True, until the queues are empty and nothing runs)."""
+        if threading.current_thread() is not threading.main_thread():
+            self.death_penalty_class = TimerDeathPenalty  # SIGALRM-based timeouts need the main thread
+        else:
+            self.death_penalty_class = UnixSignalDeathPenalty
+        self._install_signal_handlers()
+        self._startup()
+        idle_since = time.monotonic()
+        try:
+            while not self._should_exit():
+                took = self._iteration(block=not burst)
+                if self.running or took:
+                    idle_since = time.monotonic()
+                    continue
+                if burst and not self.engine.has_unfinished() and self._queues_empty():
+                    break
+                if max_idle_time is not None and time.monotonic() - idle_since > max_idle_time:
+                    break
+        finally:
+            self._shutdown()
+        return self.completed > 0
+
+    def _check_suspension(self) -> None:
+        suspended = bool(is_suspended(self.connection, self))
+        if suspended != self._suspended:
+            log.warning(
+                "worker %s: %s",
+                self.name,
+                "suspended (rq suspend): taking no new jobs" if suspended else "resumed",
+            )
+            self.set_state(WorkerStatus.SUSPENDED if suspended else WorkerStatus.IDLE)
+        self._suspended = suspended
+
+    def _queues_empty(self) -> bool:
+        with self.connection.pipeline(transaction=False) as pipe:
+            for queue in self.queues:
+                pipe.llen(queue.key)
+            return not any(pipe.execute())
+
+    def _should_exit(self) -> bool:
+        if self._drain_deadline is None:
+            return False
+        return self._force_stop or not self.running or time.monotonic() >= self._drain_deadline
+
+    def _startup(self) -> None:
+        key = self.key
+        if self.connection.exists(key) and not self.connection.hexists(key, "death"):
+            # Checked in __init__: nobody holds the name, this is the key of our killed predecessor.
+            log.warning(
+                "worker %s: previous run under this name died without unregistering; taking over", self.name
+            )
+            self.connection.delete(key)
+        self.register_birth()
+        self.heartbeat()
+        self.subscribe()
+        self.publisher.start()
+        self.set_state(WorkerStatus.IDLE)
+        # Jobs our predecessor held (same name) are orphans now: requeue them before anything else.
+        recovery.recover(self, self._intermediate)
+        self._flush_outbox()
+        self._next_recovery = time.monotonic() + self.settings.recovery_interval
+        log.info(
+            "worker %s: serving %s with %s (max %d jobs at once)",
+            self.name,
+            ", ".join(self.queue_names()),
+            getattr(self.engine, "model_name", type(self.engine).__name__),
+            self._max_jobs(),
+        )
+
+    def _max_jobs(self) -> int:
+        return int(getattr(self.engine, "max_num_seqs", 1))
+
+    def _iteration(self, block: bool) -> int:
+        self._timers()
+        took = 0
+        if not self.running and not self.draining:
+            # Idle: `rq suspend` / `rq resume` are noticed within a second (busy: at each heartbeat).
+            self._redis("suspension", self._check_suspension)
+        if not self.draining and not self._suspended:
+            took = self._redis("intake", self._intake, block)
+        elif self._suspended and not self.running:
+            time.sleep(IDLE_BLOCK_S)
+        if self.engine.has_unfinished():
+            self._step()
+        if self.running:
+            self._redis("checks", self._checks)
+            self._redis("retire", self._retire)
+        self._flush_outbox()
+        if time.monotonic() < self._redis_down_until and not self.engine.has_unfinished():
+            time.sleep(min(0.5, self._redis_down_until - time.monotonic()))
+        return took or 0
+
+    def _redis(self, stage: str, fn: Any, *args: Any) -> Any:
+        """Run a Redis-touching stage; while Redis is unreachable, back off and keep stepping the engine."""
+        if time.monotonic() < self._redis_down_until:
+            return None
+        try:
+            result = fn(*args)
+        except _REDIS_ERRORS as exc:
+            log.error("Redis unreachable during %s (%s); retrying in %.1f s", stage, exc, self._redis_backoff)
+            self._redis_down_until = time.monotonic() + self._redis_backoff
+            self._redis_backoff = min(self._redis_backoff * 2, 30.0)
+            return None
+        self._redis_backoff = 0.5
+        return result
+
+    def _timers(self) -> None:
+        t = time.monotonic()
+        if t >= self._next_heartbeat and self._redis("heartbeat", self._heartbeat) is not None:
+            self._next_heartbeat = t + self.settings.heartbeat_interval
+        if t >= self._next_recovery and not self.draining:
+            self._redis("recovery", recovery.recover, self, self._intermediate)
+            self._flush_outbox()
+            self._next_recovery = t + self.settings.recovery_interval
+        if self.should_run_maintenance_tasks and not self.draining:
+            self._redis("maintenance", self.run_maintenance_tasks)
+
+    def _intake(self, block: bool) -> int:
+        room = self._max_jobs() - int(self.engine.num_running) - int(self.engine.num_waiting)
+        if room <= 0:
+            return 0
+        taken, self._limbo = self._limbo, []
+        try:
+            if taken:  # a start whose reply was lost last time
+                runs = intake.adopt(self, taken)
+            else:
+                taken = intake.take(self, room)
+                if not taken and block and not self.running and not self.engine.has_unfinished():
+                    taken = intake.wait_for_one(self, IDLE_BLOCK_S)
+                    if taken and room > 1:
+                        taken += intake.take(self, room - 1)
+                runs = intake.start(self, taken)
+        except _REDIS_ERRORS:
+            self._limbo = taken
+            raise
+        for run in runs:
+            self._admit(run)
+        return len(runs)
+
+    def _admit(self, run: Running) -> None:
+        stale = self.running.get(run.id)
+        if stale is not None:  # requeued behind our back (we were taken for dead) and dequeued by us again
+            self._forget(stale)
+        if run.restarted:
+            self._emit_reset(run)
+        message = intake.validate(self, run)
+        if message is not None:
+            self._fail(run, message, retry=False, callbacks=run.request is not None or _json_payload(run))
+            return
+        request = run.request
+        assert request is not None
+        try:
+            self.engine.add_request(
+                run.id, request.engine_prompt, request.to_sampling_params(), priority=request.priority
+            )
+        except ValueError as exc:  # prompt too long for the context, text prompt without tokenizer, ...
+            self._fail(run, str(exc), retry=False)
+            return
+        except Exception as exc:
+            log.exception("engine refused job %s", run.id)
+            self._fail(run, f"engine error while adding the job: {exc!r}")
+            return
+        run.in_engine = True
+        self.running[run.id] = run
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:
+            # One failure hits the whole batch: fail (or, with RQ Retry, requeue) every job it touched.
+            log.exception("engine step failed; failing the %d jobs in the batch", len(self.running))
+            for run in list(self.running.values()):
+                self._redis("engine failure", self._fail, run, f"engine error: {exc!r}")
+                self.running.pop(run.id, None)
+            return
+        for out in outputs:
+            run = self.running.get(out.request_id)
+            if run is None:
+                continue
+            if out.new_token_ids or out.new_text:
+                run.text.append(out.new_text)
+                run.token_ids.extend(out.new_token_ids)
+                self._emit_token(run, out.new_text, list(out.new_token_ids))
+            if out.finished:
+                run.in_engine = False
+                run.output = out.output
+
+    def _checks(self) -> None:
+        """Cancels (job.cancel() / client), deletions, stop commands, lost ownership and timeouts, before any
+        retirement: a canceled job must not be stored as finished. One round trip."""
+        runs = list(self.running.values())
+        with self.connection.pipeline(transaction=False) as pipe:
+            for run in runs:
+                pipe.hmget(run.job.key, "status", "worker_name")
+            replies = pipe.execute()
+        for run, (status, owner) in zip(runs, replies, strict=True):
+            status = status.decode() if status else None
+            owner = owner.decode() if owner else ""
+            if status is None:
+                self._cancel(run, "deleted")
+            elif status in (JobStatus.CANCELED.value, JobStatus.STOPPED.value):
+                self._cancel(run, "canceled")
+            elif status == JobStatus.FINISHED.value and owner == self.name and run.output is not None:
+                # Our retirement reached Redis but its reply was lost (connection drop): finish the job here.
+                self._announce_done(run)
+            elif status != JobStatus.STARTED.value or owner != self.name:
+                # Requeued by another worker that took us for dead (e.g. after a long Redis outage).
+                log.warning("job %s is now %s on %r; dropping our copy", run.id, status, owner)
+                self._forget(run)
+        while self._stop_job_ids:
+            job_id = self._stop_job_ids.popleft()
+            run = self.running.get(job_id)
+            if run is not None:
+                self._stop(run)
+        t = time.monotonic()
+        for run in list(self.running.values()):
+            if run.timeout is not None and run.output is None and t - run.started_mono > run.timeout:
+                self._fail(
+                    run,
+                    f"Job exceeded maximum timeout value ({run.timeout} seconds)",
+                    exc_class=RoseJobTimeout,
+                )
+
+    def _retire(self) -> None:
+        for run in [r for r in self.running.values() if r.output is not None]:
+            self._succeed(run)
+
+    def _flush_outbox(self) -> None:
+        if self._outbox:
+            self.publisher.send(self._outbox)
+            self._outbox = []
+
+
+def _json_payload(run: Running) -> bool:
+    """Whether the job's payload decodes as JSON (only then may its callbacks be run)."""
+    try:
+        run.job.func_name  # noqa: B018 - decoding the payload is the point
+        return True
+    except Exception:
+        return False

@@ -1,0 +1,129 @@
+import json
+import zlib
+
+import pytest
+from rq import Queue, SimpleWorker
+from rq.job import Job as RQJob
+from rq.job import JobStatus
+from rq.serializers import JSONSerializer
+
+from rose.jobs import keys
+from rose.jobs.client import Client, JobCanceled, JobFailed, StreamReset
+from rose.jobs.events import DoneEvent, ErrorEvent, ResetEvent, TokenEvent, Usage
+from rose.jobs.schemas import ValidationError
+
+
+@pytest.fixture
+def client(fake_r):
+    return Client(fake_r, queue="rose")
+
+
+def add(r, event):
+    r.xadd(keys.stream_key(event.job_id), {keys.STREAM_FIELD: event.to_json()})
+
+
+def done(job_id, seq):
+    return DoneEvent(
+        job_id=job_id, seq=seq, finish_reason="length", usage=Usage(prompt_tokens=1, completion_tokens=2)
+    )
+
+
+def test_submit_is_a_plain_json_rq_job(client, fake_r):
+    job = client.submit(
+        "Hello", max_tokens=8, temperature=0.5, metadata={"k": 1}, job_timeout=30, result_ttl=60
+    )
+    raw = RQJob.fetch(job.id, connection=fake_r, serializer=JSONSerializer)
+    assert raw.func_name == "rose.jobs.generate"
+    assert raw.args == []
+    assert raw.kwargs == {"prompt": "Hello", "max_tokens": 8, "temperature": 0.5, "metadata": {"k": 1}}
+    assert (raw.timeout, raw.result_ttl, raw.origin) == (30, 60, "rose")
+    # zlib-compressed JSON [func, instance, args, kwargs] on the wire: readable from any language
+    assert json.loads(zlib.decompress(fake_r.hget(raw.key, "data"))) == [
+        "rose.jobs.generate",
+        None,
+        [],
+        raw.kwargs,
+    ]
+    assert fake_r.lrange("rq:queue:rose", 0, -1) == [job.id.encode()]
+
+
+def test_submit_token_ids_and_local_validation(client):
+    job = client.submit([1, 2, 3], max_tokens=2)
+    assert job.rq_job.kwargs == {"prompt_token_ids": [1, 2, 3], "max_tokens": 2}
+    with pytest.raises(ValidationError, match="max_token"):
+        client.submit("x", max_token=3)
+
+
+def test_submit_many(client, fake_r):
+    jobs = client.submit_many(["a", {"prompt": "b", "max_tokens": 3, "job_id": "fixed"}], temperature=0.0)
+    assert [j.id for j in jobs][1] == "fixed"
+    assert fake_r.lrange("rq:queue:rose", 0, -1) == [j.id.encode() for j in jobs]
+    assert jobs[1].rq_job.kwargs == {"prompt": "b", "max_tokens": 3, "temperature": 0.0}
+
+
+def test_stream_reads_replay_and_ends_on_done(client, fake_r):
+    job = client.submit("x")
+    for i, t in enumerate(["He", "llo"]):
+        add(fake_r, TokenEvent(job_id=job.id, seq=i, text=t, token_ids=[i]))
+    add(fake_r, done(job.id, 2))
+    assert "".join(job.stream(timeout=5)) == "Hello"
+    assert "".join(job.stream(timeout=5)) == "Hello"  # replayable, no duplicates
+
+
+def test_late_reader_skips_superseded_attempts(client, fake_r):
+    job = client.submit("x")
+    add(fake_r, TokenEvent(job_id=job.id, seq=0, text="old", token_ids=[0]))
+    add(fake_r, ResetEvent(job_id=job.id))
+    add(fake_r, TokenEvent(job_id=job.id, seq=0, text="new", token_ids=[1]))
+    add(fake_r, done(job.id, 1))
+    assert list(job.stream(timeout=5)) == ["new"]
+    assert [e.type for e in job.events(timeout=5)] == ["token", "done"]
+
+
+def test_reset_mid_stream_raises(client, fake_r):
+    job = client.submit("x")
+    add(fake_r, TokenEvent(job_id=job.id, seq=0, text="old", token_ids=[0]))
+    it = job.stream(timeout=5)
+    assert next(it) == "old"
+    add(fake_r, ResetEvent(job_id=job.id))
+    with pytest.raises(StreamReset) as info:
+        next(it)
+    assert info.value.text == "old"
+
+
+def test_stream_error_event_raises(client, fake_r):
+    job = client.submit("x")
+    add(fake_r, ErrorEvent(job_id=job.id, seq=0, message="prompt too long"))
+    with pytest.raises(JobFailed, match="prompt too long"):
+        list(job.stream(timeout=5))
+
+
+def test_cancel_queued_job_never_starts_and_ends_its_stream(client, fake_r):
+    job = client.submit("x")
+    assert job.cancel() is True
+    assert job.rq_job.get_status() == JobStatus.CANCELED
+    assert fake_r.llen("rq:queue:rose") == 0
+    with pytest.raises(JobCanceled):
+        list(job.stream(timeout=5))
+    with pytest.raises(JobCanceled):
+        job.result(timeout=1)
+    assert job.cancel() is False
+
+
+def test_result_timeout(client):
+    job = client.submit("x")
+    with pytest.raises(TimeoutError):
+        job.result(timeout=1)
+
+
+def test_stock_rq_worker_fails_the_job_loudly(client, fake_r):
+    """A stock `rq worker` that picks a rose job up must fail it with an explanation, not hang."""
+    job = client.submit("x", max_tokens=2)
+    SimpleWorker(
+        [Queue("rose", connection=fake_r, serializer=JSONSerializer)],
+        connection=fake_r,
+        serializer=JSONSerializer,
+    ).work(burst=True)
+    assert job.rq_job.get_status() == JobStatus.FAILED
+    with pytest.raises(JobFailed, match="must be run by the rose-worker daemon"):
+        job.result(timeout=1)

@@ -1,0 +1,38 @@
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from rose.jobs import keys
+from rose.jobs.events import DoneEvent, ErrorEvent, ResetEvent, TokenEvent, Usage, parse_event
+
+
+def test_keys():
+    assert keys.tokens_channel("abc") == "rose:tokens:abc"
+    assert keys.stream_key("abc") == "rose:stream:abc"
+    assert keys.FUNC_PATH == "rose.jobs.generate"
+
+
+def test_token_event_wire_format():
+    data = json.loads(TokenEvent(job_id="j", seq=0, text="Hi", token_ids=[5]).to_json())
+    assert data == {"job_id": "j", "type": "token", "seq": 0, "text": "Hi", "token_ids": [5]}
+
+
+@pytest.mark.parametrize(
+    "event",
+    [
+        TokenEvent(job_id="j", seq=3, text="é", token_ids=[1, 2]),
+        DoneEvent(job_id="j", seq=4, finish_reason="stop", usage=Usage(prompt_tokens=2, completion_tokens=4)),
+        ErrorEvent(job_id="j", seq=0, message="bad"),
+        ResetEvent(job_id="j"),
+    ],
+)
+def test_round_trip(event):
+    assert parse_event(event.to_json()) == event
+
+
+def test_unknown_type_rejected_and_extra_fields_kept():
+    with pytest.raises(ValidationError):
+        parse_event({"job_id": "j", "type": "bogus"})
+    event = parse_event({"job_id": "j", "type": "reset", "attempt": 2})
+    assert event.type == "reset"

@@ -1,0 +1,385 @@
+"""The worker loop against a real redis-server, with a fake engine (fast and exact)."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import re
+import threading
+import time
+
+import pytest
+from rq import Queue, Retry, Worker
+from rq.command import send_stop_job_command
+from rq.job import Job
+from rq.registry import StartedJobRegistry
+from rq.serializers import JSONSerializer
+from worker_helpers import FakeEngine, stream_events, wait_for
+
+from rose.jobs import keys
+from rose.jobs.client import Client, JobCanceled, JobFailed
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def enqueue(q, **kwargs):
+    rq_opts = {
+        k: kwargs.pop(k) for k in list(kwargs) if k in ("job_timeout", "result_ttl", "retry", "job_id")
+    }
+    kwargs.setdefault("max_tokens", 3)
+    return q.enqueue("rose.jobs.generate", kwargs=kwargs, **rq_opts)
+
+
+def status(r, job) -> str:
+    return r.hget(job.key, "status").decode()
+
+
+def wait_status(r, job, want: str, timeout: float = 10):
+    wait_for(lambda: status(r, job) == want, timeout, what=f"job {job.id} {want} (is {status(r, job)})")
+
+
+def check_stream(r, job_id: str, terminal: str) -> list[dict]:
+    # the terminal event is published right after the job's status is stored
+    wait_for(
+        lambda: stream_events(r, job_id)[-1:] and stream_events(r, job_id)[-1]["type"] == terminal,
+        5,
+        what=f"{terminal} event of {job_id}",
+    )
+    events = stream_events(r, job_id)
+    types = [e["type"] for e in events]
+    assert types[-1] == terminal and types.count(terminal) == 1, types
+    tokens = [e for e in events if e["type"] == "token"]
+    assert [e["seq"] for e in events if "seq" in e] == list(range(len(tokens) + 1))
+    return events
+
+
+def test_batch_of_jobs_finishes_with_results_streams_and_pubsub(run_worker, r, q):
+    sub = r.pubsub()
+    jobs = [enqueue(q, prompt=f"p {i}", max_tokens=2 + i, metadata={"i": i}) for i in range(6)]
+    for j in jobs:
+        sub.subscribe(keys.tokens_channel(j.id))
+    engine = FakeEngine(max_num_seqs=4)
+    run_worker(engine=engine)
+    for j in jobs:
+        wait_status(r, j, "finished")
+    for i, j in enumerate(jobs):
+        result = Job.fetch(j.id, connection=r, serializer=JSONSerializer).return_value()
+        assert result["text"] == "".join(f"w{k} " for k in range(2 + i))
+        assert result["token_ids"] == list(range(2 + i))
+        assert result["finish_reason"] == "length"
+        assert result["usage"] == {"prompt_tokens": 2, "completion_tokens": 2 + i}
+        assert set(result["metrics"]) == {"queue_s", "ttft_s", "generation_s", "tokens_per_s"}
+        assert result["metrics"]["queue_s"] >= 0 and result["metrics"]["generation_s"] >= 0
+        assert result["metadata"] == {"i": i}
+        events = check_stream(r, j.id, "done")
+        assert "".join(e["text"] for e in events if e["type"] == "token") == result["text"]
+        assert events[-1]["usage"] == result["usage"]
+    # pub/sub carried the same events, in order
+    got: dict[str, list[dict]] = {}
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and sum(len(v) for v in got.values()) < sum(3 + i for i in range(6)):
+        msg = sub.get_message(timeout=0.5)
+        if msg and msg["type"] == "message":
+            event = json.loads(msg["data"])
+            got.setdefault(event["job_id"], []).append(event)
+    for j in jobs:
+        assert got[j.id] == stream_events(r, j.id)
+    assert max(len(engine.added) for _ in [0]) == 6
+
+
+def test_registered_as_an_rq_worker(run_worker, r, q):
+    job = enqueue(q, prompt="x", max_tokens=60)
+    wt = run_worker(engine=FakeEngine(step_delay=0.06), heartbeat_timeout=10)
+    workers = Worker.all(connection=r)
+    assert [w.name for w in workers] == [wt.worker.name]
+    assert 0 < r.ttl(f"rq:worker:{wt.worker.name}") <= 10
+    assert r.hget(keys.worker_info_key(wt.worker.name), "model") == b"fake"
+    # the running job's StartedJobRegistry entry is kept alive by heartbeats
+    wait_status(r, job, "started")
+    member = r.zrange("rq:wip:rose", 0, -1)[0]
+    first = r.zscore("rq:wip:rose", member)
+    wait_for(lambda: r.zscore("rq:wip:rose", member) > first, 5, what="registry heartbeat")
+    assert workers[0].get_state() == "busy" or Worker.find_by_key(f"rq:worker:{wt.worker.name}", connection=r)
+    wait_status(r, job, "finished")
+    wt.stop()
+    assert Worker.all(connection=r) == []
+    assert r.hget(f"rq:worker:{wt.worker.name}", "death")
+
+
+def test_bad_jobs_fail_alone_with_clear_messages(run_worker, r, q):
+    unknown = enqueue(q, prompt="x", temprature=0.5)
+    too_long = enqueue(q, prompt="a b c", max_tokens=100)  # fake context: 64
+    positional = q.enqueue("rose.jobs.generate", args=["hi"])
+    other_func = q.enqueue("os.system", args=["echo pwned"])
+    pickled = Queue("rose", connection=r).enqueue("rose.jobs.generate", kwargs={"prompt": "x"})
+    good = enqueue(q, prompt="fine")
+    run_worker()
+    wait_status(r, good, "finished")
+    client = Client(r)
+    expected = {
+        unknown: "unknown field 'temprature'",
+        too_long: "exceeds the context",
+        positional: "keyword arguments only",
+        other_func: "only runs rose.jobs.generate",
+        pickled: "not JSON (was it enqueued with RQ's default pickle serializer?)",
+    }
+    for job, text in expected.items():
+        wait_status(r, job, "failed")
+        with pytest.raises(JobFailed, match=re.escape(text)):
+            client.job(job.id).result(timeout=5)
+        assert check_stream(r, job.id, "error")[-1]["message"]
+    assert r.zcard("rq:wip:rose") == 0
+
+
+def test_pickled_payload_is_never_unpickled(run_worker, r, q, monkeypatch):
+    class Boom:
+        def __reduce__(self):
+            return (pytest.fail, ("unpickled!",))
+
+    job = Queue("rose", connection=r).enqueue("rose.jobs.generate", kwargs={"prompt": Boom()})
+    calls = []
+    monkeypatch.setattr(pickle, "loads", lambda *a, **k: calls.append(a))
+    run_worker()
+    wait_status(r, job, "failed")
+    assert calls == []
+
+
+def test_cancel_running_job_frees_its_slot(run_worker, r, q):
+    engine = FakeEngine(max_num_seqs=2, step_delay=0.02)
+    long = enqueue(q, prompt="x", max_tokens=60)
+    other = enqueue(q, prompt="y", max_tokens=10)
+    waiting = enqueue(q, prompt="z", max_tokens=3)
+    run_worker(engine=engine)
+    wait_status(r, long, "started")
+    wait_for(lambda: len(stream_events(r, long.id)) >= 2, what="tokens")
+    Job.fetch(long.id, connection=r, serializer=JSONSerializer).cancel()
+    wait_for(lambda: stream_events(r, long.id)[-1]["type"] == "canceled", what="canceled event")
+    assert long.id in engine.aborted
+    check_stream(r, long.id, "canceled")
+    for j in (other, waiting):
+        wait_status(r, j, "finished")
+    assert status(r, long) == "canceled"
+    assert r.zcard("rq:wip:rose") == 0
+
+
+def test_client_cancel_and_stop_job_command(run_worker, r, q):
+    engine = FakeEngine(max_num_seqs=4, step_delay=0.02)
+    a = enqueue(q, prompt="x", max_tokens=60)
+    b = enqueue(q, prompt="x", max_tokens=60)
+    run_worker(engine=engine)
+    wait_status(r, a, "started")
+    wait_status(r, b, "started")
+    client = Client(r)
+    assert client.job(a.id).cancel()
+    send_stop_job_command(r, b.id, serializer=JSONSerializer)
+    with pytest.raises(JobCanceled):
+        client.job(a.id).result(timeout=5)
+    wait_status(r, b, "stopped")
+    assert check_stream(r, b.id, "canceled")[-1]["reason"] == "stopped"
+    assert {a.id, b.id} <= set(engine.aborted)
+
+
+def test_job_timeout_is_enforced(run_worker, r, q):
+    engine = FakeEngine(step_delay=0.05)
+    job = enqueue(q, prompt="x", max_tokens=60, job_timeout=1)
+    run_worker(engine=engine)
+    wait_status(r, job, "failed", timeout=10)
+    with pytest.raises(JobFailed, match=r"timeout value \(1 seconds\)"):
+        Client(r).job(job.id).result(timeout=1)
+    assert job.id in engine.aborted
+
+
+def test_engine_error_fails_the_batch_and_rq_retry_applies(run_worker, r, q):
+    engine = FakeEngine(step_delay=0.01)
+    plain = enqueue(q, prompt="x", max_tokens=30)
+    retried = enqueue(q, prompt="y", max_tokens=30, retry=Retry(max=1))
+    run_worker(engine=engine)
+    wait_status(r, plain, "started")
+    engine.fail_next_step = RuntimeError("CUDA out of memory (simulated)")
+    wait_status(r, plain, "failed")
+    with pytest.raises(JobFailed, match="engine error: RuntimeError"):
+        Client(r).job(plain.id).result(timeout=1)
+    wait_status(r, retried, "finished")  # requeued by RQ's Retry, then done
+    after = enqueue(q, prompt="z")
+    wait_status(r, after, "finished")  # the worker goes on
+    events = stream_events(r, retried.id)
+    assert any(e["type"] == "reset" for e in events)
+    last_reset = max(i for i, e in enumerate(events) if e["type"] == "reset")
+    text = "".join(e["text"] for e in events[last_reset:] if e["type"] == "token")
+    assert text == Job.fetch(retried.id, connection=r, serializer=JSONSerializer).return_value()["text"]
+
+
+def test_drain_requeues_unfinished_jobs_in_order(run_worker, r, q):
+    engine = FakeEngine(max_num_seqs=3, step_delay=0.02)
+    quick = enqueue(q, prompt="x", max_tokens=2)
+    slow = [enqueue(q, prompt="x", max_tokens=60) for _ in range(2)]
+    queued = enqueue(q, prompt="x", max_tokens=2)
+    wt = run_worker(engine=engine, drain_timeout=0.5)
+    wait_for(lambda: len(engine.added) >= 3, what="jobs in the engine")
+    wt.stop()
+    assert status(r, quick) == "finished"
+    assert [status(r, j) for j in slow] == ["queued", "queued"]
+    # unfinished jobs are back at the front, in their start order, ahead of the never-started one
+    assert r.lrange("rq:queue:rose", 0, -1) == [slow[0].id.encode(), slow[1].id.encode(), queued.id.encode()]
+    assert r.zcard("rq:wip:rose") == 0
+    assert StartedJobRegistry("rose", connection=r).get_job_ids() == []
+
+
+def test_second_stop_skips_the_wait(run_worker, r, q):
+    engine = FakeEngine(step_delay=0.02)
+    job = enqueue(q, prompt="x", max_tokens=60)
+    wt = run_worker(engine=engine, drain_timeout=60)
+    wait_status(r, job, "started")
+    t = time.monotonic()
+    wt.stop(force=True)
+    assert time.monotonic() - t < 5
+    assert status(r, job) == "queued"
+
+
+def test_queue_priority_order(run_worker, r):
+    high = Queue("high", connection=r, serializer=JSONSerializer)
+    low = Queue("low", connection=r, serializer=JSONSerializer)
+    lows = [enqueue(low, prompt="l") for _ in range(2)]
+    highs = [enqueue(high, prompt="h") for _ in range(2)]
+    engine = FakeEngine(max_num_seqs=2)
+    run_worker(queues=("high", "low"), engine=engine)
+    for j in lows + highs:
+        wait_status(r, j, "finished")
+    assert engine.added[:2] == [h.id for h in highs]
+
+
+def test_redis_connections_dropping_mid_run(run_worker, r, q):
+    engine = FakeEngine(max_num_seqs=4, step_delay=0.01)
+    jobs = [enqueue(q, prompt="x", max_tokens=40) for _ in range(6)]
+    run_worker(engine=engine)
+    wait_status(r, jobs[0], "started")
+    stop = threading.Event()
+
+    def killer():
+        while not stop.is_set():
+            r.client_kill_filter(_type="normal", skipme=True)
+            time.sleep(0.05)
+
+    t = threading.Thread(target=killer, daemon=True)
+    t.start()
+    time.sleep(1.0)
+    stop.set()
+    t.join()
+    for j in jobs:
+        wait_status(r, j, "finished", timeout=30)
+        result = Job.fetch(j.id, connection=r, serializer=JSONSerializer).return_value()
+        events = stream_events(r, j.id)
+        assert "".join(e["text"] for e in events if e["type"] == "token") == result["text"]
+        check_stream(r, j.id, "done")
+
+
+def test_producer_in_another_language_raw_redis(run_worker, r):
+    """What docs/jobs.md tells non-Python producers to write, with plain Redis commands and plain JSON data."""
+    job_id = "raw-1"
+    data = json.dumps(
+        ["rose.jobs.generate", None, [], {"prompt": "a b", "max_tokens": 2, "metadata": {"x": 1}}]
+    )
+    with r.pipeline() as pipe:
+        pipe.hset(
+            f"rq:job:{job_id}",
+            mapping={
+                "status": "queued",
+                "origin": "rose",
+                "data": data,
+                "created_at": "2026-01-01T00:00:00.000000Z",
+                "enqueued_at": "2026-01-01T00:00:00.000000Z",
+                "timeout": "60",
+            },
+        )
+        pipe.sadd("rq:queues", "rq:queue:rose")
+        pipe.rpush("rq:queue:rose", job_id)
+        pipe.execute()
+    run_worker()
+    result = Client(r).job(job_id).result(timeout=10)
+    assert result["text"] == "w0 w1 " and result["metadata"] == {"x": 1}
+
+
+def test_redis_outage_worker_carries_on(persistent_redis_server):
+    """Redis goes away for a few seconds mid-generation: the worker keeps its jobs and finishes them."""
+    from worker_helpers import WorkerThread
+
+    server = persistent_redis_server
+    r = server.client()
+    client = Client(r)
+    jobs = client.submit_many([{"prompt": "a", "max_tokens": 60} for _ in range(3)])
+    wt = WorkerThread(server, ["rose"], FakeEngine(step_delay=0.02)).start()
+    try:
+        wait_for(lambda: all(len(stream_events(r, j.id)) >= 3 for j in jobs), what="streaming")
+        server.stop()
+        time.sleep(3)
+        server.start()
+        for j in jobs:
+            result = j.result(timeout=30)
+            assert result["usage"]["completion_tokens"] == 60
+            check_stream(r, j.id, "done")
+            assert (
+                "".join(e["text"] for e in stream_events(r, j.id) if e["type"] == "token") == result["text"]
+            )
+        assert r.zcard("rq:wip:rose") == 0
+        assert [w.name for w in Worker.all(connection=r)] == [wt.worker.name]
+    finally:
+        wt.stop(force=True)
+
+
+CALLS: list[tuple[str, str]] = []
+
+
+def on_success_cb(job, connection, result, *args, **kwargs):
+    CALLS.append(("success", result["text"]))
+
+
+def on_failure_cb(job, connection, typ, value, tb):
+    CALLS.append(("failure", str(value)))
+
+
+def test_rq_callbacks_and_dependents(run_worker, r, q):
+    from rq import Callback
+
+    CALLS.clear()
+    parent = q.enqueue(
+        "rose.jobs.generate",
+        kwargs={"prompt": "a", "max_tokens": 2},
+        on_success=Callback(f"{__name__}.on_success_cb"),
+    )
+    child = q.enqueue("rose.jobs.generate", kwargs={"prompt": "b", "max_tokens": 2}, depends_on=parent)
+    bad = q.enqueue(
+        "rose.jobs.generate",
+        kwargs={"prompt": "a", "max_tokens": 999},
+        on_failure=Callback(f"{__name__}.on_failure_cb"),
+    )
+    assert status(r, child) == "deferred"
+    run_worker()
+    wait_status(r, child, "finished")
+    wait_status(r, bad, "failed")
+    assert ("success", "w0 w1 ") in CALLS
+    assert any(kind == "failure" and "exceeds the context" in text for kind, text in CALLS)
+
+
+def test_rq_suspend_and_resume(run_worker, r, q):
+    from rq.suspension import resume, suspend
+
+    run_worker()
+    suspend(r)
+    time.sleep(1.5)  # noticed within a second when idle
+    job = enqueue(q, prompt="x")
+    time.sleep(1.5)
+    assert status(r, job) == "queued"
+    resume(r)
+    wait_status(r, job, "finished")
+
+
+def test_json_payload_in_the_wrong_layout(run_worker, r):
+    with r.pipeline() as pipe:
+        pipe.hset(
+            "rq:job:raw-bad", mapping={"status": "queued", "origin": "rose", "data": '{"prompt": "hi"}'}
+        )
+        pipe.rpush("rq:queue:rose", "raw-bad")
+        pipe.execute()
+    run_worker()
+    with pytest.raises(JobFailed, match="payload is JSON but not RQ's"):
+        Client(r).job("raw-bad").result(timeout=10)

@@ -1,0 +1,171 @@
+"""Helpers for the worker tests: a fake engine, a worker in a thread, waiting, reading streams."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from rose.config import WorkerSettings
+from rose.engine.outputs import RequestMetrics, RequestOutput, StepOutput
+from rose.engine.sampling_params import SamplingParams
+from rose.jobs import keys
+from rose.worker import RoseWorker
+
+
+def wait_for(predicate, timeout: float = 10.0, interval: float = 0.02, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def stream_events(r, job_id: str) -> list[dict]:
+    import json
+
+    return [json.loads(f[keys.STREAM_FIELD.encode()]) for _, f in r.xrange(keys.stream_key(job_id))]
+
+
+class WorkerThread:
+    """A RoseWorker running in a background thread (no signal handlers there: stop() does what SIGTERM does)."""
+
+    def __init__(self, redis_server, queues, engine, **settings):
+        settings.setdefault("redis_url", redis_server.url)
+        settings.setdefault("recovery_interval", 0.5)
+        settings.setdefault("drain_timeout", 5)
+        self.settings = WorkerSettings(queues=queues, **settings)
+        self.engine = engine
+        self.worker = RoseWorker(
+            queues, engine=engine, connection=redis_server.client(), settings=self.settings
+        )
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        try:
+            self.worker.work()
+        except BaseException as exc:  # surfaced by stop()
+            self.error = exc
+            raise
+
+    def start(self) -> WorkerThread:
+        self.thread.start()
+        wait_for(lambda: self.worker.publisher._thread.is_alive() or self.error, what="worker start")
+        return self
+
+    def stop(self, force: bool = False, timeout: float = 30) -> None:
+        if self.thread.is_alive():
+            self.worker.request_stop(15, None)
+            if force:
+                self.worker.request_stop(15, None)
+            self.thread.join(timeout)
+        assert not self.thread.is_alive(), "worker did not stop"
+        if self.error:
+            raise self.error
+
+
+class FakeEngine:
+    """Each step gives every running request one token: id k, text f"w{k} " for the k-th generated token."""
+
+    def __init__(self, max_num_seqs: int = 4, max_model_len: int = 64, step_delay: float = 0.0):
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.step_delay = step_delay
+        self.model_name = "fake"
+        self.device = "cpu"
+        self.tokenizer = object()
+        self.requests: dict[str, dict] = {}
+        self.order: list[str] = []
+        self.fail_next_step: Exception | None = None
+        self.added: list[str] = []
+        self.aborted: list[str] = []
+        self.steps = 0
+
+    def add_request(self, request_id, prompt, params=None, *, priority=0):
+        params = params or SamplingParams()
+        ids = list(prompt) if isinstance(prompt, list) else list(range(len(prompt.split())))
+        if not ids:
+            raise ValueError("empty prompt")
+        if request_id in self.requests:
+            raise ValueError(f"duplicate request id {request_id}")
+        if len(ids) + (params.max_tokens or 0) > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
+                f"({self.max_model_len} tokens)"
+            )
+        self.requests[request_id] = {
+            "ids": ids,
+            "params": params,
+            "out": [],
+            "text": "",
+            "metrics": RequestMetrics(arrival_time=time.time(), num_prompt_tokens=len(ids)),
+        }
+        self.order.append(request_id)
+        self.added.append(request_id)
+
+    def _output(self, rid, reason):
+        req = self.requests[rid]
+        return RequestOutput(
+            request_id=rid,
+            prompt=None,
+            prompt_token_ids=req["ids"],
+            text=req["text"],
+            token_ids=list(req["out"]),
+            finish_reason=reason,
+            metrics=req["metrics"],
+        )
+
+    def abort(self, request_id):
+        if request_id not in self.requests:
+            return None
+        self.aborted.append(request_id)
+        out = self._output(request_id, "abort")
+        del self.requests[request_id]
+        self.order.remove(request_id)
+        return out
+
+    def has_unfinished(self):
+        return bool(self.requests)
+
+    @property
+    def num_running(self):
+        return min(len(self.requests), self.max_num_seqs)
+
+    @property
+    def num_waiting(self):
+        return max(0, len(self.requests) - self.max_num_seqs)
+
+    def step(self):
+        self.steps += 1
+        if self.fail_next_step is not None:
+            exc, self.fail_next_step = self.fail_next_step, None
+            raise exc
+        if self.step_delay:
+            time.sleep(self.step_delay)
+        outs = []
+        now = time.time()
+        for rid in list(self.order[: self.max_num_seqs]):
+            req = self.requests[rid]
+            k = len(req["out"])
+            text = f"w{k} "
+            req["out"].append(k)
+            req["text"] += text
+            m = req["metrics"]
+            m.first_token_time = m.first_token_time or now
+            done = len(req["out"]) >= (req["params"].max_tokens or 16)
+            out = StepOutput(
+                request_id=rid,
+                new_token_ids=[k],
+                new_text=text,
+                finished=done,
+                finish_reason="length" if done else None,
+            )
+            if done:
+                m.finished_time = now
+                out.output = self._output(rid, "length")
+                del self.requests[rid]
+                self.order.remove(rid)
+            outs.append(out)
+        return outs
