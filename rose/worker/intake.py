@@ -13,8 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import redis
-from rq.exceptions import DequeueTimeout, DeserializationError
+from rq.exceptions import DeserializationError
 from rq.executions import Execution
 from rq.job import Job, JobStatus
 from rq.queue import Queue
@@ -31,6 +30,7 @@ DEFAULT_JOB_TIMEOUT = Queue.DEFAULT_TIMEOUT  # what RQ applies when neither job 
 # Registry entries outlive a dead worker by this much: long enough for a rose-worker to requeue its jobs
 # (RQ's cleanup would FAIL them as abandoned once the score passes).
 ORPHAN_GRACE_S = 3600
+MULTI_QUEUE_BLOCK_S = 0.2  # idle with several queues: how often the lower-priority ones are looked at
 
 PICKLE_MESSAGE = (
     "the job's payload is not JSON (was it enqueued with RQ's default pickle serializer?). rose-worker never "
@@ -111,30 +111,18 @@ def take(worker: RoseWorker, limit: int) -> list[tuple[str, Queue]]:
     return taken
 
 
-def wait_for_one(worker: RoseWorker, timeout: int) -> list[tuple[str, Queue]]:
-    """Block up to `timeout` s for a job on any queue (RQ's own dequeue: BLMOVE for one queue, BLPOP for several)."""
-    try:
-        found = Queue.dequeue_any(
-            worker.queues,
-            timeout,
-            connection=worker.connection,
-            job_class=worker.job_class,
-            serializer=worker.serializer,
-        )
-    except DequeueTimeout:
+def wait_for_one(worker: RoseWorker, timeout: float) -> list[tuple[str, Queue]]:
+    """Block up to `timeout` s for a job, crash-safe: BLMOVE into the queue's intermediate list, as RQ does for one
+    queue. RQ's multi-queue dequeue is a BLPOP, which loses the id if the worker dies before starting the job, so
+    with several queues this blocks on the highest-priority one only and briefly: the caller's non-blocking take()
+    covers every queue between waits."""
+    queue = worker.queues[0]
+    if len(worker.queues) > 1:
+        timeout = min(timeout, MULTI_QUEUE_BLOCK_S)
+    job_id = worker.connection.blmove(queue.key, queue.intermediate_queue_key, timeout, "LEFT", "RIGHT")
+    if job_id is None:
         return []
-    except Exception as exc:
-        # RQ tags errors raised while loading the popped job with its id: start it anyway (start() reloads it and
-        # fails it cleanly if it is unusable) rather than lose it.
-        job_id, queue = getattr(exc, "job_id", None), getattr(exc, "queue", None)
-        if job_id is None or queue is None or isinstance(exc, redis.ConnectionError | redis.TimeoutError):
-            raise
-        log.error("job %s: could not load it (%s); starting it only to fail it", job_id, exc)
-        return [(job_id, queue)]
-    if found is None:
-        return []
-    job, queue = found
-    return [(job.id, queue)]
+    return [(job_id.decode() if isinstance(job_id, bytes) else job_id, queue)]
 
 
 def start(worker: RoseWorker, taken: list[tuple[str, Queue]]) -> list[Running]:

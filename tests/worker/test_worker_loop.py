@@ -248,6 +248,32 @@ def test_queue_priority_order(run_worker, r):
     assert engine.added[:2] == [h.id for h in highs]
 
 
+def test_idle_worker_on_several_queues_takes_jobs_from_each_without_losing_any(run_worker, r, monkeypatch):
+    from rose.worker import intake
+
+    waits = []
+    real_blmove = r.__class__.blmove
+
+    def spy(self, src, dst, timeout, *args, **kwargs):  # the idle wait must move ids, never pop them
+        waits.append((src, dst, timeout))
+        return real_blmove(self, src, dst, timeout, *args, **kwargs)
+
+    monkeypatch.setattr(r.__class__, "blmove", spy)
+    monkeypatch.setattr(
+        r.__class__, "blpop", lambda *a, **k: pytest.fail("BLPOP can lose a job id on a crash")
+    )
+    high = Queue("high", connection=r, serializer=JSONSerializer)
+    low = Queue("low", connection=r, serializer=JSONSerializer)
+    run_worker(queues=("high", "low"), engine=FakeEngine(max_num_seqs=2))
+    wait_for(lambda: waits, 10, what="the worker idling")
+    jobs = []
+    for queue in (low, high, low):
+        jobs.append(enqueue(queue, prompt="x"))
+        wait_status(r, jobs[-1], "finished", timeout=5)
+    assert all(src == "rq:queue:high" and dst == "rq:queue:high:intermediate" for src, dst, _ in waits)
+    assert max(t for _, _, t in waits) <= intake.MULTI_QUEUE_BLOCK_S
+
+
 def test_redis_connections_dropping_mid_run(run_worker, r, q):
     engine = FakeEngine(max_num_seqs=4, step_delay=0.01)
     jobs = [enqueue(q, prompt="x", max_tokens=40) for _ in range(6)]
