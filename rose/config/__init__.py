@@ -8,6 +8,7 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
+LogFormat = Literal["text", "json"]
 
 
 class WorkerSettings(BaseSettings):
@@ -54,6 +55,24 @@ class WorkerSettings(BaseSettings):
         description="On SIGTERM/SIGINT, seconds to let running jobs finish before requeueing them.",
     )
     log_level: LogLevel = Field("INFO", description="Logging level.")
+    log_format: LogFormat = Field(
+        "text",
+        description="Log lines as text, or json: one JSON object per line (timestamp, level, logger, message and "
+        "the job fields: event, job_id, queue, token counts, timings).",
+    )
+    metrics_port: int | None = Field(
+        None,
+        ge=0,
+        le=65535,
+        description="Serve Prometheus metrics on this port (GET /metrics) with a health check (GET /health: 200 "
+        "while the loop runs and Redis answers, else 503). 0: any free port (logged). Default: off.",
+    )
+    metrics_host: str = Field("0.0.0.0", description="Address the metrics server listens on.")
+    health_timeout: float = Field(
+        60.0,
+        gt=0,
+        description="GET /health answers 503 once the worker loop has not come round for this many seconds.",
+    )
     heartbeat_timeout: int = Field(
         60,
         ge=10,
@@ -78,6 +97,11 @@ class WorkerSettings(BaseSettings):
     @classmethod
     def _upper(cls, value: object) -> object:
         return value.upper() if isinstance(value, str) else value
+
+    @field_validator("log_format", mode="before")
+    @classmethod
+    def _lower(cls, value: object) -> object:
+        return value.lower() if isinstance(value, str) else value
 
     @field_validator("redis_url")
     @classmethod

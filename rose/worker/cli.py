@@ -15,6 +15,7 @@ import redis
 from pydantic import ValidationError
 
 from rose.config import WorkerSettings, redact_url
+from rose.worker.logs import setup_logging
 
 log = logging.getLogger("rose.worker")
 
@@ -32,6 +33,10 @@ _FLAGS: list[tuple[str, str, dict[str, Any]]] = [
     ("--name", "name", {}),
     ("--drain-timeout", "drain_timeout", {"type": float, "metavar": "SECONDS"}),
     ("--log-level", "log_level", {"metavar": "LEVEL"}),
+    ("--log-format", "log_format", {"choices": ["text", "json"]}),
+    ("--metrics-port", "metrics_port", {"type": int, "metavar": "PORT"}),
+    ("--metrics-host", "metrics_host", {"metavar": "ADDR"}),
+    ("--health-timeout", "health_timeout", {"type": float, "metavar": "SECONDS"}),
     ("--heartbeat-timeout", "heartbeat_timeout", {"type": int, "metavar": "SECONDS"}),
     ("--max-requeues", "max_requeues", {"type": int, "metavar": "N"}),
     ("--recovery-interval", "recovery_interval", {"type": float, "metavar": "SECONDS"}),
@@ -120,9 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(f"rose-worker: invalid settings: {problems}", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
-    )
+    setup_logging(settings.log_level, settings.log_format)
     conn = connect(settings.redis_url)
 
     from rose.worker import recovery
@@ -150,6 +153,11 @@ def main(argv: list[str] | None = None) -> int:
     if early:
         log.warning("signal %s while starting: exiting before taking any job", early[0])
         return 0
+    try:
+        worker.serve_metrics()
+    except OSError as exc:
+        print(f"rose-worker: cannot serve metrics on port {settings.metrics_port}: {exc}", file=sys.stderr)
+        return 2
     worker.work(burst=args.burst)
     return 0
 

@@ -58,6 +58,8 @@ class Running:
     output: Any = None  # engine RequestOutput once finished
     in_engine: bool = False
     callback_done: bool = False  # a Redis retry of the retirement must not run the success callback twice
+    queue_s: float | None = None  # seconds on the queue (enqueued to started), when RQ recorded both
+    ttft_s: float | None = None  # seconds from start to the first token
 
     @property
     def id(self) -> str:

@@ -14,8 +14,9 @@ from rq.command import parse_payload
 from rq.utils import now
 from rq.worker import WorkerStatus
 
+from rose import __version__
 from rose.jobs import keys
-from rose.worker import recovery
+from rose.worker import metrics, recovery
 from rose.worker.intake import Running
 
 if TYPE_CHECKING:
@@ -95,12 +96,18 @@ class Lifecycle:
 
     def _info(self: RoseWorker) -> dict[str, Any]:
         e = self.engine
+        self.metrics.gauges(e)  # also when no step ran since the last jobs ended (e.g. canceled)
         info = {
             "model": str(getattr(e, "model_name", "")),
             "device": str(getattr(e, "device", "")),
+            "dtype": metrics.dtype_name(e),
             "max_num_seqs": self._max_jobs(),
             "running_jobs": len(self.running),
             "updated_at": time.time(),
+            "started_at": self.started_at,
+            "tokens_per_s": round(self.metrics.rate(), 3),
+            "queues": ",".join(self.queue_names()),
+            "version": __version__,
         }
         for attr in ("max_model_len", "num_running", "num_waiting", "kv_slots_used", "kv_slots_total"):
             value = getattr(e, attr, None)
@@ -130,6 +137,9 @@ class Lifecycle:
             except _REDIS_ERRORS as exc:
                 log.error("could not register the worker's death (%s); its key will lapse on its own", exc)
             self.unsubscribe()
+            self.stopped = True
+            if self.metrics_server is not None:
+                self.metrics_server.close()
             log.info("worker %s: stopped (%d jobs completed)", self.name, self.completed)
 
     def _requeue_on_exit(self: RoseWorker, runs: list[Running]) -> None:
@@ -141,6 +151,11 @@ class Lifecycle:
                         recovery.requeue_started(pipe, run.job, run.queue, run.composite_key, at_front=True)
                     self.set_current_job_id(None, pipeline=pipe)
                     pipe.execute()
+                self.metrics.requeued.inc(len(runs))
+                for run in runs:
+                    log.info(
+                        "job %s requeued", run.id, extra=self._end_fields(run, "requeued", reason="shutdown")
+                    )
                 log.warning("requeued %d unfinished jobs at the front of their queues", len(runs))
                 return
             except _REDIS_ERRORS as exc:

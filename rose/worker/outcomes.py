@@ -16,6 +16,7 @@ from rq.utils import now
 
 from rose.jobs.events import CanceledEvent, DoneEvent, ErrorEvent, ResetEvent, TokenEvent, Usage
 from rose.worker.intake import Running
+from rose.worker.logs import job_fields
 from rose.worker.publisher import NO_EXPIRY, Outgoing
 
 if TYPE_CHECKING:
@@ -56,9 +57,7 @@ def result_dict(worker: RoseWorker, run: Running) -> dict[str, Any]:
     generation_s = max(0.0, finished - start)
     completion = len(out.token_ids)
     job = run.job
-    queue_s = None
-    if job.enqueued_at is not None and job.started_at is not None:
-        queue_s = max(0.0, (job.started_at - job.enqueued_at).total_seconds())
+    queue_s = _queue_s(job)
     streamed = "".join(run.text)
     if streamed != out.text:
         log.error("job %s: streamed text differs from the engine's final text (engine bug?)", run.id)
@@ -78,8 +77,47 @@ def result_dict(worker: RoseWorker, run: Running) -> dict[str, Any]:
     }
 
 
+def _queue_s(job: Job) -> float | None:
+    if job.enqueued_at is None or job.started_at is None:
+        return None
+    return max(0.0, (job.started_at - job.enqueued_at).total_seconds())
+
+
 class Outcomes:
-    """Mixin of RoseWorker: ending jobs and queueing their events."""
+    """Mixin of RoseWorker: ending jobs and queueing their events (with their log line and metrics)."""
+
+    def _on_taken(self: RoseWorker, run: Running) -> None:
+        run.queue_s = _queue_s(run.job)
+        self.metrics.on_started(run.queue_s)
+        log.info(
+            "job %s taken from %s (%.2f s on the queue)",
+            run.id,
+            run.queue.name,
+            run.queue_s or 0.0,
+            extra=job_fields(run, "taken", queue_s=run.queue_s, restarted=run.restarted or None),
+        )
+
+    def _on_first_token(self: RoseWorker, run: Running, now: float) -> None:
+        run.ttft_s = max(0.0, now - run.started_wall)
+        self.metrics.on_first_token(run.ttft_s)
+        log.info(
+            "job %s first token after %.2f s",
+            run.id,
+            run.ttft_s,
+            extra=job_fields(run, "first_token", queue_s=run.queue_s, ttft_s=run.ttft_s),
+        )
+
+    def _end_fields(self: RoseWorker, run: Running, event: str, **fields: Any) -> dict[str, Any]:
+        """Fields of a job's last log line (failed / canceled / requeued), from what the worker saw of it."""
+        return job_fields(
+            run,
+            event,
+            completion_tokens=len(run.token_ids),
+            queue_s=run.queue_s,
+            ttft_s=run.ttft_s,
+            generation_s=max(0.0, time.monotonic() - run.started_mono),
+            **fields,
+        )
 
     def _emit(self: RoseWorker, job: Job, event: Any, ttl: int) -> None:
         self._outbox.append(Outgoing(job.id, event.to_json(), ttl))
@@ -132,12 +170,25 @@ class Outcomes:
         )
         self._emit(job, done, stream_ttl(self, job))
         self.completed += 1
+        self.metrics.on_success(result)
+        usage, m = result["usage"], result["metrics"]
         log.info(
             "job %s finished (%s, %d tokens, %.2f s)",
             job.id,
             result["finish_reason"],
-            result["usage"]["completion_tokens"],
-            result["metrics"]["generation_s"],
+            usage["completion_tokens"],
+            m["generation_s"],
+            extra=job_fields(
+                run,
+                "finished",
+                finish_reason=result["finish_reason"],
+                prompt_tokens=usage["prompt_tokens"],
+                completion_tokens=usage["completion_tokens"],
+                queue_s=m["queue_s"],
+                ttft_s=m["ttft_s"],
+                generation_s=m["generation_s"],
+                tokens_per_s=m["tokens_per_s"],
+            ),
         )
 
     def _fail(
@@ -169,7 +220,14 @@ class Outcomes:
         self.handle_job_failure(
             job, run.queue, started_job_registry=run.queue.started_job_registry, exc_string=exc_string
         )
-        log.warning("job %s failed%s: %s", job.id, " (RQ will retry it)" if will_retry else "", message)
+        self.metrics.failure.inc()
+        log.warning(
+            "job %s failed%s: %s",
+            job.id,
+            " (RQ will retry it)" if will_retry else "",
+            message,
+            extra=self._end_fields(run, "failed", error=message, will_retry=will_retry),
+        )
         if not will_retry:  # a retried job's stream goes on with a reset when it restarts
             self._emit(
                 job, ErrorEvent(job_id=run.id, seq=run.next_seq(), message=message), stream_ttl(self, job)
@@ -187,7 +245,8 @@ class Outcomes:
             CanceledEvent(job_id=run.id, seq=run.next_seq(), reason=reason),
             stream_ttl(self, run.job),
         )
-        log.info("job %s %s", run.id, reason)
+        self.metrics.canceled.inc()
+        log.info("job %s %s", run.id, reason, extra=self._end_fields(run, "canceled", reason=reason))
 
     def _stop(self: RoseWorker, run: Running) -> None:
         """rq's send_stop_job_command: status `stopped`, as RQ's own worker does."""
@@ -210,7 +269,10 @@ class Outcomes:
         self._emit(
             job, CanceledEvent(job_id=run.id, seq=run.next_seq(), reason="stopped"), stream_ttl(self, job)
         )
-        log.info("job %s stopped by command", job.id)
+        self.metrics.canceled.inc()
+        log.info(
+            "job %s stopped by command", job.id, extra=self._end_fields(run, "canceled", reason="stopped")
+        )
 
     def fail_orphan(
         self: RoseWorker, job: Job, queue: Queue, execution: Execution, owner: str, requeues: int

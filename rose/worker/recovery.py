@@ -138,12 +138,20 @@ def recover_queue(worker: RoseWorker, queue: Queue) -> int:
                 pipe.hset(job.key, "meta", worker.serializer.dumps(job.meta))
             requeue_started(pipe, job, queue, composite, at_front=True)
             pipe.execute()
+        worker.metrics.requeued.inc()
         log.warning(
             "requeued job %s: its worker %s died while running it (requeue %d of at most %d)",
             job_id,
             owner or "?",
             requeues + 1,
             worker.settings.max_requeues,
+            extra={
+                "event": "requeued",
+                "job_id": job_id,
+                "queue": queue.name,
+                "reason": "worker died",
+                "owner": owner,
+            },
         )
     return handled
 

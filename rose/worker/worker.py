@@ -22,7 +22,7 @@ from rq.timeouts import TimerDeathPenalty, UnixSignalDeathPenalty
 from rq.worker import BaseWorker, WorkerStatus
 
 from rose.config import WorkerSettings
-from rose.worker import intake, recovery
+from rose.worker import intake, metrics, recovery
 from rose.worker.intake import Running
 from rose.worker.lifecycle import Lifecycle
 from rose.worker.outcomes import Outcomes, RoseJobTimeout
@@ -75,6 +75,12 @@ class RoseWorker(Lifecycle, Outcomes, BaseWorker):
         self._next_recovery = 0.0
         self._intermediate = recovery.IntermediateWatch()
         self.completed = 0
+        self.started_at = time.time()
+        self.metrics = metrics.for_worker(self)
+        self.metrics_server: metrics.HealthServer | None = None
+        self.loop_beat = time.monotonic()  # each loop iteration: /health's liveness
+        self.redis_ok = True  # the last Redis-touching stage worked: /health's readiness
+        self.stopped = False
 
     @property
     def connection_timeout(self) -> int:
@@ -100,6 +106,7 @@ class RoseWorker(Lifecycle, Outcomes, BaseWorker):
         else:
             self.death_penalty_class = UnixSignalDeathPenalty
         self._install_signal_handlers()
+        self.serve_metrics()
         self._startup()
         idle_since = time.monotonic()
         try:
@@ -163,10 +170,16 @@ class RoseWorker(Lifecycle, Outcomes, BaseWorker):
             self._max_jobs(),
         )
 
+    def serve_metrics(self) -> None:
+        """Start the /metrics + /health server (--metrics-port), once. Raises OSError if the port is taken."""
+        if self.metrics_server is None:
+            self.metrics_server = metrics.serve(self)
+
     def _max_jobs(self) -> int:
         return int(getattr(self.engine, "max_num_seqs", 1))
 
     def _iteration(self, block: bool) -> int:
+        self.loop_beat = time.monotonic()
         self._timers()
         took = 0
         if not self.running and not self.draining:
@@ -193,11 +206,13 @@ class RoseWorker(Lifecycle, Outcomes, BaseWorker):
         try:
             result = fn(*args)
         except _REDIS_ERRORS as exc:
+            self.redis_ok = False
             log.error("Redis unreachable during %s (%s); retrying in %.1f s", stage, exc, self._redis_backoff)
             self._redis_down_until = time.monotonic() + self._redis_backoff
             self._redis_backoff = min(self._redis_backoff * 2, 30.0)
             return None
         self._redis_backoff = 0.5
+        self.redis_ok = True
         return result
 
     def _timers(self) -> None:
@@ -237,6 +252,7 @@ class RoseWorker(Lifecycle, Outcomes, BaseWorker):
         stale = self.running.get(run.id)
         if stale is not None:  # requeued behind our back (we were taken for dead) and dequeued by us again
             self._forget(stale)
+        self._on_taken(run)
         if run.restarted:
             self._emit_reset(run)
         message = intake.validate(self, run)
@@ -260,6 +276,7 @@ class RoseWorker(Lifecycle, Outcomes, BaseWorker):
         self.running[run.id] = run
 
     def _step(self) -> None:
+        t0 = time.perf_counter()
         try:
             outputs = self.engine.step()
         except Exception as exc:
@@ -269,17 +286,26 @@ class RoseWorker(Lifecycle, Outcomes, BaseWorker):
                 self._redis("engine failure", self._fail, run, f"engine error: {exc!r}")
                 self.running.pop(run.id, None)
             return
+        step_s, now = time.perf_counter() - t0, time.time()
+        tokens = steady = 0  # tokens generated; those of them by jobs that already had one (for the ITL)
         for out in outputs:
             run = self.running.get(out.request_id)
             if run is None:
                 continue
             if out.new_token_ids or out.new_text:
+                n = len(out.new_token_ids)
+                tokens += n
+                if run.token_ids:
+                    steady += n
+                elif n:
+                    self._on_first_token(run, now)
                 run.text.append(out.new_text)
                 run.token_ids.extend(out.new_token_ids)
                 self._emit_token(run, out.new_text, list(out.new_token_ids))
             if out.finished:
                 run.in_engine = False
                 run.output = out.output
+        self.metrics.on_step(self.engine, step_s, tokens, steady, now)
 
     def _checks(self) -> None:
         """Cancels (job.cancel() / client), deletions, stop commands, lost ownership and timeouts, before any

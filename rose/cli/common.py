@@ -1,0 +1,65 @@
+"""Helpers shared by the producer / operator subcommands (submit, batch, status, cancel, result)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import redis
+
+    from rose.jobs.client import Client
+
+DEFAULT_REDIS_URL = "redis://localhost:6379/0"
+DEFAULT_QUEUE = "rose"  # = rose.jobs.keys.DEFAULT_QUEUE (not imported: keeps `rose --help` quick)
+
+# Exit codes of the job commands (argparse and bad arguments use 2; Ctrl-C 130).
+EXIT_FAILED = 1  # the job (or a batch line) failed, or was canceled; an unknown job id
+EXIT_TIMEOUT = 124  # like timeout(1): gave up waiting, the job goes on
+
+
+def add_redis_args(parser: argparse.ArgumentParser, queue: bool = True) -> None:
+    """--redis-url (default $ROSE_REDIS_URL) and, where relevant, --queue."""
+    default_url = os.environ.get("ROSE_REDIS_URL") or DEFAULT_REDIS_URL
+    parser.add_argument(
+        "--redis-url",
+        default=default_url,
+        help=f"Redis to use (default: $ROSE_REDIS_URL, else {DEFAULT_REDIS_URL}; now {default_url})",
+    )
+    if queue:
+        parser.add_argument(
+            "--queue", default=DEFAULT_QUEUE, help=f"queue to submit to (default: {DEFAULT_QUEUE})"
+        )
+
+
+def connect(args: argparse.Namespace) -> redis.Redis:
+    """A Redis connection, checked at once so that a wrong URL is one clear line, not a traceback later."""
+    import redis
+
+    conn = redis.Redis.from_url(args.redis_url, socket_connect_timeout=5, health_check_interval=30)
+    try:
+        conn.ping()
+    except redis.RedisError as exc:
+        raise SystemExit(
+            f"rose {args.command}: error: cannot reach Redis at {args.redis_url}: {exc}"
+        ) from None
+    return conn
+
+
+def make_client(args: argparse.Namespace) -> Client:
+    from rose.jobs.client import Client
+
+    return Client(connect(args), queue=getattr(args, "queue", DEFAULT_QUEUE))
+
+
+def error(args: argparse.Namespace, message: str) -> None:
+    print(f"rose {args.command}: {message}", file=sys.stderr, flush=True)
+
+
+def usage_line(result: dict[str, Any]) -> str:
+    usage = result.get("usage") or {}
+    parts = [f"finish_reason={result.get('finish_reason')}"]
+    parts += [f"{k}={v}" for k, v in usage.items()]
+    return "[" + " ".join(parts) + "]"

@@ -1,0 +1,110 @@
+"""`rose submit`: enqueue one generation job, then stream its tokens or wait for its text."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import TYPE_CHECKING, Any
+
+from rose.cli.common import EXIT_FAILED, EXIT_TIMEOUT, add_redis_args, error, make_client, usage_line
+from rose.cli.sampling_args import add_sampling_args, sampling_kwargs
+
+if TYPE_CHECKING:
+    from rose.jobs.client import Job
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "submit",
+        help="submit one prompt to the workers and print its text",
+        description=(
+            "Enqueue one rose.jobs.generate job. Prints the job id, then the text (live with --stream), then "
+            "the finish reason and token usage. Exit code: 0 done, 1 failed or canceled (message on stderr), "
+            "124 --timeout passed (the job goes on: `rose result JOB_ID --wait S`), 130 Ctrl-C."
+        ),
+    )
+    p.add_argument("prompt", metavar="PROMPT", help="prompt text")
+    add_redis_args(p)
+    p.add_argument("--stream", action="store_true", help="print the tokens as the worker generates them")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help="give up waiting after S seconds (with --stream: S seconds without a token); default: wait",
+    )
+    p.add_argument(
+        "--priority", type=int, default=None, help="engine priority among waiting jobs (lower first)"
+    )
+    p.add_argument("--job-timeout", type=int, default=None, metavar="S", help="RQ job_timeout (default 180)")
+    p.add_argument("--result-ttl", type=int, default=None, metavar="S", help="RQ result_ttl (default 500)")
+    add_sampling_args(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from rose.jobs.client import JobCanceled, JobFailed
+    from rose.jobs.schemas import ValidationError, format_validation_error
+
+    client = make_client(args)
+    options: dict[str, Any] = sampling_kwargs(args)
+    for name in ("priority", "job_timeout", "result_ttl"):
+        if getattr(args, name) is not None:
+            options[name] = getattr(args, name)
+    try:
+        job = client.submit(args.prompt, **options)
+    except ValidationError as exc:
+        error(args, f"error: {format_validation_error(exc)}")
+        return 2
+    out = sys.stdout
+    print(job.id, file=out, flush=True)
+    try:
+        result = _stream(job, args.timeout) if args.stream else job.result(timeout=args.timeout)
+    except JobFailed as exc:
+        error(args, f"job {job.id} failed: {exc.message}")
+        return EXIT_FAILED
+    except JobCanceled as exc:
+        error(args, f"job {job.id} {exc.reason}")
+        return EXIT_FAILED
+    except TimeoutError as exc:
+        error(args, f"{exc}; the job goes on: `rose result {job.id} --wait S` or `rose cancel {job.id}`")
+        return EXIT_TIMEOUT
+    except KeyboardInterrupt:
+        error(
+            args,
+            f"interrupted; job {job.id} goes on: `rose result {job.id} --wait S` or `rose cancel {job.id}`",
+        )
+        return 130
+    if not args.stream:
+        out.write(result.get("text", "") + "\n")
+    out.write(usage_line(result) + "\n")
+    out.flush()
+    return 0
+
+
+def _stream(job: Job, timeout: float | None) -> dict[str, Any]:
+    """Write the deltas as they come; return the `done` event's fields (finish_reason, usage)."""
+    from rose.jobs.client import JobCanceled, JobFailed
+
+    out = sys.stdout
+    started = False
+    for event in job.events(timeout=timeout):
+        if event.type == "token":
+            started = True
+            out.write(event.text)
+            out.flush()
+        elif event.type == "reset":
+            if started:
+                out.write("\n")
+                print("[the job restarted from scratch on a worker; its text again:]", file=sys.stderr)
+                started = False
+        elif event.type == "done":
+            out.write("\n")
+            return {"finish_reason": event.finish_reason, "usage": event.usage.model_dump()}
+        elif event.type == "error":
+            out.write("\n" if started else "")
+            raise JobFailed(job.id, event.message)
+        elif event.type == "canceled":
+            out.write("\n" if started else "")
+            raise JobCanceled(job.id, event.reason)
+    raise JobFailed(job.id, "the job's events ended without a terminal event")

@@ -1,0 +1,225 @@
+"""The deployment files agree with the code: docker-compose.yml parses, its services are set up as documented,
+and every command line and ROSE_* variable in it (and in the Dockerfile) is accepted by rose's own parsers."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from rose.cli import build_parser as rose_parser
+from rose.config import WorkerSettings
+from rose.worker.cli import build_parser as worker_parser
+from rose.worker.cli import load_settings
+
+ROOT = Path(__file__).resolve().parents[1]
+_INTERPOLATION = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::?-([^}]*))?\}")
+
+
+def interpolate(value: Any) -> Any:
+    """Compose's `${VAR:-default}` with nothing set in the environment: the default (the file's own values)."""
+    if isinstance(value, str):
+
+        def sub(m: re.Match[str]) -> str:
+            if m.group(2) is None:
+                raise AssertionError(f"{m.group(0)} in docker-compose.yml has no default")
+            return m.group(2)
+
+        return _INTERPOLATION.sub(sub, value)
+    if isinstance(value, list):
+        return [interpolate(v) for v in value]
+    if isinstance(value, dict):
+        return {k: interpolate(v) for k, v in value.items()}
+    return value
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict[str, Any]:
+    return interpolate(yaml.safe_load((ROOT / "docker-compose.yml").read_text()))
+
+
+@pytest.fixture(scope="module")
+def services(compose: dict[str, Any]) -> dict[str, Any]:
+    return compose["services"]
+
+
+def dockerfile() -> dict[str, list[str]]:
+    """Instructions of the Dockerfile (continuation lines joined): {"ENV": [...], "ENTRYPOINT": [...], ...}."""
+    text = re.sub(r"\\\n", " ", (ROOT / "Dockerfile").read_text())
+    out: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            word, _, rest = line.partition(" ")
+            out.setdefault(word.upper(), []).append(rest.strip())
+    return out
+
+
+def exec_form(instruction: str) -> list[str]:
+    value = json.loads(instruction)
+    assert isinstance(value, list), f"use the exec (JSON) form: {instruction}"
+    return value
+
+
+def dockerfile_argv() -> list[str]:
+    d = dockerfile()
+    return exec_form(d["ENTRYPOINT"][-1]) + (exec_form(d["CMD"][-1]) if "CMD" in d else [])
+
+
+def dockerfile_env() -> dict[str, str]:
+    env: dict[str, str] = {}
+    for instruction in dockerfile().get("ENV", []):
+        for item in shlex.split(instruction):
+            key, sep, value = item.partition("=")
+            assert sep, f"use ENV KEY=value: {instruction}"
+            env[key] = value
+    return env
+
+
+def as_list(value: Any) -> list[str]:
+    return shlex.split(value) if isinstance(value, str) else [str(v) for v in value]
+
+
+def env_of(service: dict[str, Any]) -> dict[str, str]:
+    env = service.get("environment") or {}
+    if isinstance(env, list):
+        env = dict(item.split("=", 1) for item in env)
+    return {k: str(v) for k, v in env.items()}
+
+
+def is_rose(service: dict[str, Any]) -> bool:
+    return "build" in service or str(service.get("image", "")).startswith("rose")
+
+
+def service_argv(service: dict[str, Any]) -> list[str]:
+    d = dockerfile()
+    entry = as_list(service["entrypoint"]) if "entrypoint" in service else exec_form(d["ENTRYPOINT"][-1])
+    if "command" in service:
+        return entry + as_list(service["command"])
+    return entry + (exec_form(d["CMD"][-1]) if "CMD" in d and "entrypoint" not in service else [])
+
+
+def check_rose_env(env: dict[str, str]) -> None:
+    fields = WorkerSettings.model_fields
+    unknown = sorted(k for k in env if k.startswith("ROSE_") and k[5:].lower() not in fields)
+    assert not unknown, f"ROSE_* variables that rose-worker does not know: {unknown}"
+
+
+def check_argv(argv: list[str], env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The command line parses with the real parser, and (for the worker) gives valid settings with `env`."""
+    program, args = argv[0], argv[1:]
+    parser = {"rose-worker": worker_parser, "rose": rose_parser}.get(program)
+    assert parser is not None, f"unknown program {program!r} in {argv}"
+    try:
+        parser().parse_args(args)
+    except SystemExit as exc:
+        raise AssertionError(f"{program} rejects {args}") from exc
+    if program == "rose-worker":
+        with monkeypatch.context() as m:
+            for key in [k for k in os.environ if k.startswith("ROSE_")]:
+                m.delenv(key)
+            for key, value in env.items():
+                m.setenv(key, value)
+            settings, _ = load_settings(args)  # raises on a bad value (pydantic ValidationError)
+            assert settings.redis_url == env.get("ROSE_REDIS_URL", settings.redis_url)
+
+
+# ---- compose ------------------------------------------------------------------------------------------------
+
+
+def test_compose_has_the_documented_services(services: dict[str, Any]) -> None:
+    assert {"redis", "worker", "dashboard", "prometheus"} <= set(services)
+    assert services["dashboard"]["profiles"] == ["dashboard"]
+    assert services["prometheus"]["profiles"] == ["monitoring"]
+    assert not services["redis"].get("profiles") and not services["worker"].get("profiles")
+
+
+def test_redis_is_persistent_and_health_checked(services: dict[str, Any]) -> None:
+    redis = services["redis"]
+    command = as_list(redis["command"])
+    assert command[0] == "redis-server"
+    assert command[command.index("--appendonly") + 1] == "yes"
+    assert any(str(v).endswith(":/data") for v in redis["volumes"])
+    assert as_list(redis["healthcheck"]["test"])[-2:] == ["redis-cli", "ping"]
+
+
+def test_worker_service(services: dict[str, Any]) -> None:
+    worker = services["worker"]
+    assert "build" in worker
+    # Scaling (`--scale worker=4`) needs a distinct name per replica: nothing may pin it.
+    assert "container_name" not in worker
+    assert "ROSE_NAME" not in env_of(worker)
+    assert "--name" not in service_argv(worker)
+    assert "ROSE_NAME" not in dockerfile_env()
+    assert worker["depends_on"]["redis"]["condition"] == "service_healthy"
+    assert worker["restart"] in ("always", "unless-stopped", "on-failure")
+    devices = worker["deploy"]["resources"]["reservations"]["devices"]
+    assert any(d["driver"] == "nvidia" and d["count"] == 1 and "gpu" in d["capabilities"] for d in devices)
+    assert any(str(v).endswith(":/models:ro") for v in worker["volumes"])
+    assert env_of(worker)["ROSE_REDIS_URL"].startswith("redis://redis:6379")
+
+
+def test_rose_services_command_lines_and_env_are_accepted(
+    services: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rose_services = {name: s for name, s in services.items() if is_rose(s)}
+    assert "worker" in rose_services
+    for service in rose_services.values():
+        env = {**dockerfile_env(), **env_of(service)}
+        check_rose_env(env)
+        check_argv(service_argv(service), env, monkeypatch)
+
+
+def test_unknown_rose_variable_is_caught() -> None:
+    with pytest.raises(AssertionError, match="ROSE_NO_SUCH_SETTING"):
+        check_rose_env({"ROSE_REDIS_URL": "redis://x", "ROSE_NO_SUCH_SETTING": "1"})
+
+
+def test_prometheus_scrapes_the_workers_metrics_port(services: dict[str, Any]) -> None:
+    prometheus = services["prometheus"]
+    mounts = [str(v).split(":") for v in prometheus["volumes"]]
+    config_path = next(src for src, dst, *_ in mounts if dst.endswith("prometheus.yml"))
+    config = yaml.safe_load((ROOT / config_path).read_text())
+    port = int(env_of(services["worker"])["ROSE_METRICS_PORT"])
+    ports = [
+        sd["port"]
+        for job in config["scrape_configs"]
+        for sd in job.get("dns_sd_configs", [])
+        if "worker" in sd["names"]
+    ]
+    assert ports == [port]
+
+
+def test_dashboard_points_at_the_compose_redis(services: dict[str, Any]) -> None:
+    env = env_of(services["dashboard"])
+    assert env["RQ_DASHBOARD_REDIS_URL"].startswith("redis://redis:6379")
+
+
+# ---- Dockerfile ---------------------------------------------------------------------------------------------
+
+
+def test_dockerfile_entrypoint_and_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    argv = dockerfile_argv()
+    assert argv[0] == "rose-worker"
+    env = dockerfile_env()
+    check_rose_env(env)
+    check_argv(argv, env, monkeypatch)
+
+
+def test_dockerfile_runs_unprivileged_and_picks_its_torch_base() -> None:
+    d = dockerfile()
+    assert d["USER"] and d["USER"][-1] not in ("root", "0")
+    assert any(arg.startswith("BASE_IMAGE") for arg in d["ARG"])
+    assert d["FROM"][0] == "${BASE_IMAGE}"
+
+
+def test_dockerignore_keeps_the_build_context_small() -> None:
+    lines = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()]
+    assert "**" in lines
+    assert {"!pyproject.toml", "!README.md", "!rose/"} <= set(lines)
