@@ -44,6 +44,11 @@ class WorkerSettings(BaseSettings):
     enable_prefix_caching: bool = Field(
         False, description="Reuse the K/V of prompt prefixes shared with running or recently finished jobs."
     )
+    with_scheduler: bool = Field(
+        False,
+        description="Also run RQ's scheduler for these queues (as `rq worker --with-scheduler`): needed for "
+        "enqueue_in / enqueue_at jobs and Retry(interval=...).",
+    )
     name: str | None = Field(
         None,
         description="Stable worker name. Restarting with the same name requeues the jobs its previous run held at "

@@ -137,6 +137,8 @@ class Lifecycle:
             except _REDIS_ERRORS as exc:
                 log.error("could not register the worker's death (%s); its key will lapse on its own", exc)
             self.unsubscribe()
+            if self.scheduler is not None:
+                self.stop_scheduler()
             self.stopped = True
             if self.metrics_server is not None:
                 self.metrics_server.close()

@@ -99,8 +99,18 @@ class RoseWorker(Lifecycle, Outcomes, BaseWorker):
 
     # ---- the loop ---------------------------------------------------------------------------------------------
 
-    def work(self, burst: bool = False, max_idle_time: int | None = None, **_: Any) -> bool:  # type: ignore[override]
-        """Run until a signal (or, with burst=True, until the queues are empty and nothing runs)."""
+    def work(  # type: ignore[override]
+        self,
+        burst: bool = False,
+        max_idle_time: int | None = None,
+        with_scheduler: bool | None = None,
+        **_: Any,
+    ) -> bool:
+        """Run until a signal (or, with burst=True, until the queues are empty and nothing runs).
+
+        with_scheduler (default: --with-scheduler): also run RQ's scheduler for these queues, as `rq worker
+        --with-scheduler` does, so scheduled jobs (`enqueue_in`/`enqueue_at`) and `Retry(interval=...)` run.
+        """
         if threading.current_thread() is not threading.main_thread():
             self.death_penalty_class = TimerDeathPenalty  # SIGALRM-based timeouts need the main thread
         else:
@@ -108,6 +118,10 @@ class RoseWorker(Lifecycle, Outcomes, BaseWorker):
         self._install_signal_handlers()
         self.serve_metrics()
         self._startup()
+        if self.settings.with_scheduler if with_scheduler is None else with_scheduler:
+            # RQ's own scheduler process (one per queue set across all workers, by Redis lock); maintenance
+            # restarts it if it dies and another worker does not hold the lock.
+            self._start_scheduler(burst, logging_level=self.settings.log_level)
         idle_since = time.monotonic()
         try:
             while not self._should_exit():
