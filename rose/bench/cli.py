@@ -12,9 +12,13 @@ from rose.bench.engine_bench import HF_CB, ROSE, STATIC, TARGET_RATIO, EngineBen
 from rose.bench.report import engine_rows, markdown_table, print_table, step_rows, write_json
 from rose.bench.rose_runner import RoseConfig
 from rose.bench.step_bench import StepBenchConfig, run_step_bench
+from rose.bench.worker_bench import TARGET_RATIO as WORKER_TARGET_RATIO
+from rose.bench.worker_bench import WorkerBenchConfig, latency_rows, run_worker_bench, throughput_rows
+from rose.bench.worker_procs import BenchProcessError
 
 DEFAULT_ENGINE_JSON = "benchmarks/results/bench_engine.json"
 DEFAULT_STEP_JSON = "benchmarks/results/bench_step.json"
+DEFAULT_WORKER_JSON = "benchmarks/results/bench_worker.json"
 
 
 def _range(text: str) -> tuple[int, int]:
@@ -242,3 +246,89 @@ def step_main(argv: Sequence[str] | None = None, prog: str | None = None) -> int
     if args.json_out:
         print(f"wrote {write_json(args.json_out, report.to_dict())}")
     return 0
+
+
+def build_worker_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    d = WorkerBenchConfig()
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description="rose end to end (redis-server + rose-worker process) vs the engine alone, "
+        "plus latency under Poisson load (--rate).",
+    )
+    _common(p, DEFAULT_WORKER_JSON)
+    p.add_argument("--num-requests", type=int, default=d.num_requests)
+    p.add_argument("--prompt-len-range", type=_range, default=d.prompt_len_range, metavar="LO,HI")
+    p.add_argument(
+        "--output-len-range",
+        type=_range,
+        default=d.output_len_range,
+        metavar="LO,HI",
+        help="max_tokens range",
+    )
+    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: the engine's")
+    p.add_argument(
+        "--rate", type=float, default=d.rate, help="req/s of the Poisson latency run (0: no latency run)"
+    )
+    p.add_argument("--latency-requests", type=int, default=d.latency_requests)
+    p.add_argument("--warmup-requests", type=int, default=d.warmup_requests)
+    p.add_argument("--skip-engine", action="store_true", help="no engine-alone run (no ratio)")
+    p.add_argument("--timeout", type=float, default=d.timeout_s, help="seconds per phase before giving up")
+    return p
+
+
+def worker_main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
+    args = build_worker_parser(prog).parse_args(argv)
+    _setup_logging(args.verbose)
+    cfg = WorkerBenchConfig(
+        model=args.model,
+        num_requests=args.num_requests,
+        prompt_len_range=args.prompt_len_range,
+        output_len_range=args.output_len_range,
+        seed=args.seed,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        num_threads=args.threads,
+        rate=args.rate,
+        latency_requests=args.latency_requests,
+        skip_engine=args.skip_engine,
+        warmup_requests=args.warmup_requests,
+        timeout_s=args.timeout,
+    )
+    try:
+        report = run_worker_bench(cfg, progress=lambda m: print(m, file=sys.stderr, flush=True))
+    except BenchProcessError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    wl, env = report.workload, report.environment
+    title = (
+        f"{cfg.model}: {wl['num_requests']} requests at once, prompts {cfg.prompt_len_range}, max_tokens "
+        f"{cfg.output_len_range}, {wl['requested_tokens']} tokens requested; torch threads "
+        f"{env['torch_num_threads']}, {env['cpu_count']} CPUs"
+    )
+    headers, rows = throughput_rows(report)
+    print_table(title, headers, rows, use_rich=not args.plain)
+    if report.ratio is not None:
+        verdict = "meets" if report.ratio >= WORKER_TARGET_RATIO else "BELOW"
+        print(
+            f"worker / engine alone: {report.ratio:.1%} of the tokens/s ({verdict} the "
+            f"{WORKER_TARGET_RATIO:.0%} target); greedy outputs identical: {report.agreement:.0%}"
+        )
+    md = [markdown_table(headers, rows)]
+    lat = report.latency
+    if lat is not None:
+        lat_title = (
+            f"latency: {lat['num_requests']} requests, Poisson arrivals at {lat['rate_req_per_s']:g} req/s; "
+            f"achieved {lat['achieved_requests_per_s']:.2f} req/s, {lat['achieved_tokens_per_s']:.0f} tok/s; "
+            f"{lat['tokens_per_event']:.2f} tokens per event; counts ok: {'yes' if lat['token_counts_ok'] else 'NO'}"
+        )
+        lh, lr = latency_rows(lat)
+        print_table(lat_title, lh, lr, use_rich=not args.plain)
+        md.append(markdown_table(lh, lr))
+    print(f"load average before/after: {report.load_average['before']} / {report.load_average['after']}")
+    if args.markdown:
+        print("\n\n".join(md))
+    if args.json_out:
+        print(f"wrote {write_json(args.json_out, report.to_dict())}")
+    ok = all(s.token_counts_ok for s in report.systems.values()) and (lat is None or lat["token_counts_ok"])
+    return 0 if ok else 1

@@ -1,4 +1,4 @@
-"""`rose bench engine|step`: the benchmarks in `rose.bench`, as subcommands."""
+"""`rose bench engine|step|worker`: the benchmarks in `rose.bench`, as subcommands."""
 
 from __future__ import annotations
 
@@ -8,18 +8,20 @@ import argparse
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "bench",
-        help="benchmarks: rose vs transformers (engine), decode-step time (step)",
+        help="benchmarks: rose vs transformers (engine), decode-step time (step), end to end (worker)",
         description="Benchmarks that print a table and write JSON. `rose bench KIND --help` lists each one's flags.",
     )
     p.add_argument(
-        "kind", choices=["engine", "step"], help="engine: rose vs transformers; step: decode-step time"
+        "kind",
+        choices=["engine", "step", "worker"],
+        help="engine: rose vs transformers; step: decode-step time; worker: redis + rose-worker vs engine alone",
     )
     p.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's own flags")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from rose.bench.cli import engine_main, step_main
+    from rose.bench.cli import engine_main, step_main, worker_main
 
-    main = engine_main if args.kind == "engine" else step_main
+    main = {"engine": engine_main, "step": step_main, "worker": worker_main}[args.kind]
     return main(args.args, prog=f"rose bench {args.kind}")
