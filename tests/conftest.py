@@ -2,78 +2,25 @@
 
 from __future__ import annotations
 
-import shutil
-import socket
-import subprocess
-import time
 import uuid
 from collections.abc import Iterator
 
 import pytest
 import redis
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from rose.redis_server import RedisServerError, RedisServerProcess, free_port
 
 
-class RedisServer:
-    """A throwaway redis-server process (no persistence) that tests can stop and restart on the same port."""
+class RedisServer(RedisServerProcess):
+    """A throwaway redis-server (no snapshots) in the test's directory that tests can stop and restart on the same
+    port; persistent: keeps its data across stop() / start() (an outage, not a wipe)."""
 
     def __init__(self, tmp_path, persistent: bool = False) -> None:
-        binary = shutil.which("redis-server") or "/usr/bin/redis-server"
-        if not shutil.which(binary):
-            pytest.fail("redis-server is required for the integration tests (apt-get install redis-server)")
-        self.binary = binary
-        self.port = free_port()
-        self.dir = tmp_path
-        # persistent: an append-only file, so that a stop/start keeps the data (an outage, not a wipe)
-        self.persistence = (
-            ["--appendonly", "yes", "--appendfsync", "always"] if persistent else ["--appendonly", "no"]
-        )
-        self.proc: subprocess.Popen | None = None
-        self.start()
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(
-            [
-                self.binary,
-                "--port",
-                str(self.port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                *self.persistence,
-                "--dir",
-                str(self.dir),
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                redis.Redis(port=self.port, socket_connect_timeout=0.2).ping()
-                return
-            except redis.ConnectionError:
-                time.sleep(0.05)
-        pytest.fail(f"redis-server did not start on port {self.port}")
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.terminate()
-            self.proc.wait(timeout=10)
-            self.proc = None
-
-    def client(self, **kwargs) -> redis.Redis:
-        return redis.Redis(port=self.port, **kwargs)
+        try:
+            super().__init__(directory=tmp_path, persistent=persistent)
+            self.start()
+        except RedisServerError as exc:
+            pytest.fail(f"the integration tests need a local redis-server: {exc}")
 
 
 @pytest.fixture(scope="session")

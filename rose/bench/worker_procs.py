@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -16,15 +15,11 @@ from typing import Any
 
 import redis
 
+from rose.redis_server import RedisServerError, RedisServerProcess
+
 
 class BenchProcessError(RuntimeError):
     """redis-server or rose-worker could not be started (missing binary, crashed, never ready)."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.1) -> Any:
@@ -48,69 +43,22 @@ def _stop(proc: subprocess.Popen | None, timeout: float) -> None:
         proc.wait(10)
 
 
-class RedisProcess:
-    """`redis-server --port <free> --save '' --appendonly no` in a temporary directory."""
+class RedisProcess(RedisServerProcess):
+    """A throwaway redis-server for the benchmark (missing binary or failed start: BenchProcessError)."""
 
     def __init__(self, binary: str | None = None, start_timeout: float = 10.0) -> None:
-        found = binary or shutil.which("redis-server")
-        if not found or not (Path(found).is_file() or shutil.which(found)):
-            raise BenchProcessError(
-                "redis-server not found on PATH: `rose bench worker` needs a local Redis binary "
-                "(e.g. apt-get install redis-server)"
-            )
-        self.binary = found
-        self.port = free_port()
-        self._dir = tempfile.TemporaryDirectory(prefix="rose-bench-redis-")
-        cmd = [
-            self.binary,
-            "--port",
-            str(self.port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-        ]
-        cmd += ["--dir", self._dir.name]
-        self.proc: subprocess.Popen | None = subprocess.Popen(
-            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-        )
-
-        def ready() -> bool:
-            if self.proc is not None and self.proc.poll() is not None:
-                raise BenchProcessError(
-                    f"redis-server exited with {self.proc.returncode} on port {self.port}"
-                )
-            try:
-                return bool(redis.Redis(port=self.port, socket_connect_timeout=0.2).ping())
-            except redis.ConnectionError:
-                return False
-
         try:
-            _wait_for(ready, start_timeout, f"redis-server on port {self.port}", 0.05)
-        except BaseException:
-            self.stop()
-            raise
+            super().__init__(binary=binary)
+            self.start(start_timeout)
+        except RedisServerError as exc:
+            raise BenchProcessError(f"`rose bench worker` needs a local Redis: {exc}") from None
 
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    @property
-    def pid(self) -> int | None:
-        return self.proc.pid if self.proc is not None else None
-
-    def stop(self) -> None:
-        _stop(self.proc, 10)
-        self.proc = None
-        self._dir.cleanup()
-
-    def __enter__(self) -> RedisProcess:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the server and remove its directory (a benchmark never restarts it)."""
+        super().stop(timeout)
+        if self._tmpdir is not None:
+            self._tmpdir.cleanup()
+            self._tmpdir = None
 
 
 def worker_command() -> list[str]:

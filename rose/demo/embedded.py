@@ -9,16 +9,12 @@ import contextlib
 import importlib.util
 import logging
 import shutil
-import signal
-import socket
-import subprocess
-import sys
-import tempfile
 import threading
-import time
 from typing import Any, Literal
 
 import redis
+
+from rose.redis_server import RedisServerError, RedisServerProcess
 
 log = logging.getLogger(__name__)
 
@@ -33,23 +29,9 @@ class EmbeddedRedisError(RuntimeError):
     """The embedded Redis could not be started (message says why and what to install)."""
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def lua_available() -> bool:
     """fakeredis runs Lua scripts (rose's event publisher uses one) only with `lupa` installed."""
     return importlib.util.find_spec("lupa") is not None
-
-
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
-    """Linux: have the kernel SIGTERM redis-server if the demo dies without cleaning up (kill -9)."""
-    with contextlib.suppress(Exception):
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 class EmbeddedRedis:
@@ -59,8 +41,7 @@ class EmbeddedRedis:
         self.kind = kind
         self.port = port
         self.pid: int | None = None
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._tmpdir: tempfile.TemporaryDirectory[str] | None = None
+        self._server: RedisServerProcess | None = None
         self._fake: Any = None
         self._thread: threading.Thread | None = None
         self._clients: list[redis.Redis] = []
@@ -102,36 +83,14 @@ class EmbeddedRedis:
 
     @classmethod
     def _start_server(cls, binary: str, timeout: float) -> EmbeddedRedis:
-        self = cls("server", _free_port())
-        self._tmpdir = tempfile.TemporaryDirectory(prefix="rose-demo-redis-")
-        argv = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-        argv += ["--dir", self._tmpdir.name, "--daemonize", "no", "--loglevel", "warning"]
-        self._proc = subprocess.Popen(
-            argv,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            start_new_session=True,  # Ctrl-C in the terminal reaches the demo only; it stops redis last
-            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
-        )
-        self.pid = self._proc.pid
-        deadline = time.monotonic() + timeout
-        probe = redis.Redis(port=self.port, socket_connect_timeout=0.5)
+        server = RedisServerProcess(binary=binary, detach=True)
         try:
-            while True:
-                try:
-                    probe.ping()
-                    break
-                except redis.ConnectionError:
-                    if self._proc.poll() is not None or time.monotonic() > deadline:
-                        err = self._proc.stderr.read().decode(errors="replace") if self._proc.stderr else ""
-                        self.close()
-                        raise EmbeddedRedisError(
-                            f"redis-server did not start: {err.strip()[-500:]}"
-                        ) from None
-                    time.sleep(0.05)
-        finally:
-            probe.close()
+            server.start(timeout)
+        except RedisServerError as exc:
+            server.close()
+            raise EmbeddedRedisError(str(exc)) from None
+        self = cls("server", server.port)
+        self._server, self.pid = server, server.pid
         log.info("started %s", self.describe())
         return self
 
@@ -159,26 +118,15 @@ class EmbeddedRedis:
                 conn.close()
                 conn.connection_pool.disconnect()
         self._clients.clear()
-        if self._proc is not None:
-            proc, self._proc = self._proc, None
-            if proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(timeout=10)
-            if proc.stderr:
-                proc.stderr.close()
+        if self._server is not None:
+            server, self._server = self._server, None
+            server.close()
         if self._fake is not None:
             server, self._fake = self._fake, None
             server.shutdown()  # stops serve_forever and tells the (non-daemon) handler threads to leave
             server.server_close()
             if self._thread is not None:
                 self._thread.join(timeout=5)
-        if self._tmpdir is not None:
-            self._tmpdir.cleanup()
-            self._tmpdir = None
 
     def __enter__(self) -> EmbeddedRedis:
         return self
