@@ -63,3 +63,16 @@ def usage_line(result: dict[str, Any]) -> str:
     parts = [f"finish_reason={result.get('finish_reason')}"]
     parts += [f"{k}={v}" for k, v in usage.items()]
     return "[" + " ".join(parts) + "]"
+
+
+def ended_badly(args: argparse.Namespace, job_id: str, exc: Exception) -> int | None:
+    """Report a job that failed or was canceled (JobFailed / JobCanceled) and return the exit code; None otherwise."""
+    from rose.jobs.client import JobCanceled, JobFailed
+
+    if isinstance(exc, JobFailed):
+        error(args, f"job {job_id} failed: {exc.message}")
+    elif isinstance(exc, JobCanceled):
+        error(args, f"job {job_id} {exc.reason}")
+    else:
+        return None
+    return EXIT_FAILED

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from rose.cli.common import EXIT_FAILED, EXIT_TIMEOUT, add_redis_args, connect, error
+from rose.cli.common import EXIT_FAILED, EXIT_TIMEOUT, add_redis_args, connect, ended_badly, error
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -95,12 +95,8 @@ def run_result(args: argparse.Namespace) -> int:
         return EXIT_FAILED
     try:
         result = Client(conn).job(args.job_id).result(timeout=max(args.wait, 0))
-    except JobFailed as exc:
-        error(args, f"job {args.job_id} failed: {exc.message}")
-        return EXIT_FAILED
-    except JobCanceled as exc:
-        error(args, f"job {args.job_id} {exc.reason}")
-        return EXIT_FAILED
+    except (JobFailed, JobCanceled) as exc:
+        return ended_badly(args, args.job_id, exc)
     except TimeoutError:
         status = (conn.hget(f"rq:job:{args.job_id}", "status") or b"unknown").decode()
         error(args, f"job {args.job_id} has not finished (status: {status}); wait with --wait S")

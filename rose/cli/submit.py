@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import TYPE_CHECKING, Any
 
-from rose.cli.common import EXIT_FAILED, EXIT_TIMEOUT, add_redis_args, error, make_client, usage_line
+from rose.cli.common import EXIT_TIMEOUT, add_redis_args, ended_badly, error, make_client, usage_line
 from rose.cli.sampling_args import add_sampling_args, sampling_kwargs
 
 if TYPE_CHECKING:
@@ -60,12 +60,8 @@ def run(args: argparse.Namespace) -> int:
     print(job.id, file=out, flush=True)
     try:
         result = _stream(job, args.timeout) if args.stream else job.result(timeout=args.timeout)
-    except JobFailed as exc:
-        error(args, f"job {job.id} failed: {exc.message}")
-        return EXIT_FAILED
-    except JobCanceled as exc:
-        error(args, f"job {job.id} {exc.reason}")
-        return EXIT_FAILED
+    except (JobFailed, JobCanceled) as exc:
+        return ended_badly(args, job.id, exc)
     except TimeoutError as exc:
         error(args, f"{exc}; the job goes on: `rose result {job.id} --wait S` or `rose cancel {job.id}`")
         return EXIT_TIMEOUT
