@@ -273,6 +273,12 @@ def build_worker_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--latency-requests", type=int, default=d.latency_requests)
     p.add_argument("--warmup-requests", type=int, default=d.warmup_requests)
     p.add_argument("--skip-engine", action="store_true", help="no engine-alone run (no ratio)")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=d.repeats,
+        help="throughput passes of each, worker and engine alternating; medians compared",
+    )
     p.add_argument("--timeout", type=float, default=d.timeout_s, help="seconds per phase before giving up")
     return p
 
@@ -292,6 +298,7 @@ def worker_main(argv: Sequence[str] | None = None, prog: str | None = None) -> i
         rate=args.rate,
         latency_requests=args.latency_requests,
         skip_engine=args.skip_engine,
+        repeats=args.repeats,
         warmup_requests=args.warmup_requests,
         timeout_s=args.timeout,
     )
@@ -314,6 +321,8 @@ def worker_main(argv: Sequence[str] | None = None, prog: str | None = None) -> i
             f"worker / engine alone: {report.ratio:.1%} of the tokens/s ({verdict} the "
             f"{WORKER_TARGET_RATIO:.0%} target); greedy outputs identical: {report.agreement:.0%}"
         )
+        if len(report.pass_ratios) > 1:
+            print("per pass: " + ", ".join(f"{r:.1%}" for r in report.pass_ratios))
     md = [markdown_table(headers, rows)]
     lat = report.latency
     if lat is not None:

@@ -2,8 +2,9 @@
 
 Throughput: the whole workload is submitted at once (`Client.submit_many`, greedy, EOS ignored, the workload's
 max_tokens) to a warmed-up worker; the clock runs from the submission to the last result read back. Then the
-worker and Redis are stopped and the engine alone (`rose_runner.run_rose`) runs the same workload in this process,
-with the same thread setting, so the two never compete for the CPUs.
+engine alone (`rose_runner.run_rose`) runs the same workload in this process, with the same thread setting, while
+the worker idles (blocked on its queue), so the two never compete for the CPUs. With `repeats` > 1 the two
+alternate, pass after pass, and medians are compared: a shared machine's drift hits both alike.
 
 Latency (`rate > 0`): a producer thread submits requests at Poisson arrivals (exponential gaps, mean 1/rate) and
 one pub/sub connection (PSUBSCRIBE `rose:tokens:*`) timestamps each event on receipt, as a user would see it:
@@ -49,6 +50,7 @@ class WorkerBenchConfig:
     rate: float = 0.0  # requests/s of the latency run; 0: no latency run
     latency_requests: int = 64
     skip_engine: bool = False
+    repeats: int = 1  # worker and engine passes alternate; medians are compared
     warmup_requests: int = 8
     timeout_s: float = 600.0  # per phase
 
@@ -59,7 +61,8 @@ class WorkerBenchReport:
     environment: dict[str, Any]
     workload: dict[str, Any]
     systems: dict[str, RunResult] = field(default_factory=dict)
-    ratio: float | None = None  # worker tok/s / engine tok/s
+    ratio: float | None = None  # median worker tok/s / median engine tok/s
+    pass_ratios: list[float] = field(default_factory=list)  # worker / engine of each alternating pair
     agreement: float | None = None  # share of requests with identical greedy outputs, worker vs engine
     latency: dict[str, Any] | None = None
     processes: dict[str, Any] = field(default_factory=dict)
@@ -73,6 +76,7 @@ class WorkerBenchReport:
             "workload": self.workload,
             "systems": {k: v.to_dict() for k, v in self.systems.items()},
             "worker_vs_engine_tokens_per_s": self.ratio,
+            "worker_vs_engine_per_pass": self.pass_ratios,
             "target_ratio": TARGET_RATIO,
             "greedy_identical_share": self.agreement,
             "latency": self.latency,
@@ -323,16 +327,24 @@ def run_worker_bench(
                 if cfg.warmup_requests > 0:
                     say(f"warming the worker up ({cfg.warmup_requests} requests)")
                     _run_all_at_once(client, workload.head(cfg.warmup_requests), "warmup-", cfg.timeout_s)
-                say(f"worker: {len(workload)} requests at once")
-                outputs, wall, extra = _run_all_at_once(client, workload, "tp-", cfg.timeout_s)
-                report.systems[WORKER] = make_result(
-                    WORKER,
-                    workload,
-                    outputs,
-                    wall,
-                    settings={"queue": queue, "max_model_len": max_len},
-                    extra=extra,
-                )
+                worker_runs, engine_runs = [], []
+                for rep in range(cfg.repeats):
+                    tag = f"[{rep + 1}/{cfg.repeats}] " if cfg.repeats > 1 else ""
+                    say(f"{tag}worker: {len(workload)} requests at once")
+                    outputs, wall, extra = _run_all_at_once(client, workload, f"tp{rep}-", cfg.timeout_s)
+                    worker_runs.append(
+                        make_result(
+                            WORKER,
+                            workload,
+                            outputs,
+                            wall,
+                            settings={"queue": queue, "max_model_len": max_len},
+                            extra=extra,
+                        )
+                    )
+                    if not cfg.skip_engine:
+                        say(f"{tag}engine alone: {len(workload)} requests in this process (the worker idles)")
+                        engine_runs.append(_engine_pass(cfg, workload, max_len))
                 if lat_wl is not None:
                     say(f"latency: {len(lat_wl)} requests, Poisson arrivals at {cfg.rate} req/s")
                     report.latency = run_latency(
@@ -341,23 +353,39 @@ def run_worker_bench(
             finally:
                 client.redis.close()
     say("worker and redis-server stopped")
-    if not cfg.skip_engine:
-        say(f"engine alone: {len(workload)} requests in this process")
-        model, tokenizer = load_model(cfg.model, seed=0)
-        rose_cfg = RoseConfig(
-            max_num_seqs=cfg.max_num_seqs,
-            max_num_batched_tokens=cfg.max_num_batched_tokens,
-            max_model_len=max_len,
-            warmup_requests=cfg.warmup_requests,
-        )
-        report.systems[ENGINE] = run_rose(model, tokenizer, workload, rose_cfg)
-        report.systems[ENGINE].name = ENGINE
+    report.systems[WORKER] = _median_run(worker_runs)
+    if engine_runs:
+        report.systems[ENGINE] = _median_run(engine_runs)
         w, e = report.systems[WORKER], report.systems[ENGINE]
         report.ratio = w.tokens_per_s / e.tokens_per_s
+        report.pass_ratios = [
+            a.tokens_per_s / b.tokens_per_s for a, b in zip(worker_runs, engine_runs, strict=True)
+        ]
         same = sum(w.outputs.get(r.request_id) == e.outputs.get(r.request_id) for r in workload.requests)
         report.agreement = same / len(workload)
     report.load_average["after"] = _load()
     return report
+
+
+def _engine_pass(cfg: WorkerBenchConfig, workload: Workload, max_len: int) -> RunResult:
+    model, tokenizer = load_model(cfg.model, seed=0)
+    rose_cfg = RoseConfig(
+        max_num_seqs=cfg.max_num_seqs,
+        max_num_batched_tokens=cfg.max_num_batched_tokens,
+        max_model_len=max_len,
+        warmup_requests=cfg.warmup_requests,
+    )
+    result = run_rose(model, tokenizer, workload, rose_cfg)
+    result.name = ENGINE
+    return result
+
+
+def _median_run(runs: list[RunResult]) -> RunResult:
+    """The pass with the median wall time (the lower middle one for an even count); every wall time in extra."""
+    ordered = sorted(runs, key=lambda r: r.wall_s)
+    median = ordered[(len(ordered) - 1) // 2]
+    median.extra["pass_wall_s"] = [r.wall_s for r in runs]
+    return median
 
 
 def throughput_rows(report: WorkerBenchReport) -> tuple[list[str], list[list[Any]]]:

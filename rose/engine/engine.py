@@ -12,6 +12,7 @@ from transformers import PreTrainedModel
 
 from rose.engine import loader
 from rose.engine.detokenizer import IncrementalDetokenizer
+from rose.engine.host_malloc import tune_malloc
 from rose.engine.kv_cache import KVCache
 from rose.engine.model_runner import ModelRunner, model_geometry
 from rose.engine.outputs import RequestMetrics, RequestOutput, StepOutput, TokenLogprob
@@ -57,6 +58,8 @@ class Engine:
         )
         self.model, self.tokenizer, self.model_name = loaded.model, loaded.tokenizer, loaded.name
         self.device, self.dtype = loaded.device, loaded.dtype
+        if self.device.type == "cpu":
+            tune_malloc()  # steps reuse their activation memory instead of page-faulting it in again
         self.max_num_seqs = max_num_seqs
         self.max_logprobs = max_logprobs
 

@@ -208,7 +208,7 @@ class Job:
             job.latest_result(timeout=max(1, int(wait)))
 
     def cancel(self) -> bool:
-        """Cancel the job: a queued job never starts, a running one stops within one engine step.
+        """Cancel the job: a queued job never starts, a running one stops within two engine steps.
         Returns False if the job had already ended."""
         return self.client.cancel(self.id)
 

@@ -58,6 +58,7 @@ class Running:
     output: Any = None  # engine RequestOutput once finished
     in_engine: bool = False
     callback_done: bool = False  # a Redis retry of the retirement must not run the success callback twice
+    stream_ttl_due: float = 0.0  # monotonic time at which the next event (re)sets the stream's expiry
     queue_s: float | None = None  # seconds on the queue (enqueued to started), when RQ recorded both
     ttft_s: float | None = None  # seconds from start to the first token
 
@@ -82,14 +83,16 @@ def job_timeout(job: Job) -> int | None:
     return None if timeout is None or int(timeout) < 0 else int(timeout)
 
 
-def take(worker: RoseWorker, limit: int) -> list[tuple[str, Queue]]:
-    """Up to `limit` job ids, highest-priority queue first, without blocking: one round trip to size the queues,
-    one to move the ids (LMOVE into each queue's intermediate list, as RQ's own dequeue does)."""
+def take(worker: RoseWorker, limit: int, lengths: list[int] | None = None) -> list[tuple[str, Queue]]:
+    """Up to `limit` job ids, highest-priority queue first, without blocking: one round trip to size the queues
+    (none when `lengths` are given, fresh from the step's probe), one to move the ids (LMOVE into each queue's
+    intermediate list, as RQ's own dequeue does)."""
     conn = worker.connection
-    with conn.pipeline(transaction=False) as pipe:
-        for queue in worker.queues:
-            pipe.llen(queue.key)
-        lengths = pipe.execute()
+    if lengths is None:
+        with conn.pipeline(transaction=False) as pipe:
+            for queue in worker.queues:
+                pipe.llen(queue.key)
+            lengths = pipe.execute()
     if not any(lengths):
         return []
     plan: list[tuple[Queue, int]] = []

@@ -17,7 +17,7 @@ from rq.utils import now
 from rose.jobs.events import CanceledEvent, DoneEvent, ErrorEvent, ResetEvent, TokenEvent, Usage
 from rose.worker.intake import Running
 from rose.worker.logs import job_fields
-from rose.worker.publisher import NO_EXPIRY, Outgoing
+from rose.worker.publisher import KEEP_TTL, NO_EXPIRY, Outgoing
 
 if TYPE_CHECKING:
     from rose.worker.worker import RoseWorker
@@ -31,6 +31,9 @@ class RoseJobError(Exception):
 
 class RoseJobTimeout(RoseJobError):
     """The job ran past its RQ job timeout."""
+
+
+STREAM_TTL_REFRESH_S = 60  # a running job's events re-set its stream's expiry this often (it is hours long)
 
 
 def result_ttl(worker: RoseWorker, job: Job) -> int:
@@ -124,10 +127,20 @@ class Outcomes:
 
     def _emit_token(self: RoseWorker, run: Running, text: str, token_ids: list[int]) -> None:
         event = TokenEvent(job_id=run.id, seq=run.next_seq(), text=text, token_ids=token_ids)
-        self._emit(run.job, event, stream_ttl(self, run.job, run))
+        self._emit(run.job, event, self._running_stream_ttl(run))
 
     def _emit_reset(self: RoseWorker, run: Running, reason: str = "restart") -> None:
-        self._emit(run.job, ResetEvent(job_id=run.id, reason=reason), stream_ttl(self, run.job, run))
+        run.stream_ttl_due = 0.0
+        self._emit(run.job, ResetEvent(job_id=run.id, reason=reason), self._running_stream_ttl(run))
+
+    def _running_stream_ttl(self: RoseWorker, run: Running) -> int | None:
+        """The stream TTL to send with a running job's event: set by its first event, refreshed now and then,
+        otherwise KEEP_TTL (one Redis command less per token)."""
+        t = time.monotonic()
+        if t < run.stream_ttl_due:
+            return KEEP_TTL
+        run.stream_ttl_due = t + STREAM_TTL_REFRESH_S
+        return stream_ttl(self, run.job, run)
 
     def _forget(self: RoseWorker, run: Running) -> None:
         self.running.pop(run.id, None)

@@ -1,8 +1,9 @@
 """Sends job events to Redis from a background thread, so the engine loop never waits on the network.
 
 Each batch handed over (one engine step's events) goes out in one round trip: a Lua script that, for each event,
-XADDs it to the job's stream, sets the stream's expiry and PUBLISHes it on the job's channel. Batches are sent in
-order; on a connection error the batch is retried with backoff, never dropped. The script is atomic and numbered
+XADDs it to the job's stream, sets the stream's expiry when the event says so (a job's first event and, now and
+then, a refresh; terminal events) and PUBLISHes it on the job's channel. Batches are sent in order; on a connection
+error the batch is retried with backoff, never dropped. The script is atomic and numbered
 (a per-publisher counter key), so a retry of a batch that did reach Redis before the connection broke is a no-op:
 subscribers see every seq exactly once, without gaps, even across Redis blips.
 """
@@ -23,24 +24,30 @@ from rose.jobs import keys
 log = logging.getLogger(__name__)
 
 NO_EXPIRY = -1
+KEEP_TTL = None  # leave the stream's expiry as an earlier event of the job set it
 _COUNTER_TTL_S = 3600
 _MAX_EVENTS_PER_CALL = (
     2000  # merged batches per script call, so that a backlog after an outage goes in chunks
 )
 
 # KEYS[1]: this publisher's batch counter; KEYS[1 + i]: stream of event i.
-# ARGV[1]: batch number; ARGV[2]: counter TTL; then per event: channel, data, stream TTL (-1 = persist).
+# ARGV[1]: batch number; ARGV[2]: counter TTL; ARGV[3]: channel prefix; ARGV[4]: stream key prefix length;
+# then per event: data, stream TTL ('' = keep, -1 = persist). The channel is the prefix + the job id.
 _SCRIPT = """
 local batch = tonumber(ARGV[1])
 local last = tonumber(redis.call('GET', KEYS[1]) or '0')
 if batch <= last then return 0 end
 redis.call('SET', KEYS[1], batch, 'EX', ARGV[2])
+local channel, skip = ARGV[3], tonumber(ARGV[4])
 for i = 2, #KEYS do
-  local a = 3 + (i - 2) * 3
-  redis.call('XADD', KEYS[i], '*', 'event', ARGV[a + 1])
-  local ttl = tonumber(ARGV[a + 2])
-  if ttl < 0 then redis.call('PERSIST', KEYS[i]) else redis.call('EXPIRE', KEYS[i], ttl) end
-  redis.call('PUBLISH', ARGV[a], ARGV[a + 1])
+  local a = 5 + (i - 2) * 2
+  local data, ttl = ARGV[a], ARGV[a + 1]
+  redis.call('XADD', KEYS[i], '*', 'event', data)
+  if ttl ~= '' then
+    ttl = tonumber(ttl)
+    if ttl < 0 then redis.call('PERSIST', KEYS[i]) else redis.call('EXPIRE', KEYS[i], ttl) end
+  end
+  redis.call('PUBLISH', channel .. string.sub(KEYS[i], skip + 1), data)
 end
 return #KEYS - 1
 """
@@ -50,7 +57,7 @@ return #KEYS - 1
 class Outgoing:
     job_id: str
     data: str  # event JSON
-    stream_ttl: int  # seconds; NO_EXPIRY to persist the stream
+    stream_ttl: int | None  # seconds; NO_EXPIRY to persist the stream; KEEP_TTL to leave it as it is
 
 
 class Publisher:
@@ -62,7 +69,6 @@ class Publisher:
         self._unsent = 0  # batches handed over and not yet written
         self._closing = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rose-publisher", daemon=True)
-        self._script = connection.register_script(_SCRIPT)
         self._counter_key = f"rose:publisher:{uuid.uuid4().hex}"
         self._batch_no = 0
         self.sent_events = 0
@@ -124,18 +130,17 @@ class Publisher:
 
     def _write(self, events: list[Outgoing]) -> None:
         self._batch_no += 1
-        keys_ = [self._counter_key] + [keys.stream_key(e.job_id) for e in events]
-        args: list[object] = [self._batch_no, _COUNTER_TTL_S]
+        items: list[str | int] = ["EVAL", _SCRIPT, len(events) + 1, self._counter_key]
+        items += [keys.stream_key(e.job_id) for e in events]
+        items += [self._batch_no, _COUNTER_TTL_S, keys.TOKENS_CHANNEL_PREFIX, len(keys.STREAM_PREFIX)]
         for e in events:
-            args += [
-                keys.tokens_channel(e.job_id),
-                e.data,
-                e.stream_ttl if e.stream_ttl == NO_EXPIRY else max(1, e.stream_ttl),
-            ]
+            ttl = e.stream_ttl
+            items += [e.data, "" if ttl is KEEP_TTL else ttl if ttl == NO_EXPIRY else max(1, ttl)]
+        packed = pack_command(items)
         delay = 0.1
         while True:
             try:
-                self._script(keys=keys_, args=args)
+                self._call(packed)
                 self.sent_events += len(events)
                 return
             except (redis.ConnectionError, redis.TimeoutError) as exc:
@@ -151,3 +156,25 @@ class Publisher:
                 # A bug or a server-side refusal (e.g. OOM): retrying the same batch would loop forever.
                 log.exception("publisher: could not write %d events; dropping them", len(events))
                 return
+
+    def _call(self, packed: bytes) -> object:
+        """One command, already packed, on a pooled connection (closed on any error, so no reply is left
+        unread on it). EVAL rather than EVALSHA: Redis caches the script by its hash either way, and a restarted
+        Redis never answers NOSCRIPT."""
+        pool = self.connection.connection_pool
+        conn = pool.get_connection()
+        try:
+            conn.send_packed_command([packed])
+            return conn.read_response()
+        except BaseException:
+            conn.disconnect()
+            raise
+        finally:
+            pool.release(conn)
+
+
+def pack_command(items: list[str | int]) -> bytes:
+    """RESP encoding of one command: what redis-py's `pack_command` produces, at a third of its cost for the few
+    hundred arguments of a step's batch (it is the publisher's main CPU cost, taken from the engine's cores)."""
+    enc = [x.encode() if isinstance(x, str) else str(x).encode() for x in items]
+    return b"*%d\r\n" % len(enc) + b"".join(b"$%d\r\n%b\r\n" % (len(x), x) for x in enc)

@@ -22,7 +22,7 @@ from rq.timeouts import TimerDeathPenalty, UnixSignalDeathPenalty
 from rq.worker import BaseWorker, WorkerStatus
 
 from rose.config import WorkerSettings
-from rose.worker import intake, metrics, recovery
+from rose.worker import intake, metrics, probe, recovery
 from rose.worker.intake import Running
 from rose.worker.lifecycle import Lifecycle
 from rose.worker.outcomes import Outcomes, RoseJobTimeout
@@ -66,6 +66,8 @@ class RoseWorker(Lifecycle, Outcomes, BaseWorker):
         self._outbox: list[Outgoing] = []
         self._limbo: list[tuple[str, Any]] = []  # taken ids whose start may not have gone through
         self._stop_job_ids: collections.deque[str] = collections.deque()
+        self._queue_lengths: list[int] | None = None  # as of the last probe, for the next intake
+        self._probe = probe.InFlightProbe(self)
         self._drain_deadline: float | None = None
         self._force_stop = False
         self._suspended = False
@@ -204,6 +206,8 @@ class RoseWorker(Lifecycle, Outcomes, BaseWorker):
         elif self._suspended and not self.running:
             time.sleep(IDLE_BLOCK_S)
         if self.engine.has_unfinished():
+            if self.running:  # answered while the model runs; read by _checks after the step
+                self._redis("checks", self._probe.send, list(self.running.values()))
             self._step()
         if self.running:
             self._redis("checks", self._checks)
@@ -249,7 +253,9 @@ class RoseWorker(Lifecycle, Outcomes, BaseWorker):
             if taken:  # a start whose reply was lost last time
                 runs = intake.adopt(self, taken)
             else:
-                taken = intake.take(self, room)
+                # queue lengths from this step's probe spare a round trip; None: ask Redis
+                lengths, self._queue_lengths = self._queue_lengths, None
+                taken = intake.take(self, room, lengths)
                 if not taken and block and not self.running and not self.engine.has_unfinished():
                     taken = intake.wait_for_one(self, IDLE_BLOCK_S)
                     if taken and room > 1:
@@ -323,15 +329,16 @@ class RoseWorker(Lifecycle, Outcomes, BaseWorker):
 
     def _checks(self) -> None:
         """Cancels (job.cancel() / client), deletions, stop commands, lost ownership and timeouts, before any
-        retirement: a canceled job must not be stored as finished. One round trip."""
-        runs = list(self.running.values())
-        with self.connection.pipeline(transaction=False) as pipe:
-            for run in runs:
-                pipe.hmget(run.job.key, "status", "worker_name")
-            replies = pipe.execute()
-        for run, (status, owner) in zip(runs, replies, strict=True):
-            status = status.decode() if status else None
-            owner = owner.decode() if owner else ""
+        retirement: a canceled job must not be stored as finished. One round trip (usually sent before the step
+        and answered while it ran), which also sizes the queues for the next intake."""
+        if self._probe.pending:
+            found, self._queue_lengths = self._probe.receive()
+        else:
+            found, self._queue_lengths = probe.probe(self, list(self.running.values()))
+        for item in found:
+            run, status, owner = item.run, item.status, item.owner
+            if self.running.get(run.id) is not run:
+                continue
             if status is None:
                 self._cancel(run, "deleted")
             elif status in (JobStatus.CANCELED.value, JobStatus.STOPPED.value):
@@ -339,7 +346,7 @@ class RoseWorker(Lifecycle, Outcomes, BaseWorker):
             elif status == JobStatus.FINISHED.value and owner == self.name and run.output is not None:
                 # Our retirement reached Redis but its reply was lost (connection drop): finish the job here.
                 self._announce_done(run)
-            elif status != JobStatus.STARTED.value or owner != self.name:
+            else:
                 # Requeued by another worker that took us for dead (e.g. after a long Redis outage).
                 log.warning("job %s is now %s on %r; dropping our copy", run.id, status, owner)
                 self._forget(run)

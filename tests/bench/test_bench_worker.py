@@ -38,7 +38,7 @@ def test_worker_parser_defaults_match_the_issue():
     args = build_worker_parser().parse_args([])
     assert args.num_requests == 128 and args.max_num_seqs == 128
     assert args.prompt_len_range == (16, 128) and args.output_len_range == (16, 128)
-    assert args.rate == 0.0 and not args.skip_engine
+    assert args.rate == 0.0 and not args.skip_engine and args.repeats == 1
 
 
 @pytest.mark.timeout(120)
@@ -46,10 +46,11 @@ def test_worker_bench_end_to_end(tmp_path, capsys):
     out = tmp_path / "worker.json"
     argv = ["--num-requests", "6", "--prompt-len-range", "4,12", "--output-len-range", "4,4"]
     argv += ["--rate", "20", "--latency-requests", "4", "--warmup-requests", "2", "--threads", "1"]
-    argv += ["--json-out", str(out), "--plain", "--markdown"]
+    argv += ["--repeats", "2", "--json-out", str(out), "--plain", "--markdown"]
     assert worker_main(argv) == 0
     text = capsys.readouterr().out
     assert "rose-worker" in text and "rose-engine" in text and "TTFT" in text
+    assert "per pass: " in text
 
     report = json.loads(out.read_text())
     assert report["benchmark"] == "worker"
@@ -58,7 +59,9 @@ def test_worker_bench_end_to_end(tmp_path, capsys):
         s = report["systems"][name]
         assert s["token_counts_ok"] and s["generated_tokens"] == 24 and s["num_requests"] == 6
         assert s["wall_s"] > 0
+        assert len(s["extra"]["pass_wall_s"]) == 2 and s["wall_s"] in s["extra"]["pass_wall_s"]
     assert report["worker_vs_engine_tokens_per_s"] > 0
+    assert len(report["worker_vs_engine_per_pass"]) == 2
 
     lat = report["latency"]
     assert lat["completed"] == 4 and lat["token_counts_ok"]

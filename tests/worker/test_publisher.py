@@ -9,7 +9,7 @@ import pytest
 import redis
 
 from rose.jobs import keys
-from rose.worker.publisher import NO_EXPIRY, Outgoing, Publisher
+from rose.worker.publisher import KEEP_TTL, NO_EXPIRY, Outgoing, Publisher, pack_command
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -67,3 +67,25 @@ def test_send_never_blocks_even_when_redis_is_down(unused_port):
     assert pub.flush(timeout=0.5) is False  # still retrying, nothing dropped
     assert pub.backlog > 0
     pub.close(timeout=0.5)
+
+
+def test_keep_ttl_leaves_the_streams_expiry_alone(r):
+    pub = Publisher(r)
+    pub._write([ev("k", 0)])  # a job's first event sets the expiry
+    assert 90 <= r.ttl(keys.stream_key("k")) <= 100
+    r.expire(keys.stream_key("k"), 50)
+    pub._write([Outgoing("k", ev("k", 1).data, KEEP_TTL)])
+    assert 40 <= r.ttl(keys.stream_key("k")) <= 50
+    pub._write([ev("k", 2)])  # a refresh or a terminal event sets it again
+    assert r.ttl(keys.stream_key("k")) > 50
+    assert seqs(r, "k") == [0, 1, 2]
+
+
+def test_pack_command_is_what_redis_py_sends(r):
+    items = ["EVAL", "return 1", 2, "k:ü", "k2", -1, "", '{"text": "日本 \\"q\\""}', "x" * 10_000]
+    ours = pack_command(items)
+    conn = r.connection_pool.get_connection()
+    try:
+        assert ours == b"".join(conn.pack_command(*items))
+    finally:
+        r.connection_pool.release(conn)

@@ -18,6 +18,7 @@ from worker_helpers import FakeEngine, stream_events, wait_for
 
 from rose.jobs import keys
 from rose.jobs.client import Client, JobCanceled, JobFailed
+from rose.worker.intake import ORPHAN_GRACE_S
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -176,7 +177,20 @@ def test_client_cancel_and_stop_job_command(run_worker, r, q):
         client.job(a.id).result(timeout=5)
     wait_status(r, b, "stopped")
     assert check_stream(r, b.id, "canceled")[-1]["reason"] == "stopped"
-    assert {a.id, b.id} <= set(engine.aborted)
+    # the cancel is read by the probe answered during a step: the engine lets the job go a step or so later
+    wait_for(lambda: {a.id, b.id} <= set(engine.aborted), timeout=2, what="both jobs aborted")
+
+
+def test_streams_expire_while_running_and_after_the_job(run_worker, r, q):
+    # the first event sets the running expiry (result TTL + timeout + grace), later tokens leave it alone, the
+    # terminal event sets the result TTL
+    job = enqueue(q, prompt="x", max_tokens=40, result_ttl=100, job_timeout=50)
+    run_worker(engine=FakeEngine(step_delay=0.02))
+    wait_for(lambda: len(stream_events(r, job.id)) >= 5, what="tokens")
+    assert 100 + 50 < r.ttl(keys.stream_key(job.id)) <= 100 + 50 + ORPHAN_GRACE_S
+    wait_status(r, job, "finished")
+    check_stream(r, job.id, "done")
+    assert 0 < r.ttl(keys.stream_key(job.id)) <= 100
 
 
 def test_job_timeout_is_enforced(run_worker, r, q):

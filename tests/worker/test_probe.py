@@ -1,0 +1,108 @@
+"""The per-step probe: only jobs that are no longer started by this worker come back, with the queue lengths, and
+the in-flight variant (sent before the step, read after it) says the same thing."""
+
+from __future__ import annotations
+
+import pytest
+import redis
+from rq.job import Job, JobStatus
+from rq.serializers import JSONSerializer
+from worker_helpers import FakeEngine
+
+from rose.config import WorkerSettings
+from rose.jobs.client import Client
+from rose.worker import RoseWorker, intake, probe
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def worker(redis_server):
+    conn = redis_server.client()
+    w = RoseWorker(
+        ["rose", "low"],
+        engine=FakeEngine(),
+        connection=conn,
+        name="prober",
+        settings=WorkerSettings(redis_url=redis_server.url),
+    )
+    w.register_birth()
+    yield w
+    conn.close()
+
+
+def started_runs(worker, r, n: int):
+    client = Client(r, queue="rose")
+    for i in range(n):
+        client.submit(f"prompt {i}", max_tokens=4)
+    runs = intake.start(worker, intake.take(worker, n))
+    assert len(runs) == n
+    return runs
+
+
+def set_status(r, run, status: str, owner: str | None = None) -> None:
+    r.hset(run.job.key, "status", status)
+    if owner is not None:
+        r.hset(run.job.key, "worker_name", owner)
+
+
+def describe(found) -> dict[str, tuple[str | None, str]]:
+    return {a.run.id: (a.status, a.owner) for a in found}
+
+
+def test_reports_only_jobs_that_are_not_ours_any_more(worker, r):
+    runs = started_runs(worker, r, 5)
+    Client(r, queue="low").submit("waiting", max_tokens=1)
+    Client(r, queue="low").submit("waiting", max_tokens=1)
+    found, lengths = probe.probe(worker, runs)
+    assert found == [] and lengths == [0, 2]
+
+    Job.fetch(runs[0].id, connection=r, serializer=JSONSerializer).cancel()
+    r.delete(runs[1].job.key)
+    set_status(r, runs[2], JobStatus.STARTED.value, owner="someone-else")
+    set_status(r, runs[3], JobStatus.FINISHED.value)
+    found, lengths = probe.probe(worker, runs)
+    assert describe(found) == {
+        runs[0].id: ("canceled", "prober"),
+        runs[1].id: (None, ""),
+        runs[2].id: ("started", "someone-else"),
+        runs[3].id: ("finished", "prober"),
+    }
+    assert lengths == [0, 2]
+
+
+def test_in_flight_probe_matches_the_plain_one_even_after_a_script_flush(worker, r):
+    runs = started_runs(worker, r, 3)
+    Job.fetch(runs[1].id, connection=r, serializer=JSONSerializer).cancel()
+    flight = probe.InFlightProbe(worker)
+    for flush in (False, True):
+        if flush:
+            r.script_flush()  # a restarted Redis forgets its scripts: the probe sends its body each time
+        flight.send(runs)
+        assert flight.pending
+        found, lengths = flight.receive()
+        assert not flight.pending
+        assert describe(found) == {runs[1].id: ("canceled", "prober")}
+        assert lengths == [0, 0]
+    # the connection went back to the pool in a clean state: the next commands get their own replies
+    assert worker.connection.ping() is True
+    assert probe.probe(worker, [])[1] == [0, 0]
+
+
+def test_abandoned_probe_leaves_no_stray_reply(worker, r):
+    runs = started_runs(worker, r, 2)
+    flight = probe.InFlightProbe(worker)
+    flight.send(runs)
+    flight.abandon()
+    assert not flight.pending
+    assert worker.connection.llen("rq:queue:rose") == 0
+    assert worker.connection.get("no-such-key") is None
+
+
+def test_unreachable_redis_raises_a_connection_error(worker):
+    dead = redis.Redis(port=1, socket_connect_timeout=0.2)
+    worker.connection = dead
+    with pytest.raises(redis.ConnectionError):
+        probe.InFlightProbe(worker).send([])
+    with pytest.raises(redis.ConnectionError):
+        probe.probe(worker, [])
