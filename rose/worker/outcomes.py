@@ -14,7 +14,7 @@ from rq.job import Job, JobStatus
 from rq.queue import Queue
 from rq.utils import now
 
-from rose.jobs.events import CanceledEvent, DoneEvent, ErrorEvent, ResetEvent, TokenEvent, Usage
+from rose.jobs.events import CanceledEvent, DoneEvent, ErrorEvent, ResetEvent, Usage, token_event_json
 from rose.worker.intake import Running
 from rose.worker.logs import job_fields
 from rose.worker.publisher import KEEP_TTL, NO_EXPIRY, Outgoing
@@ -126,8 +126,8 @@ class Outcomes:
         self._outbox.append(Outgoing(job.id, event.to_json(), ttl))
 
     def _emit_token(self: RoseWorker, run: Running, text: str, token_ids: list[int]) -> None:
-        event = TokenEvent(job_id=run.id, seq=run.next_seq(), text=text, token_ids=token_ids)
-        self._emit(run.job, event, self._running_stream_ttl(run))
+        data = token_event_json(run.id, run.next_seq(), text, token_ids)
+        self._outbox.append(Outgoing(run.id, data, self._running_stream_ttl(run)))
 
     def _emit_reset(self: RoseWorker, run: Running, reason: str = "restart") -> None:
         run.stream_ttl_due = 0.0

@@ -10,10 +10,11 @@ next intake. A step with nothing to report costs one small reply, whatever the n
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-import redis
 from rq.job import JobStatus
+
+from rose.worker import resp
 
 if TYPE_CHECKING:
     from rose.worker.intake import Running
@@ -48,15 +49,16 @@ def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def _commands(worker: RoseWorker, runs: list[Running]) -> list[tuple]:
-    cmds: list[tuple] = []
+def _command(worker: RoseWorker, runs: list[Running]) -> tuple[bytes, int]:
+    """The probe packed as one pipeline: (bytes, number of replies)."""
+    parts: list[bytes] = []
     if runs:
-        job_keys = [run.job.key for run in runs]
         # EVAL, not EVALSHA: Redis caches the compiled script either way, and there is no NOSCRIPT to recover
         # from after a Redis restart (which, on fakeredis's TCP server, also closes the connection)
-        cmds.append(("EVAL", _SCRIPT, len(runs), *job_keys, worker.name, JobStatus.STARTED.value))
-    cmds.extend(("LLEN", queue.key) for queue in worker.queues)
-    return cmds
+        items = ["EVAL", _SCRIPT, len(runs), *(run.job.key for run in runs), worker.name, JobStatus.STARTED.value]
+        parts.append(resp.pack_command(items))
+    parts.extend(resp.pack_command(["LLEN", queue.key]) for queue in worker.queues)
+    return b"".join(parts), len(parts)
 
 
 def _parse(runs: list[Running], replies: list) -> tuple[list[Attention], list[int]]:
@@ -75,11 +77,7 @@ def _parse(runs: list[Running], replies: list) -> tuple[list[Attention], list[in
 
 def probe(worker: RoseWorker, runs: list[Running]) -> tuple[list[Attention], list[int]]:
     """(jobs needing attention, length of each of the worker's queues) in one round trip."""
-    with worker.connection.pipeline(transaction=False) as pipe:
-        for cmd in _commands(worker, runs):
-            pipe.execute_command(*cmd)
-        replies = pipe.execute(raise_on_error=False)
-    return _parse(runs, replies)
+    return _parse(runs, resp.Pending(worker.connection, *_command(worker, runs)).read())
 
 
 class InFlightProbe:
@@ -89,49 +87,28 @@ class InFlightProbe:
 
     def __init__(self, worker: RoseWorker) -> None:
         self.worker = worker
-        self._conn: Any = None
+        self._pending: resp.Pending | None = None
         self._runs: list[Running] = []
-        self._count = 0
 
     @property
     def pending(self) -> bool:
-        return self._conn is not None
+        return self._pending is not None
 
     def send(self, runs: list[Running]) -> None:
         self.abandon()
-        pool = self.worker.connection.connection_pool
-        conn = pool.get_connection()
-        try:
-            cmds = _commands(self.worker, runs)
-            conn.send_packed_command(conn.pack_commands(cmds))
-        except BaseException:
-            conn.disconnect()
-            pool.release(conn)
-            raise
-        self._conn, self._runs, self._count = conn, runs, len(cmds)
+        self._pending = resp.Pending(self.worker.connection, *_command(self.worker, runs))
+        self._runs = runs
 
     def receive(self) -> tuple[list[Attention], list[int]]:
         """The in-flight probe's answer."""
-        conn, runs, count = self._conn, self._runs, self._count
-        self._conn, self._runs = None, []
-        pool = self.worker.connection.connection_pool
-        replies: list[Any] = []
-        try:
-            for _ in range(count):
-                try:
-                    replies.append(conn.read_response())
-                except redis.exceptions.ResponseError as exc:
-                    replies.append(exc)
-        except BaseException:
-            conn.disconnect()
-            raise
-        finally:
-            pool.release(conn)
-        return _parse(runs, replies)
+        pending, runs = self._pending, self._runs
+        self._pending, self._runs = None, []
+        if pending is None:
+            raise RuntimeError("no probe in flight")
+        return _parse(runs, pending.read())
 
     def abandon(self) -> None:
-        """Drop an unread probe (its connection is closed: an unread reply must not reach another command)."""
-        if self._conn is not None:
-            conn, self._conn, self._runs = self._conn, None, []
-            conn.disconnect()
-            self.worker.connection.connection_pool.release(conn)
+        """Drop an unread probe (its connection is closed, so its reply never reaches another command)."""
+        if self._pending is not None:
+            self._pending.abandon()
+            self._pending, self._runs = None, []

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import redis
 
 from rose.jobs import keys
+from rose.worker import resp
 
 log = logging.getLogger(__name__)
 
@@ -130,17 +131,18 @@ class Publisher:
 
     def _write(self, events: list[Outgoing]) -> None:
         self._batch_no += 1
+        # EVAL, not EVALSHA: Redis caches the script by its hash either way, and never answers NOSCRIPT after a
+        # restart. Packed by resp.pack_command: a step's batch has a few hundred arguments.
         items: list[str | int] = ["EVAL", _SCRIPT, len(events) + 1, self._counter_key]
         items += [keys.stream_key(e.job_id) for e in events]
         items += [self._batch_no, _COUNTER_TTL_S, keys.TOKENS_CHANNEL_PREFIX, len(keys.STREAM_PREFIX)]
         for e in events:
             ttl = e.stream_ttl
             items += [e.data, "" if ttl is KEEP_TTL else ttl if ttl == NO_EXPIRY else max(1, ttl)]
-        packed = pack_command(items)
         delay = 0.1
         while True:
             try:
-                self._call(packed)
+                resp.call(self.connection, items)
                 self.sent_events += len(events)
                 return
             except (redis.ConnectionError, redis.TimeoutError) as exc:
@@ -156,25 +158,3 @@ class Publisher:
                 # A bug or a server-side refusal (e.g. OOM): retrying the same batch would loop forever.
                 log.exception("publisher: could not write %d events; dropping them", len(events))
                 return
-
-    def _call(self, packed: bytes) -> object:
-        """One command, already packed, on a pooled connection (closed on any error, so no reply is left
-        unread on it). EVAL rather than EVALSHA: Redis caches the script by its hash either way, and a restarted
-        Redis never answers NOSCRIPT."""
-        pool = self.connection.connection_pool
-        conn = pool.get_connection()
-        try:
-            conn.send_packed_command([packed])
-            return conn.read_response()
-        except BaseException:
-            conn.disconnect()
-            raise
-        finally:
-            pool.release(conn)
-
-
-def pack_command(items: list[str | int]) -> bytes:
-    """RESP encoding of one command: what redis-py's `pack_command` produces, at a third of its cost for the few
-    hundred arguments of a step's batch (it is the publisher's main CPU cost, taken from the engine's cores)."""
-    enc = [x.encode() if isinstance(x, str) else str(x).encode() for x in items]
-    return b"*%d\r\n" % len(enc) + b"".join(b"$%d\r\n%b\r\n" % (len(x), x) for x in enc)

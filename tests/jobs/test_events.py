@@ -1,10 +1,20 @@
 import json
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from rose.jobs import keys
-from rose.jobs.events import DoneEvent, ErrorEvent, ResetEvent, TokenEvent, Usage, parse_event
+from rose.jobs.events import (
+    DoneEvent,
+    ErrorEvent,
+    ResetEvent,
+    TokenEvent,
+    Usage,
+    parse_event,
+    token_event_json,
+)
 
 
 def test_keys():
@@ -16,6 +26,19 @@ def test_keys():
 def test_token_event_wire_format():
     data = json.loads(TokenEvent(job_id="j", seq=0, text="Hi", token_ids=[5]).to_json())
     assert data == {"job_id": "j", "type": "token", "seq": 0, "text": "Hi", "token_ids": [5]}
+
+
+@given(
+    job_id=st.text(min_size=1),
+    seq=st.integers(min_value=0, max_value=2**40),
+    text=st.text(),
+    token_ids=st.lists(st.integers(min_value=0, max_value=2**31)),
+)
+def test_hot_path_token_json_is_the_models_json(job_id, seq, text, token_ids):
+    fast = token_event_json(job_id, seq, text, token_ids)
+    model = TokenEvent(job_id=job_id, seq=seq, text=text, token_ids=token_ids)
+    assert json.loads(fast) == json.loads(model.to_json())
+    assert parse_event(fast) == model
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,7 @@ import pytest
 import redis
 
 from rose.jobs import keys
-from rose.worker.publisher import KEEP_TTL, NO_EXPIRY, Outgoing, Publisher, pack_command
+from rose.worker.publisher import KEEP_TTL, NO_EXPIRY, Outgoing, Publisher
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -80,12 +80,3 @@ def test_keep_ttl_leaves_the_streams_expiry_alone(r):
     assert r.ttl(keys.stream_key("k")) > 50
     assert seqs(r, "k") == [0, 1, 2]
 
-
-def test_pack_command_is_what_redis_py_sends(r):
-    items = ["EVAL", "return 1", 2, "k:ü", "k2", -1, "", '{"text": "日本 \\"q\\""}', "x" * 10_000]
-    ours = pack_command(items)
-    conn = r.connection_pool.get_connection()
-    try:
-        assert ours == b"".join(conn.pack_command(*items))
-    finally:
-        r.connection_pool.release(conn)

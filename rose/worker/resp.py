@@ -1,0 +1,68 @@
+"""Commands sent as pre-packed RESP on a pooled redis-py connection, with their replies read later.
+
+Two hot paths of the worker need what redis-py's client API does not offer: packing a few hundred arguments
+cheaply (redis-py's `pack_command` costs ~0.7 us per argument, on the cores the model runs on) and reading a reply
+after the engine step instead of waiting for it before (`Pending`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import redis
+
+
+def pack_command(items: list[str | int | bytes]) -> bytes:
+    """RESP encoding of one command: the bytes redis-py's `pack_command` sends, at a third of its cost."""
+    enc = [x if isinstance(x, bytes) else x.encode() if isinstance(x, str) else str(x).encode() for x in items]
+    return b"*%d\r\n" % len(enc) + b"".join(b"$%d\r\n%b\r\n" % (len(x), x) for x in enc)
+
+
+class Pending:
+    """Replies still to be read from a pooled connection. The connection goes back to the pool once they are read,
+    or closed by `abandon()` (an unread reply must never reach the next command sent on it)."""
+
+    def __init__(self, connection: redis.Redis, packed: bytes, replies: int) -> None:
+        self._pool = connection.connection_pool
+        conn = self._pool.get_connection()
+        try:
+            conn.send_packed_command([packed])
+        except BaseException:
+            conn.disconnect()
+            self._pool.release(conn)
+            raise
+        self._conn: Any = conn
+        self._count = replies
+
+    def read(self) -> list[Any]:
+        """Every reply in order; an error reply comes back as its ResponseError instance, not raised."""
+        conn, self._conn = self._conn, None
+        if conn is None:
+            raise RuntimeError("these replies were already read or abandoned")
+        replies: list[Any] = []
+        try:
+            for _ in range(self._count):
+                try:
+                    replies.append(conn.read_response())
+                except redis.ResponseError as exc:
+                    replies.append(exc)
+        except BaseException:
+            conn.disconnect()
+            raise
+        finally:
+            self._pool.release(conn)
+        return replies
+
+    def abandon(self) -> None:
+        if self._conn is not None:
+            conn, self._conn = self._conn, None
+            conn.disconnect()
+            self._pool.release(conn)
+
+
+def call(connection: redis.Redis, items: list[str | int | bytes]) -> Any:
+    """Send one command packed by `pack_command` and return its reply (raising an error reply)."""
+    (reply,) = Pending(connection, pack_command(items), 1).read()
+    if isinstance(reply, Exception):
+        raise reply
+    return reply

@@ -1,0 +1,50 @@
+"""Pre-packed commands with replies read later: the bytes match redis-py's, replies come back in order, error
+replies do not desynchronise the connection, an abandoned reply never reaches the next command."""
+
+from __future__ import annotations
+
+import pytest
+import redis
+
+from rose.worker import resp
+from rose.worker.resp import Pending, pack_command
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def test_pack_command_is_what_redis_py_sends(r):
+    items = ["EVAL", "return 1", 2, "k:ü", "k2", -1, "", '{"text": "日本 \\"q\\""}', "x" * 10_000, b"\x00\xff"]
+    conn = r.connection_pool.get_connection()
+    try:
+        assert pack_command(items) == b"".join(conn.pack_command(*items))
+    finally:
+        r.connection_pool.release(conn)
+
+
+def test_replies_in_order_with_error_replies_inline(r):
+    r.set("resp:s", "v")
+    packed = b"".join(
+        pack_command(c) for c in (["GET", "resp:s"], ["LLEN", "resp:s"], ["ECHO", "ü"], ["INCR", "resp:n"])
+    )
+    pending = Pending(r, packed, 4)
+    value, wrong_type, echo, counter = pending.read()
+    assert value == b"v" and echo == "ü".encode() and counter == 1
+    assert isinstance(wrong_type, redis.ResponseError) and "WRONGTYPE" in str(wrong_type)
+    with pytest.raises(RuntimeError, match="already read"):
+        pending.read()
+    assert r.get("resp:s") == b"v"  # the pooled connection is in step
+
+
+def test_abandoned_replies_never_reach_the_next_command(r):
+    r.set("resp:a", "first")
+    Pending(r, pack_command(["GET", "resp:a"]), 1).abandon()
+    r.set("resp:b", "second")
+    assert r.get("resp:b") == b"second"
+    assert resp.call(r, ["GET", "resp:a"]) == b"first"
+
+
+def test_call_raises_error_replies(r):
+    r.set("resp:c", "v")
+    with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+        resp.call(r, ["LLEN", "resp:c"])
+    assert resp.call(r, ["PING"]) in (b"PONG", "PONG", True)
