@@ -253,8 +253,11 @@ class RoseWorker(Lifecycle, Outcomes, BaseWorker):
             if taken:  # a start whose reply was lost last time
                 runs = intake.adopt(self, taken)
             else:
-                # queue lengths from this step's probe spare a round trip; None: ask Redis
+                # a backlog seen by the last probe spares a round trip; empty queues may have filled since (and a
+                # job taken now starts this step, not the next): ask Redis
                 lengths, self._queue_lengths = self._queue_lengths, None
+                if lengths is not None and not any(lengths):
+                    lengths = None
                 taken = intake.take(self, room, lengths)
                 if not taken and block and not self.running and not self.engine.has_unfinished():
                     taken = intake.wait_for_one(self, IDLE_BLOCK_S)
