@@ -6,8 +6,8 @@ threshold, so every step page-faults the same memory back in: the kernel zeroes 
 step runs up to 30% slower. Raising the mmap and trim thresholds keeps that memory in the process (its peak is the
 working set anyway). vLLM's CPU backend gets the same effect by preloading tcmalloc; this needs nothing installed.
 
-Process-wide, applied once; a no-op off glibc, when the user already tuned malloc (MALLOC_* / GLIBC_TUNABLES or a
-preloaded allocator), or with ROSE_MALLOC_TUNING=0.
+Process-wide, applied once; a no-op off glibc, when the user already tuned these settings (MALLOC_*_THRESHOLD_ and
+the like, GLIBC_TUNABLES, a preloaded allocator), or with ROSE_MALLOC_TUNING=0.
 """
 
 from __future__ import annotations
@@ -24,6 +24,9 @@ M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD = 32 * 2**20  # the largest value glibc accepts (half its 64 MiB heap size on 64-bit)
 TRIM_THRESHOLD = 2**30
 
+# glibc's own variables for the same settings (MALLOC_ARENA_MAX, common in containers, is another matter)
+_THRESHOLD_ENV = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_")
+
 _applied: dict[str, int] | None = None
 
 
@@ -32,7 +35,7 @@ def _user_tuned() -> str | None:
         return "ROSE_MALLOC_TUNING=0"
     if "malloc" in os.environ.get("GLIBC_TUNABLES", ""):
         return "GLIBC_TUNABLES sets malloc"
-    named = [k for k in os.environ if k.startswith("MALLOC_") and k.endswith("_")]
+    named = [k for k in _THRESHOLD_ENV if k in os.environ]
     if named:
         return f"{named[0]} is set"
     preload = os.environ.get("LD_PRELOAD", "")
