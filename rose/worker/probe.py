@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from rose.worker.intake import Running
     from rose.worker.worker import RoseWorker
 
-# KEYS: the running jobs' hashes; ARGV[1]: this worker's name.
+# KEYS: the running jobs' hashes; ARGV[1]: this worker's name; ARGV[2]: the status 'started'.
 # Returns {index, status, owner, ...} (1-based index; '' for a missing field) for jobs not started by us.
 _SCRIPT = """
 local out = {}
