@@ -263,6 +263,9 @@ class Engine:
 
     def step(self) -> list[StepOutput]:
         """Run one batched forward; returns what each request that produced a token got from it."""
+        moves = self.scheduler.reorder()
+        if moves:
+            self.cache.move_rows([m.src for m in moves], [m.dst for m in moves], max(m.length for m in moves))
         batch = self.scheduler.schedule()
         if not batch:
             return []

@@ -3,7 +3,8 @@
 One store per engine, allocated once: per layer, K and V of shape [max_num_seqs, kv_heads, max_model_len, head_dim].
 A running sequence owns one slot (a row); it writes the K/V of its new tokens at its own positions and never copies
 anyone's cache. Occupied slots are always [0, num_slots_used): when a sequence leaves, the last occupied row is moved
-into its place once, so a decode step attends over the plain view K[:n, :, :max_len] with a per-row length mask.
+into its place once, so a decode step attends over plain views K[a:b, :, :longest] with a per-row length mask, one
+call per range of rows (rose.engine.slot_order keeps rows sorted by context length so those ranges are tight).
 """
 
 from __future__ import annotations
@@ -48,16 +49,18 @@ class AttentionMetadata:
     )  # [num_decode] slot of each decoding token; None when it is 0..num_decode-1
     decode_span: int  # rows [0, decode_span) of the store take part in the decode attention
     decode_lengths: torch.Tensor  # [decode_span] context length of each row after this step's write
-    decode_max_len: int
+    # (start, end, longest): row ranges attended in one call each, read up to their own longest row
+    decode_groups: list[tuple[int, int, int]]
     prefills: list[PrefillSegment] = field(default_factory=list)
     _masks: dict = field(default_factory=dict)
 
-    def decode_mask(self, window: int | None) -> torch.Tensor:
-        """[decode_span, 1, 1, decode_max_len] True where a row may attend."""
-        key = ("decode", window)
+    def decode_mask(self, group: int, window: int | None) -> torch.Tensor:
+        """[rows, 1, 1, longest] of decode group `group`: True where a row may attend."""
+        key = ("decode", group, window)
         if key not in self._masks:
-            pos = torch.arange(self.decode_max_len, device=self.decode_lengths.device)
-            lengths = self.decode_lengths[:, None]
+            start, end, longest = self.decode_groups[group]
+            pos = torch.arange(longest, device=self.decode_lengths.device)
+            lengths = self.decode_lengths[start:end, None]
             mask = pos[None, :] < lengths
             if window is not None:
                 mask &= pos[None, :] >= lengths - window
@@ -106,10 +109,20 @@ class KVCache:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
+    @torch.inference_mode()  # the store may hold inference tensors (an engine built under inference_mode)
     def move_row(self, src: int, dst: int, length: int) -> None:
         """Copy the first `length` positions of slot `src` into slot `dst` (done once when a sequence leaves)."""
         for t in (*self.k, *self.v):
             t[dst, :, :length].copy_(t[src, :, :length])
+
+    @torch.inference_mode()
+    def move_rows(self, src: list[int], dst: list[int], length: int) -> None:
+        """Copy the first `length` positions of rows `src` into rows `dst`, all sources read first (a permutation)."""
+        src_t = torch.tensor(src, device=self.k[0].device)
+        dst_t = torch.tensor(dst, device=self.k[0].device)
+        for t in (*self.k, *self.v):
+            view = t[:, :, :length]
+            view.index_copy_(0, dst_t, view.index_select(0, src_t))
 
     def write(self, layer: int, meta: AttentionMetadata, key: torch.Tensor, value: torch.Tensor) -> None:
         """Store this step's K/V ([1, kv_heads, num_tokens, head_dim]) at each token's slot and position."""
@@ -133,9 +146,13 @@ def _attend_decode(
         q = full
     # GQA without repeating K/V: the query heads sharing a KV head act as that head's query positions
     qg = q.view(span, kv_heads, groups, head_dim)
-    k = cache.k[layer][:span, :, : meta.decode_max_len]
-    v = cache.v[layer][:span, :, : meta.decode_max_len]
-    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=meta.decode_mask(window), scale=scaling)
+    parts = []
+    for i, (start, end, longest) in enumerate(meta.decode_groups):
+        k = cache.k[layer][start:end, :, :longest]
+        v = cache.v[layer][start:end, :, :longest]
+        mask = meta.decode_mask(i, window)
+        parts.append(F.scaled_dot_product_attention(qg[start:end], k, v, attn_mask=mask, scale=scaling))
+    out = parts[0] if len(parts) == 1 else torch.cat(parts)
     out = out.reshape(span, heads, head_dim)
     if meta.decode_slots is not None:
         out = out[meta.decode_slots]

@@ -7,6 +7,7 @@ from transformers import PreTrainedModel
 
 from rose.engine.kv_cache import CONTEXT_KWARG, AttentionMetadata, KVCache, PrefillSegment, bind_kv_cache
 from rose.engine.scheduler import ScheduledBatch
+from rose.engine.slot_order import decode_groups
 
 
 def model_geometry(config) -> tuple[int, int, int, int]:
@@ -73,7 +74,7 @@ class ModelRunner:
             decode_slots=decode_slots,
             decode_span=span,
             decode_lengths=self._tensor(lengths),
-            decode_max_len=max(lengths, default=0),
+            decode_groups=decode_groups(lengths),
             prefills=segments,
         )
         out = self.model(

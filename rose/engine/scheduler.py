@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from rose.engine.sequence import Sequence, SequenceStatus
+from rose.engine.slot_order import plan_reorder
 
 
 @dataclass
@@ -27,6 +28,15 @@ class PrefillChunk:
 
 
 @dataclass
+class SlotMove:
+    """Row `src` of the KV store must be copied to row `dst` (its first `length` positions)."""
+
+    src: int
+    dst: int
+    length: int
+
+
+@dataclass
 class ScheduledBatch:
     decode: list[Sequence] = field(default_factory=list)  # in slot order
     prefill: list[PrefillChunk] = field(default_factory=list)
@@ -37,15 +47,6 @@ class ScheduledBatch:
 
     def __bool__(self) -> bool:
         return bool(self.decode or self.prefill)
-
-
-@dataclass
-class SlotMove:
-    """Row `src` of the KV store must be copied to row `dst` (its first `length` positions)."""
-
-    src: int
-    dst: int
-    length: int
 
 
 class Scheduler:
@@ -65,6 +66,8 @@ class Scheduler:
         # prefix caching: may hold a request back for a step, and sets up its reused prefix once it has a slot
         self.should_defer: Callable[[Sequence, list[Sequence]], bool] | None = None
         self.on_admit: Callable[[Sequence], None] | None = None
+        # rows joined decoding or left since the last look at their order (see rose.engine.slot_order)
+        self._order_changed = False
 
     @property
     def num_waiting(self) -> int:
@@ -121,6 +124,30 @@ class Scheduler:
 
     def prefill_done(self, seq: Sequence) -> None:
         self._prefilling.remove(seq)
+        self._order_changed = True
+
+    def reorder(self) -> list[SlotMove]:
+        """Sort the running rows longest context first when that pays (see rose.engine.slot_order).
+
+        Call before `schedule`. Returns the KV row moves to make, all at once (every source is read before any
+        destination is written): the sequences already have their new slots.
+        """
+        if not self._order_changed:
+            return []
+        self._order_changed = False
+        running = self.running
+        # context after this step's write; rows mid-prefill take part in decode attention as 1-position dummies
+        lengths = [1 if s.is_prefilling else s.num_computed_tokens + 1 for s in running]
+        order = plan_reorder(lengths, [s.num_computed_tokens for s in running])
+        if order is None:
+            return []
+        moves = []
+        self.running = [running[i] for i in order]
+        for slot, seq in enumerate(self.running):
+            if seq.slot != slot:
+                moves.append(SlotMove(src=seq.slot, dst=slot, length=seq.num_computed_tokens))
+                seq.slot = slot
+        return moves
 
     def remove(self, seq: Sequence) -> SlotMove | None:
         """Take `seq` out (finished or aborted). Returns the KV row move that keeps slots contiguous, if any."""
@@ -133,6 +160,7 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         if seq in self._prefilling:
             self._prefilling.remove(seq)
+        self._order_changed = True
         slot, last = seq.slot, self.running.pop()
         seq.slot = -1
         if last is seq:

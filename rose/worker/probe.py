@@ -55,7 +55,14 @@ def _command(worker: RoseWorker, runs: list[Running]) -> tuple[bytes, int]:
     if runs:
         # EVAL, not EVALSHA: Redis caches the compiled script either way, and there is no NOSCRIPT to recover
         # from after a Redis restart (which, on fakeredis's TCP server, also closes the connection)
-        items = ["EVAL", _SCRIPT, len(runs), *(run.job.key for run in runs), worker.name, JobStatus.STARTED.value]
+        items = [
+            "EVAL",
+            _SCRIPT,
+            len(runs),
+            *(run.job.key for run in runs),
+            worker.name,
+            JobStatus.STARTED.value,
+        ]
         parts.append(resp.pack_command(items))
     parts.extend(resp.pack_command(["LLEN", queue.key]) for queue in worker.queues)
     return b"".join(parts), len(parts)

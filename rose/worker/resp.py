@@ -14,7 +14,9 @@ import redis
 
 def pack_command(items: list[str | int | bytes]) -> bytes:
     """RESP encoding of one command: the bytes redis-py's `pack_command` sends, at a third of its cost."""
-    enc = [x if isinstance(x, bytes) else x.encode() if isinstance(x, str) else str(x).encode() for x in items]
+    enc = [
+        x if isinstance(x, bytes) else x.encode() if isinstance(x, str) else str(x).encode() for x in items
+    ]
     return b"*%d\r\n" % len(enc) + b"".join(b"$%d\r\n%b\r\n" % (len(x), x) for x in enc)
 
 

@@ -17,9 +17,7 @@ def fresh(monkeypatch):
     return monkeypatch
 
 
-@pytest.mark.skipif(
-    platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc only"
-)
+@pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc only")
 def test_applied_once_on_glibc(fresh):
     fresh.setenv("MALLOC_ARENA_MAX", "2")  # a container's usual setting is not a threshold choice
     applied = host_malloc.tune_malloc()

@@ -79,4 +79,3 @@ def test_keep_ttl_leaves_the_streams_expiry_alone(r):
     pub._write([ev("k", 2)])  # a refresh or a terminal event sets it again
     assert r.ttl(keys.stream_key("k")) > 50
     assert seqs(r, "k") == [0, 1, 2]
-

@@ -13,7 +13,18 @@ pytestmark = pytest.mark.timeout(30)
 
 
 def test_pack_command_is_what_redis_py_sends(r):
-    items = ["EVAL", "return 1", 2, "k:ü", "k2", -1, "", '{"text": "日本 \\"q\\""}', "x" * 10_000, b"\x00\xff"]
+    items = [
+        "EVAL",
+        "return 1",
+        2,
+        "k:ü",
+        "k2",
+        -1,
+        "",
+        '{"text": "日本 \\"q\\""}',
+        "x" * 10_000,
+        b"\x00\xff",
+    ]
     conn = r.connection_pool.get_connection()
     try:
         assert pack_command(items) == b"".join(conn.pack_command(*items))
