@@ -112,3 +112,17 @@ def test_llm_priority_length_must_match_prompts():
     with pytest.raises(ValueError, match="priority"):
         llm.generate(["a b", "c d", "e f"], SamplingParams(max_tokens=2), priority=[1, 0])
     assert not llm.engine.has_unfinished()
+
+
+def test_engine_built_under_inference_mode_works_outside_it(tokenizer):
+    """The KV store is then made of inference tensors: row moves (an abort, a finished request) must still work."""
+    with torch.inference_mode():
+        engine = make_engine("tiny-llama", max_num_seqs=3, max_model_len=64)
+    for i in range(3):
+        engine.add_request(f"r{i}", tokenizer.encode(text_prompt(4 + i, offset=i)), greedy(6))
+    engine.step()
+    engine.step()
+    assert engine.abort("r0") is not None  # slot 0 freed: the last row moves into it
+    run = drain(engine, stepped_before=True)
+    assert {rid for rid, out in run.outputs.items() if out.finish_reason == "length"} == {"r1", "r2"}
+    assert engine.kv_slots_used == 0
