@@ -15,6 +15,33 @@ from rose.engine.outputs import TokenLogprob
 from rose.engine.sequence import Sequence
 
 _NEG_INF = float("-inf")
+_ARGMAX_BLOCK = 128
+_ARGMAX_MIN_NUMEL = 1 << 16
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """Row-wise argmax of a 2-D tensor, exactly torch.argmax(x, -1): the first index of the maximum (or of a NaN).
+
+    On CPU, torch's argmax kernel is several times slower than its max reduction (6x on [128, 8192] float32, 5x on
+    [128, 151936]), so large inputs take the max of each block of columns, the argmax over the block maxima, then
+    the argmax inside the winning block.
+    """
+    rows, vocab = x.shape
+    if x.device.type != "cpu" or x.numel() < _ARGMAX_MIN_NUMEL or vocab < 2 * _ARGMAX_BLOCK:
+        return x.argmax(dim=-1)
+    n = vocab // _ARGMAX_BLOCK
+    blocks = x[:, : n * _ARGMAX_BLOCK].view(rows, n, _ARGMAX_BLOCK)
+    block_max = blocks.amax(dim=-1)
+    block = block_max.argmax(dim=-1)
+    row = torch.arange(rows, device=x.device)
+    index = blocks[row, block].argmax(dim=-1) + block * _ARGMAX_BLOCK
+    if vocab % _ARGMAX_BLOCK:
+        best = block_max[row, block]
+        tail_max, tail_index = x[:, n * _ARGMAX_BLOCK :].max(dim=-1)
+        # the tail wins only with a strictly larger value, or a NaN where the blocks have none
+        tail_wins = (tail_max > best) | (tail_max.isnan() & ~best.isnan())
+        index = torch.where(tail_wins, tail_index + n * _ARGMAX_BLOCK, index)
+    return index
 
 
 @dataclass
@@ -47,7 +74,7 @@ class Sampler:
 
         greedy = [p.greedy for p in params]
         if all(greedy):
-            tokens = logits.argmax(dim=-1)
+            tokens = argmax(logits)
         else:
             tokens = self._sample(logits, seqs, greedy)
         token_list = tokens.tolist()
@@ -80,10 +107,10 @@ class Sampler:
             q.exponential_(generator=self.generator)
         for i in seeded:
             q[i].exponential_(generator=seqs[i].generator)
-        sampled = (probs / q).argmax(dim=-1)
+        sampled = argmax(probs / q)
         if any(greedy):
             is_greedy = torch.tensor(greedy, device=device)
-            sampled = torch.where(is_greedy, logits.argmax(dim=-1), sampled)
+            sampled = torch.where(is_greedy, argmax(logits), sampled)
         return sampled
 
     def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

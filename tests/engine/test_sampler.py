@@ -320,3 +320,39 @@ def test_logprobs_are_raw_log_softmax_with_top_n():
     assert list(lp.top) == [1, 3]
     assert lp.top[1] == pytest.approx(expected[1].item(), abs=1e-6)
     assert out.logprobs[1] is None
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    rows=st.integers(1, 6),
+    vocab=st.sampled_from([256, 300, 640, 1000, 1031]),
+    levels=st.integers(1, 4),
+    specials=st.lists(st.sampled_from(["nan", "inf", "-inf"]), max_size=3),
+    seed=st.integers(0, 2**16),
+)
+def test_blocked_argmax_is_torch_argmax(rows, vocab, levels, specials, seed):
+    """Ties resolve to the first index and NaN wins, in the blocks and in the tail, exactly as torch.argmax."""
+    from unittest.mock import patch
+
+    import rose.engine.sampler as sampler_mod
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, levels, (rows, vocab), generator=g).float()  # few distinct values: many ties
+    for i, value in enumerate(specials):
+        r = int(torch.randint(0, rows, (1,), generator=g))
+        c = int(torch.randint(0, vocab, (1,), generator=g)) if i % 2 else vocab - 1 - i  # tail and blocks
+        x[r, c] = float(value)
+    with patch.object(sampler_mod, "_ARGMAX_MIN_NUMEL", 0):
+        got = sampler_mod.argmax(x)
+        sliced = sampler_mod.argmax(x[:, : vocab - 7])  # a vocab slice: rows are strided, as in the sampler
+    assert torch.equal(got, x.argmax(dim=-1))
+    assert torch.equal(sliced, x[:, : vocab - 7].argmax(dim=-1))
+
+
+def test_blocked_argmax_on_a_large_batch_matches_torch():
+    from rose.engine.sampler import argmax
+
+    x = torch.randn(64, 8192 + 37, generator=torch.Generator().manual_seed(0))
+    x[3, 100] = x[3, 4000] = x[3].max() + 1  # a tie across blocks
+    x[5, -1] = x[5].max() + 1  # the maximum in the tail
+    assert torch.equal(argmax(x), x.argmax(dim=-1))
