@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -21,69 +20,29 @@ from worker_helpers import stream_events, wait_for
 
 from rose.jobs import keys
 from rose.jobs.client import Client, JobCanceled, JobFailed
+from rose.worker import process
 
 # Generous bounds: the machine's speed varies a lot (2 shared cores), and long jobs are sized by the context
 # (max_tokens=None) so that they cannot finish early on a fast machine.
 pytestmark = pytest.mark.timeout(400)
 
 
-def worker_cmd() -> list[str]:
-    script = shutil.which("rose-worker")
-    return [script] if script else [sys.executable, "-m", "rose.worker.cli"]
+class WorkerProcess(process.WorkerProcess):
+    """The real rose-worker on tiny-llama, logging to `log_path`."""
 
-
-class WorkerProcess:
     def __init__(self, server, log_path, *args: str, name: str | None = None):
-        self.name = name or f"e2e-{os.getpid()}-{time.monotonic_ns()}"
-        cmd = [
-            *worker_cmd(),
-            "--redis-url",
-            server.url,
+        name = name or f"e2e-{os.getpid()}-{time.monotonic_ns()}"
+        defaults = [
             "--model",
             "tiny-llama",
             "--device",
             "cpu",
             "--max-model-len",
             "512",
-            "--name",
-            self.name,
             "--recovery-interval",
             "1",
-            *args,
         ]
-        self.log = open(log_path, "ab")  # noqa: SIM115 - closed in wait()
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
-        self.server = server
-        self.log_path = log_path
-
-    def wait_ready(self, timeout: float = 90) -> WorkerProcess:
-        r = self.server.client()
-        wait_for(
-            lambda: (
-                self.proc.poll() is not None or any(w.name == self.name for w in Worker.all(connection=r))
-            ),
-            timeout,
-            interval=0.2,
-            what="rose-worker registered",
-        )
-        assert self.proc.poll() is None, self.output()
-        return self
-
-    def output(self) -> str:
-        if not self.log.closed:
-            self.log.flush()
-        return open(self.log_path, errors="replace").read()
-
-    def wait(self, timeout: float = 60) -> int:
-        try:
-            return self.proc.wait(timeout)
-        finally:
-            self.log.close()
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
+        super().__init__(server.url, name, [*defaults, *args], log_path=log_path)
 
 
 @pytest.fixture
@@ -282,7 +241,9 @@ def test_sigterm_drains_and_exits_0(server, spawn):
 
 def test_unreachable_redis_is_one_clear_line(unused_port):
     url = f"redis://127.0.0.1:{unused_port}/0"
-    proc = subprocess.run([*worker_cmd(), "--redis-url", url], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [*process.worker_command(), "--redis-url", url], capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode != 0
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr

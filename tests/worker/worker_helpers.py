@@ -10,16 +10,9 @@ from rose.engine.outputs import RequestMetrics, RequestOutput, StepOutput
 from rose.engine.sampling_params import SamplingParams
 from rose.jobs import keys
 from rose.worker import RoseWorker
+from rose.worker.process import wait_for
 
-
-def wait_for(predicate, timeout: float = 10.0, interval: float = 0.02, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+__all__ = ["FakeEngine", "WorkerThread", "stream_events", "wait_for"]
 
 
 def stream_events(r, job_id: str) -> list[dict]:
