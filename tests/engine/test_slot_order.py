@@ -125,3 +125,36 @@ def test_sorting_and_grouping_do_not_change_outputs(monkeypatch):
     monkeypatch.setattr(slot_order, "REORDER_HORIZON", 0)
     monkeypatch.setattr(slot_order, "MAX_GROUPS", 1)
     assert _mixed_run() == with_sorting
+
+
+def test_row_sorting_with_prefix_caching_keeps_outputs(monkeypatch):
+    """Rows re-sorted while the prefix cache copies prefixes from running rows and keeps finished ones in spare
+    rows: every request still gets transformers' greedy tokens, and prefixes were reused."""
+    moved: list[int] = []
+    real_move_rows = KVCache.move_rows
+
+    def spy(self, src, dst, length):
+        moved.append(len(src))
+        real_move_rows(self, src, dst, length)
+
+    monkeypatch.setattr(KVCache, "move_rows", spy)
+    engine = make_engine(
+        "tiny-llama", max_num_seqs=8, max_model_len=320, enable_prefix_caching=True, prefix_block_size=8
+    )
+    rng = random.Random(11)
+    shared = [rng.randrange(3, 8192) for _ in range(96)]
+    reqs = []
+    for i in range(16):
+        if i % 2:
+            ids = shared + [rng.randrange(3, 8192) for _ in range(rng.randint(4, 40))]
+        else:
+            ids = [rng.randrange(3, 8192) for _ in range(rng.randint(5, 12))]
+        reqs.append((f"r{i}", ids, rng.randint(3, 20)))
+        engine.add_request(f"r{i}", ids, greedy(reqs[-1][2]))
+    run = drain(engine)
+
+    assert moved, "the rows were never re-sorted"
+    assert engine.get_stats()["prefix_cache_hits"] > 0
+    reference, _ = build_preset("tiny-llama")
+    for rid, ids, n in reqs:
+        assert run.outputs[rid].token_ids == hf_greedy(reference, ids, n), rid
