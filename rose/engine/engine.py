@@ -83,6 +83,7 @@ class Engine:
         )
         self.runner = ModelRunner(self.model, self.cache)
         self.scheduler = Scheduler(max_num_seqs, max_num_batched_tokens or max(2048, max_num_seqs))
+        self.scheduler.sort_rows = not self.cache.use_cpu_kernels
         self.prefix_cache: PrefixCache | None = None
         if enable_prefix_caching:
             self.prefix_cache = PrefixCache(

@@ -12,9 +12,12 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface, PreTrainedModel
+
+from rose.engine import cpu_attention
 
 logger = logging.getLogger(__name__)
 
@@ -49,8 +52,11 @@ class AttentionMetadata:
     )  # [num_decode] slot of each decoding token; None when it is 0..num_decode-1
     decode_span: int  # rows [0, decode_span) of the store take part in the decode attention
     decode_lengths: torch.Tensor  # [decode_span] context length of each row after this step's write
-    # (start, end, longest): row ranges attended in one call each, read up to their own longest row
+    # (start, end, longest): row ranges attended in one call each, read up to their own longest row (SDPA path)
     decode_groups: list[tuple[int, int, int]]
+    # the CPU kernels' view: each decoding token's store row and context length, in token order
+    decode_rows: list[int] = field(default_factory=list)
+    decode_row_lengths: list[int] = field(default_factory=list)
     prefills: list[PrefillSegment] = field(default_factory=list)
     _masks: dict = field(default_factory=dict)
 
@@ -65,6 +71,15 @@ class AttentionMetadata:
             if window is not None:
                 mask &= pos[None, :] >= lengths - window
             self._masks[key] = mask[:, None, None, :]
+        return self._masks[key]
+
+    def decode_spans(self, window: int | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(rows, starts, ends) as int64 arrays: decoding token i attends over positions [starts[i], ends[i])."""
+        key = ("spans", window)
+        if key not in self._masks:
+            ends = np.asarray(self.decode_row_lengths, dtype=np.int64)
+            starts = np.zeros_like(ends) if window is None else np.maximum(ends - window, 0)
+            self._masks[key] = (np.asarray(self.decode_rows, dtype=np.int64), starts, ends)
         return self._masks[key]
 
     def prefill_mask(self, index: int, window: int | None, device: torch.device) -> torch.Tensor | None:
@@ -104,6 +119,8 @@ class KVCache:
         self.max_model_len = max_model_len
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
+        # decode attention through rose.engine.cpu_attention's kernels (exact lengths) instead of SDPA
+        self.use_cpu_kernels = cpu_attention.enabled(torch.device(device), dtype)
 
     @property
     def nbytes(self) -> int:
@@ -139,6 +156,11 @@ def _attend_decode(
     span, kv_heads = meta.decode_span, cache.num_kv_heads
     num_decode, heads, head_dim = q.shape
     groups = heads // kv_heads
+    if cache.use_cpu_kernels:
+        rows, starts, ends = meta.decode_spans(window)
+        qg = q.reshape(num_decode, kv_heads, groups, head_dim)
+        out = cpu_attention.decode_attention(qg, cache.k[layer], cache.v[layer], rows, starts, ends, scaling)
+        return out.view(num_decode, heads, head_dim)
     if meta.decode_slots is not None:
         # some occupied rows are mid-prefill: give them a dummy query so all rows run in one batched call
         full = q.new_zeros((span, heads, head_dim))

@@ -74,7 +74,10 @@ class ModelRunner:
             decode_slots=decode_slots,
             decode_span=span,
             decode_lengths=self._tensor(lengths),
-            decode_groups=decode_groups(lengths),
+            # the CPU kernels read exact lengths: no ranges to plan
+            decode_groups=[] if self.cache.use_cpu_kernels else decode_groups(lengths),
+            decode_rows=slots[:num_decode],
+            decode_row_lengths=[p + 1 for p in positions[:num_decode]],
             prefills=segments,
         )
         out = self.model(

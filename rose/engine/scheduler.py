@@ -68,6 +68,7 @@ class Scheduler:
         self.on_admit: Callable[[Sequence], None] | None = None
         # rows joined decoding or left since the last look at their order (see rose.engine.slot_order)
         self._order_changed = False
+        self.sort_rows = True  # off when decode attention reads exact lengths (no padding to save)
 
     @property
     def num_waiting(self) -> int:
@@ -132,7 +133,7 @@ class Scheduler:
         Call before `schedule`. Returns the KV row moves to make, all at once (every source is read before any
         destination is written): the sequences already have their new slots.
         """
-        if not self._order_changed:
+        if not self._order_changed or not self.sort_rows:
             return []
         self._order_changed = False
         running = self.running

@@ -1,9 +1,14 @@
-"""Decode attention row groups and the sorting of KV rows by context length (rose.engine.slot_order)."""
+"""Decode attention row groups and the sorting of KV rows by context length (rose.engine.slot_order).
+
+These matter for the SDPA decode path (CUDA, non-float32 dtypes, ROSE_ATTENTION_BACKEND=sdpa): the engine tests here
+force it; the CPU kernels read exact lengths and need neither.
+"""
 
 from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 from engine_helpers import drain, greedy, hf_greedy, make_engine
 
@@ -76,7 +81,12 @@ def test_move_rows_applies_a_permutation():
         torch.testing.assert_close(new[3], old[3])
 
 
-def test_engine_sorts_rows_and_keeps_greedy_outputs(tokenizer, monkeypatch):
+@pytest.fixture
+def sdpa(monkeypatch):
+    monkeypatch.setenv("ROSE_ATTENTION_BACKEND", "sdpa")
+
+
+def test_engine_sorts_rows_and_keeps_greedy_outputs(tokenizer, monkeypatch, sdpa):
     """Mixed prompt lengths admitted in arbitrary order: the engine sorts rows, splits decode attention into groups,
     and every request still gets exactly transformers' greedy tokens."""
     moved: list[int] = []
@@ -120,14 +130,14 @@ def _mixed_run() -> dict[str, list[int]]:
     return {rid: out.token_ids for rid, out in drain(engine).outputs.items()}
 
 
-def test_sorting_and_grouping_do_not_change_outputs(monkeypatch):
+def test_sorting_and_grouping_do_not_change_outputs(monkeypatch, sdpa):
     with_sorting = _mixed_run()
     monkeypatch.setattr(slot_order, "REORDER_HORIZON", 0)
     monkeypatch.setattr(slot_order, "MAX_GROUPS", 1)
     assert _mixed_run() == with_sorting
 
 
-def test_row_sorting_with_prefix_caching_keeps_outputs(monkeypatch):
+def test_row_sorting_with_prefix_caching_keeps_outputs(monkeypatch, sdpa):
     """Rows re-sorted while the prefix cache copies prefixes from running rows and keeps finished ones in spare
     rows: every request still gets transformers' greedy tokens, and prefixes were reused."""
     moved: list[int] = []

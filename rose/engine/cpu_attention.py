@@ -1,0 +1,106 @@
+"""Decode attention on CPU: numba kernels that read each row's K/V only up to its own length.
+
+torch's CPU attention kernels reach 12-20 GB/s on decode's shape (a couple of query rows per KV head and row, one
+small matrix product per row and head). These kernels compute each (row, KV head)'s scores over exactly its
+positions, let torch take the softmax (its exp is vectorized), then accumulate the values: 1.5-1.8x faster than
+SDPA per layer on this project's machine, with no padding to read and no mask to build. float32 only (numba has no
+bfloat16); other dtypes and devices use SDPA. `ROSE_ATTENTION_BACKEND=sdpa` turns the kernels off.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+try:
+    import numba
+    from numba import njit, prange
+except ImportError:  # pragma: no cover - numba is a dependency; this keeps SDPA working without it
+    numba = None
+
+# reassociation (vectorized dot products) but no "no-inf" assumption: the scores beyond a row's length are -inf
+_FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
+
+
+def enabled(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether decode attention on this device and dtype uses the kernels."""
+    backend = os.environ.get("ROSE_ATTENTION_BACKEND", "auto").lower()
+    if backend not in ("auto", "sdpa", "numba"):
+        raise ValueError(f"ROSE_ATTENTION_BACKEND must be auto, sdpa or numba, got {backend!r}")
+    if backend == "sdpa" or device.type != "cpu" or dtype != torch.float32:
+        return False
+    if numba is None:
+        if backend == "numba":
+            raise RuntimeError("ROSE_ATTENTION_BACKEND=numba, but numba is not installed")
+        return False
+    return True
+
+
+if numba is not None:
+
+    @njit(parallel=True, fastmath=_FASTMATH, cache=True)
+    def _scores(q, k, slots, starts, lengths, scale, scores):  # pragma: no cover - compiled
+        """scores[i, h, g, p] = scale * q[i, h, g] . k[slots[i], h, p] for p in [starts[i], lengths[i]); -inf
+        elsewhere."""
+        n, kv_heads, groups, head_dim = q.shape
+        width = scores.shape[3]
+        for task in prange(n * kv_heads):
+            i = task // kv_heads
+            h = task % kv_heads
+            s, lo, hi = slots[i], starts[i], lengths[i]
+            for g in range(groups):
+                for p in range(lo):
+                    scores[i, h, g, p] = -np.inf
+                for p in range(lo, hi):
+                    acc = np.float32(0.0)
+                    for d in range(head_dim):
+                        acc += q[i, h, g, d] * k[s, h, p, d]
+                    scores[i, h, g, p] = acc * scale
+                for p in range(hi, width):
+                    scores[i, h, g, p] = -np.inf
+
+    @njit(parallel=True, fastmath=_FASTMATH, cache=True)
+    def _weighted_values(probs, v, slots, starts, lengths, out):  # pragma: no cover - compiled
+        """out[i, h, g] = sum over p in [starts[i], lengths[i]) of probs[i, h, g, p] * v[slots[i], h, p]."""
+        n, kv_heads, groups, head_dim = out.shape
+        for task in prange(n * kv_heads):
+            i = task // kv_heads
+            h = task % kv_heads
+            s, lo, hi = slots[i], starts[i], lengths[i]
+            for g in range(groups):
+                for d in range(head_dim):
+                    out[i, h, g, d] = 0.0
+                for p in range(lo, hi):
+                    w = probs[i, h, g, p]
+                    for d in range(head_dim):
+                        out[i, h, g, d] += w * v[s, h, p, d]
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slots: np.ndarray,
+    starts: np.ndarray,
+    lengths: np.ndarray,
+    scale: float,
+) -> torch.Tensor:
+    """q: [n, kv_heads, groups, head_dim]; k, v: the layer's store [rows, kv_heads, max_len, head_dim]; row i attends
+    over positions [starts[i], lengths[i]) of store row slots[i]. Returns [n, kv_heads, groups, head_dim]."""
+    threads = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
+    if numba.get_num_threads() != threads:
+        numba.set_num_threads(threads)
+    q = q.contiguous()
+    n, kv_heads, groups, _ = q.shape
+    width = int(lengths.max()) if n else 0
+    scores = torch.empty((n, kv_heads, groups, width), dtype=torch.float32)
+    _scores(q.numpy(), k.numpy(), slots, starts, lengths, np.float32(scale), scores.numpy())
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.empty_like(q)
+    _weighted_values(probs.numpy(), v.numpy(), slots, starts, lengths, out.numpy())
+    return out

@@ -1,0 +1,85 @@
+"""rose.engine.cpu_attention: the CPU decode attention kernels against SDPA, and when the engine uses them."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from engine_helpers import drain, greedy, make_engine
+
+from rose.engine import cpu_attention
+
+
+def _reference(q, k, v, rows, starts, ends, scale):
+    out = []
+    for i, (row, lo, hi) in enumerate(zip(rows, starts, ends, strict=True)):
+        kk, vv = k[row, :, lo:hi], v[row, :, lo:hi]  # [kv_heads, span, head_dim]
+        out.append(F.scaled_dot_product_attention(q[i], kk, vv, scale=scale))  # q[i]: [kv_heads, groups, d]
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize(("kv_heads", "groups", "head_dim"), [(4, 2, 32), (2, 1, 16), (1, 4, 64), (3, 3, 8)])
+@pytest.mark.parametrize("window", [None, 5])
+def test_kernels_match_sdpa_over_each_rows_own_span(kv_heads, groups, head_dim, window):
+    gen = torch.Generator().manual_seed(kv_heads * 100 + head_dim)
+    rows_total, max_len = 12, 40
+    k = torch.randn(rows_total, kv_heads, max_len, head_dim, generator=gen)
+    v = torch.randn(rows_total, kv_heads, max_len, head_dim, generator=gen)
+    rng = random.Random(head_dim)
+    rows = np.array(rng.sample(range(rows_total), 7), dtype=np.int64)  # any rows, in any order
+    ends = np.array([rng.randint(1, max_len) for _ in rows], dtype=np.int64)
+    ends[0] = 1  # a row with one position
+    starts = np.zeros_like(ends) if window is None else np.maximum(ends - window, 0)
+    q = torch.randn(len(rows), kv_heads, groups, head_dim, generator=gen)
+    scale = head_dim**-0.5
+    got = cpu_attention.decode_attention(q, k, v, rows, starts, ends, scale)
+    want = _reference(q, k, v, rows.tolist(), starts.tolist(), ends.tolist(), scale)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_positions_past_a_rows_length_are_never_read():
+    k = torch.randn(2, 1, 16, 8)
+    v = torch.randn(2, 1, 16, 8)
+    q = torch.randn(1, 1, 2, 8)
+    rows, starts, ends = np.array([1]), np.array([0]), np.array([6])
+    before = cpu_attention.decode_attention(q, k, v, rows, starts, ends, 0.3)
+    k[1, :, 6:] = float("nan")  # garbage beyond the row's length (and in other rows) changes nothing
+    v[1, :, 6:] = float("nan")
+    k[0] = v[0] = float("nan")
+    torch.testing.assert_close(cpu_attention.decode_attention(q, k, v, rows, starts, ends, 0.3), before)
+
+
+def test_enabled_on_cpu_float32_unless_turned_off(monkeypatch):
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    monkeypatch.delenv("ROSE_ATTENTION_BACKEND", raising=False)
+    assert cpu_attention.enabled(cpu, torch.float32)
+    assert not cpu_attention.enabled(cpu, torch.bfloat16)
+    assert not cpu_attention.enabled(cuda, torch.float32)
+    monkeypatch.setenv("ROSE_ATTENTION_BACKEND", "sdpa")
+    assert not cpu_attention.enabled(cpu, torch.float32)
+    monkeypatch.setenv("ROSE_ATTENTION_BACKEND", "flash")
+    with pytest.raises(ValueError, match="ROSE_ATTENTION_BACKEND must be auto, sdpa or numba"):
+        cpu_attention.enabled(cpu, torch.float32)
+
+
+def _mixed_outputs() -> tuple[bool, dict[str, list[int]]]:
+    # a small step budget: long prompts prefill over several steps while other rows decode beside them
+    engine = make_engine("tiny-qwen2", max_num_seqs=5, max_model_len=256, max_num_batched_tokens=24)
+    rng = random.Random(7)
+    for i in range(9):
+        ids = [rng.randrange(3, 8192) for _ in range(rng.choice((4, 9, 60, 110)))]
+        engine.add_request(f"r{i}", ids, greedy(rng.randint(2, 25)))
+    return engine.cache.use_cpu_kernels, {rid: o.token_ids for rid, o in drain(engine).outputs.items()}
+
+
+def test_engine_outputs_are_the_same_with_kernels_and_sdpa(monkeypatch):
+    monkeypatch.delenv("ROSE_ATTENTION_BACKEND", raising=False)
+    used, with_kernels = _mixed_outputs()
+    assert used
+    monkeypatch.setenv("ROSE_ATTENTION_BACKEND", "sdpa")
+    used, with_sdpa = _mixed_outputs()
+    assert not used
+    assert with_kernels == with_sdpa
