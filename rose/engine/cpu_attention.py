@@ -44,15 +44,17 @@ def enabled(device: torch.device, dtype: torch.dtype) -> bool:
 if numba is not None:
 
     @njit(parallel=True, fastmath=_FASTMATH, cache=True)
-    def _scores(q, k, slots, starts, lengths, scale, scores):  # pragma: no cover - compiled
-        """scores[i, h, g, p] = scale * q[i, h, g] . k[slots[i], h, p] for p in [starts[i], lengths[i]); -inf
-        elsewhere."""
+    def _scores(q, k, k_new, slots, starts, lengths, scale, scores):  # pragma: no cover - compiled
+        """Store k_new[i] at position lengths[i] - 1 of row slots[i], then scores[i, h, g, p] = scale * q[i, h, g] .
+        k[slots[i], h, p] for p in [starts[i], lengths[i]); -inf elsewhere."""
         n, kv_heads, groups, head_dim = q.shape
         width = scores.shape[3]
         for task in prange(n * kv_heads):
             i = task // kv_heads
             h = task % kv_heads
             s, lo, hi = slots[i], starts[i], lengths[i]
+            for d in range(head_dim):  # written here, not by a separate scatter: the row is about to be read
+                k[s, h, hi - 1, d] = k_new[i, h, d]
             for g in range(groups):
                 for p in range(lo):
                     scores[i, h, g, p] = -np.inf
@@ -65,13 +67,16 @@ if numba is not None:
                     scores[i, h, g, p] = -np.inf
 
     @njit(parallel=True, fastmath=_FASTMATH, cache=True)
-    def _weighted_values(probs, v, slots, starts, lengths, out):  # pragma: no cover - compiled
-        """out[i, h, g] = sum over p in [starts[i], lengths[i]) of probs[i, h, g, p] * v[slots[i], h, p]."""
+    def _weighted_values(probs, v, v_new, slots, starts, lengths, out):  # pragma: no cover - compiled
+        """Store v_new[i] at position lengths[i] - 1 of row slots[i], then out[i, h, g] = sum over p in
+        [starts[i], lengths[i]) of probs[i, h, g, p] * v[slots[i], h, p]."""
         n, kv_heads, groups, head_dim = out.shape
         for task in prange(n * kv_heads):
             i = task // kv_heads
             h = task % kv_heads
             s, lo, hi = slots[i], starts[i], lengths[i]
+            for d in range(head_dim):
+                v[s, h, hi - 1, d] = v_new[i, h, d]
             for g in range(groups):
                 for d in range(head_dim):
                     out[i, h, g, d] = 0.0
@@ -83,6 +88,8 @@ if numba is not None:
 
 def decode_attention(
     q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     slots: np.ndarray,
@@ -90,8 +97,11 @@ def decode_attention(
     lengths: np.ndarray,
     scale: float,
 ) -> torch.Tensor:
-    """q: [n, kv_heads, groups, head_dim]; k, v: the layer's store [rows, kv_heads, max_len, head_dim]; row i attends
-    over positions [starts[i], lengths[i]) of store row slots[i]. Returns [n, kv_heads, groups, head_dim]."""
+    """One decode step's attention, the new tokens' K/V written into the store on the way.
+
+    q: [n, kv_heads, groups, head_dim]; k_new, v_new: [n, kv_heads, head_dim], token i's K/V, stored at position
+    lengths[i] - 1 of row slots[i]; k, v: the layer's store [rows, kv_heads, max_len, head_dim]. Token i attends over
+    positions [starts[i], lengths[i]) of its row. Returns [n, kv_heads, groups, head_dim]."""
     threads = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
     if numba.get_num_threads() != threads:
         numba.set_num_threads(threads)
@@ -99,8 +109,10 @@ def decode_attention(
     n, kv_heads, groups, _ = q.shape
     width = int(lengths.max()) if n else 0
     scores = torch.empty((n, kv_heads, groups, width), dtype=torch.float32)
-    _scores(q.numpy(), k.numpy(), slots, starts, lengths, np.float32(scale), scores.numpy())
+    k_new = k_new.to(torch.float32).contiguous()
+    v_new = v_new.to(torch.float32).contiguous()
+    _scores(q.numpy(), k.numpy(), k_new.numpy(), slots, starts, lengths, np.float32(scale), scores.numpy())
     probs = torch.softmax(scores, dim=-1)
     out = torch.empty_like(q)
-    _weighted_values(probs.numpy(), v.numpy(), slots, starts, lengths, out.numpy())
+    _weighted_values(probs.numpy(), v.numpy(), v_new.numpy(), slots, starts, lengths, out.numpy())
     return out

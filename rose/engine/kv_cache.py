@@ -141,12 +141,18 @@ class KVCache:
             view = t[:, :, :length]
             view.index_copy_(0, dst_t, view.index_select(0, src_t))
 
-    def write(self, layer: int, meta: AttentionMetadata, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Store this step's K/V ([1, kv_heads, num_tokens, head_dim]) at each token's slot and position."""
-        k = key[0].transpose(0, 1)  # [num_tokens, kv_heads, head_dim]
-        v = value[0].transpose(0, 1)
-        self.k[layer][meta.write_slots, :, meta.write_positions] = k.to(self.k[layer].dtype)
-        self.v[layer][meta.write_slots, :, meta.write_positions] = v.to(self.v[layer].dtype)
+    def write(
+        self, layer: int, meta: AttentionMetadata, key: torch.Tensor, value: torch.Tensor, first: int = 0
+    ) -> None:
+        """Store this step's K/V ([1, kv_heads, num_tokens, head_dim]) at each token's slot and position, from token
+        `first` on (the CPU decode kernels store the decode tokens' K/V themselves)."""
+        if first >= key.shape[2]:
+            return
+        k = key[0, :, first:].transpose(0, 1)  # [num_tokens, kv_heads, head_dim]
+        v = value[0, :, first:].transpose(0, 1)
+        slots, positions = meta.write_slots[first:], meta.write_positions[first:]
+        self.k[layer][slots, :, positions] = k.to(self.k[layer].dtype)
+        self.v[layer][slots, :, positions] = v.to(self.v[layer].dtype)
 
 
 def _attend_decode(
@@ -156,11 +162,6 @@ def _attend_decode(
     span, kv_heads = meta.decode_span, cache.num_kv_heads
     num_decode, heads, head_dim = q.shape
     groups = heads // kv_heads
-    if cache.use_cpu_kernels:
-        rows, starts, ends = meta.decode_spans(window)
-        qg = q.reshape(num_decode, kv_heads, groups, head_dim)
-        out = cpu_attention.decode_attention(qg, cache.k[layer], cache.v[layer], rows, starts, ends, scaling)
-        return out.view(num_decode, heads, head_dim)
     if meta.decode_slots is not None:
         # some occupied rows are mid-prefill: give them a dummy query so all rows run in one batched call
         full = q.new_zeros((span, heads, head_dim))
@@ -228,11 +229,28 @@ def slot_attention_forward(
     if scaling is None:
         scaling = module.head_dim**-0.5
     window = getattr(module, "sliding_window", None)
-    cache.write(layer, meta, key, value)
+    kernels = cache.use_cpu_kernels and meta.num_decode > 0
+    cache.write(layer, meta, key, value, first=meta.num_decode if kernels else 0)
 
     q = query[0].transpose(0, 1)  # [num_tokens, heads, head_dim]
     parts = []
-    if meta.num_decode:
+    if kernels:
+        n, heads, head_dim = meta.num_decode, q.shape[1], q.shape[2]
+        kv_heads = cache.num_kv_heads
+        rows, starts, ends = meta.decode_spans(window)
+        out = cpu_attention.decode_attention(
+            q[:n].reshape(n, kv_heads, heads // kv_heads, head_dim),
+            key[0, :, :n].transpose(0, 1),
+            value[0, :, :n].transpose(0, 1),
+            cache.k[layer],
+            cache.v[layer],
+            rows,
+            starts,
+            ends,
+            scaling,
+        )
+        parts.append(out.view(n, heads, head_dim))
+    elif meta.num_decode:
         parts.append(_attend_decode(cache, layer, meta, q[: meta.num_decode], scaling, window))
     for i, seg in enumerate(meta.prefills):
         q_seg = q[seg.offset : seg.offset + seg.length].transpose(0, 1)

@@ -35,9 +35,17 @@ def test_kernels_match_sdpa_over_each_rows_own_span(kv_heads, groups, head_dim, 
     starts = np.zeros_like(ends) if window is None else np.maximum(ends - window, 0)
     q = torch.randn(len(rows), kv_heads, groups, head_dim, generator=gen)
     scale = head_dim**-0.5
-    got = cpu_attention.decode_attention(q, k, v, rows, starts, ends, scale)
-    want = _reference(q, k, v, rows.tolist(), starts.tolist(), ends.tolist(), scale)
+    k_new = torch.randn(len(rows), kv_heads, head_dim, generator=gen)
+    v_new = torch.randn(len(rows), kv_heads, head_dim, generator=gen)
+    want_k, want_v = k.clone(), v.clone()
+    for i, (row, end) in enumerate(zip(rows, ends, strict=True)):
+        want_k[row, :, end - 1] = k_new[i]
+        want_v[row, :, end - 1] = v_new[i]
+    want = _reference(q, want_k, want_v, rows.tolist(), starts.tolist(), ends.tolist(), scale)
+    got = cpu_attention.decode_attention(q, k_new, v_new, k, v, rows, starts, ends, scale)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(k, want_k)  # the new tokens' K/V are stored, nothing else changes
+    torch.testing.assert_close(v, want_v)
 
 
 def test_positions_past_a_rows_length_are_never_read():
@@ -45,11 +53,13 @@ def test_positions_past_a_rows_length_are_never_read():
     v = torch.randn(2, 1, 16, 8)
     q = torch.randn(1, 1, 2, 8)
     rows, starts, ends = np.array([1]), np.array([0]), np.array([6])
-    before = cpu_attention.decode_attention(q, k, v, rows, starts, ends, 0.3)
+    k_new, v_new = k[1, :, 5].clone()[None], v[1, :, 5].clone()[None]
+    before = cpu_attention.decode_attention(q, k_new, v_new, k, v, rows, starts, ends, 0.3)
     k[1, :, 6:] = float("nan")  # garbage beyond the row's length (and in other rows) changes nothing
     v[1, :, 6:] = float("nan")
     k[0] = v[0] = float("nan")
-    torch.testing.assert_close(cpu_attention.decode_attention(q, k, v, rows, starts, ends, 0.3), before)
+    after = cpu_attention.decode_attention(q, k_new, v_new, k, v, rows, starts, ends, 0.3)
+    torch.testing.assert_close(after, before)
 
 
 def test_enabled_on_cpu_float32_unless_turned_off(monkeypatch):
