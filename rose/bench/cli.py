@@ -106,6 +106,11 @@ def build_engine_parser(prog: str | None = None) -> argparse.ArgumentParser:
     g = p.add_argument_group("rose")
     g.add_argument("--max-num-seqs", type=int, default=RoseConfig().max_num_seqs)
     g.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: the engine's")
+    g.add_argument(
+        "--detokenize",
+        action="store_true",
+        help="rose also detokenizes every token (the transformers baselines return token ids only)",
+    )
     return p
 
 
@@ -137,7 +142,11 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineBenchConfig:
             max_requests_per_batch=args.hf_cb_max_requests or None,
             allow_block_sharing=args.hf_cb_block_sharing,
         ),
-        rose=RoseConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens),
+        rose=RoseConfig(
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            detokenize=args.detokenize,
+        ),
     )
 
 

@@ -22,6 +22,8 @@ class RoseConfig:
     max_num_batched_tokens: int | None = None  # None: the engine's default
     max_model_len: int | None = None  # None: the workload's longest request (prompt + max_tokens), rounded up
     warmup_requests: int = 8
+    # the transformers baselines return token ids only; so does rose unless asked (vLLM's --disable-detokenize)
+    detokenize: bool = False
 
 
 def _filtered_kwargs(fn: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -55,15 +57,15 @@ def build_llm(model: Any, tokenizer: Any, cfg: RoseConfig, max_model_len: int | 
     return LLM(model, tokenizer, **kwargs), kwargs
 
 
-def greedy_params(max_tokens: int) -> Any:
+def greedy_params(max_tokens: int, detokenize: bool = True) -> Any:
     from rose.engine.sampling_params import SamplingParams
 
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=detokenize)
 
 
-def _generate(llm: Any, workload: Workload) -> dict[str, list[int]]:
+def _generate(llm: Any, workload: Workload, detokenize: bool = True) -> dict[str, list[int]]:
     prompts = [list(r.prompt_token_ids) for r in workload.requests]
-    params = [greedy_params(r.max_tokens) for r in workload.requests]
+    params = [greedy_params(r.max_tokens, detokenize) for r in workload.requests]
     outs = llm.generate(prompts, params)
     if len(outs) != len(workload):
         raise RuntimeError(f"rose returned {len(outs)} outputs for {len(workload)} requests")
@@ -79,9 +81,9 @@ def run_rose(model: Any, tokenizer: Any, workload: Workload, cfg: RoseConfig | N
     with torch.inference_mode():
         llm, kwargs = build_llm(model, tokenizer, cfg, max_model_len)
         if cfg.warmup_requests > 0:
-            _generate(llm, workload.head(cfg.warmup_requests, "warmup-"))
+            _generate(llm, workload.head(cfg.warmup_requests, "warmup-"), cfg.detokenize)
         start = time.perf_counter()
-        outputs = _generate(llm, workload)
+        outputs = _generate(llm, workload, cfg.detokenize)
         wall = time.perf_counter() - start
     logger.info("rose: %.2f s", wall)
     return make_result("rose", workload, outputs, wall, settings={**asdict(cfg), "llm_kwargs": kwargs})

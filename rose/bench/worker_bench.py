@@ -374,6 +374,7 @@ def _engine_pass(cfg: WorkerBenchConfig, workload: Workload, max_len: int) -> Ru
         max_num_batched_tokens=cfg.max_num_batched_tokens,
         max_model_len=max_len,
         warmup_requests=cfg.warmup_requests,
+        detokenize=True,  # the same work the worker does: it publishes and stores text
     )
     result = run_rose(model, tokenizer, workload, rose_cfg)
     result.name = ENGINE

@@ -181,7 +181,7 @@ class Engine:
             generator = torch.Generator(device=self.device)
             generator.manual_seed(params.seed)
         detok = None
-        if self.tokenizer is not None:
+        if self.tokenizer is not None and params.detokenize:
             detok = IncrementalDetokenizer(
                 self.tokenizer,
                 ids,

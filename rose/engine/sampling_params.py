@@ -15,6 +15,7 @@ class SamplingParams:
 
     `max_tokens=None` means "until the context limit". `top_k` of 0 or -1 disables top-k.
     `logprobs=N` returns, for each generated token, its log-probability and the top-N alternatives.
+    `detokenize=False` returns token ids only (empty text): no incremental detokenization, so no stop strings.
     """
 
     max_tokens: int | None = 16
@@ -33,6 +34,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logprobs: int | None = None
+    detokenize: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -74,11 +76,15 @@ class SamplingParams:
                 raise bad(name, "in [-2, 2]")
         if self.seed is not None and (not _is_int(self.seed) or not -(2**63) <= self.seed < 2**64):
             raise bad("seed", "an integer in [-2**63, 2**64) or None")
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "a bool")
         if not all(isinstance(s, str) for s in self.stop) or any(s == "" for s in self.stop):
             raise bad("stop", "a list of non-empty strings")
+        if self.stop and not self.detokenize:
+            raise ValueError(
+                "SamplingParams.stop needs detokenize=True: stop strings are matched on the text"
+            )
         if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "a list of non-negative integers")
         if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):

@@ -41,6 +41,7 @@ class GenerateRequest(BaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logprobs: int | None = None
+    detokenize: bool = True
 
     @model_validator(mode="after")
     def _check(self) -> GenerateRequest:

@@ -262,3 +262,14 @@ def test_multibyte_prompt_greedy_deltas(engine, baseline):
     assert out.token_ids == baseline["c"]
     _check_deltas(deltas, out.text)
     assert out.prompt == PROMPTS["c"]
+
+
+def test_detokenize_false_returns_the_same_tokens_without_text(tokenizer):
+    """vLLM's `detokenize=False`: token ids only; generation is unchanged."""
+    engine = make_engine("tiny-llama", max_num_seqs=2, max_model_len=64)
+    prompt = "the queue worker reads"
+    run = generate(engine, [("text", prompt, greedy(8)), ("ids", prompt, greedy(8, detokenize=False))])
+    with_text, ids_only = run.outputs["text"], run.outputs["ids"]
+    assert with_text.text and ids_only.text == ""
+    assert ids_only.token_ids == with_text.token_ids
+    assert all(d == "" for d in run.deltas["ids"])

@@ -30,6 +30,7 @@ INVALID = {
     "include_stop_str_in_output": ["no"],
     "skip_special_tokens": ["false"],
     "logprobs": [-1, 2.5, "3"],
+    "detokenize": ["no", 0],
 }
 
 
@@ -43,6 +44,12 @@ def test_every_field_has_invalid_cases():
 def test_invalid_sampling_params_name_the_field(name, value):
     with pytest.raises(ValueError, match=rf"\b{name}\b"):
         SamplingParams(**{name: value})
+
+
+def test_stop_strings_need_detokenization():
+    with pytest.raises(ValueError, match="stop needs detokenize=True"):
+        SamplingParams(stop=["end"], detokenize=False)
+    assert SamplingParams(stop_token_ids=[5], detokenize=False).stop_token_ids == [5]
 
 
 def test_min_tokens_above_max_tokens():

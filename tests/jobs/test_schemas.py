@@ -57,6 +57,11 @@ def test_sampling_range_errors_name_the_field():
     assert "min_tokens" in message(prompt="a", max_tokens=2, min_tokens=3)
 
 
+def test_token_ids_only_jobs():
+    assert GenerateRequest(prompt="a", detokenize=False).to_sampling_params().detokenize is False
+    assert "stop needs detokenize=True" in message(prompt="a", stop="x", detokenize=False)
+
+
 def test_types_are_strict():
     assert "max_tokens" in message(prompt="a", max_tokens="5")
     assert "prompt" in message(prompt=5)
