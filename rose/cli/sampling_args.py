@@ -24,6 +24,7 @@ _HELP = {
     "include_stop_str_in_output": "keep the stop string in the text",
     "skip_special_tokens": "leave special tokens out of the text",
     "logprobs": "return the log-probability of each token and the top-N alternatives",
+    "detokenize": "return text (--no-detokenize: token ids only)",
 }
 _TYPES: dict[str, Any] = {
     "max_tokens": int,
@@ -53,7 +54,7 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
                 default=None,
                 help=_HELP[name],
             )
-        elif name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+        elif name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize"):
             group.add_argument(
                 flag, action=argparse.BooleanOptionalAction, dest=name, default=None, help=_HELP[name]
             )
