@@ -25,6 +25,7 @@ except ImportError:  # pragma: no cover - numba is a dependency; this keeps SDPA
 
 # reassociation (vectorized dot products) but no "no-inf" assumption: the scores beyond a row's length are -inf
 _FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
+_ROWS_PER_CHUNK = 4
 
 
 def enabled(device: torch.device, dtype: torch.dtype) -> bool:
@@ -45,7 +46,7 @@ if numba is not None:
     # One task per row, its KV heads walked in lockstep: several sequential streams per thread keep more memory
     # reads in flight than one head's block at a time (~30% faster here).
 
-    @njit(parallel=True, fastmath=_FASTMATH, cache=True)
+    @njit(parallel=True, fastmath=_FASTMATH, cache=True, nogil=True)
     def _scores(q, k, k_new, slots, starts, lengths, scale, scores):  # pragma: no cover - compiled
         """Store k_new[i] at position lengths[i] - 1 of row slots[i], then scores[i, h, g, p] = scale * q[i, h, g] .
         k[slots[i], h, p] for p in [starts[i], lengths[i]); -inf elsewhere."""
@@ -71,7 +72,7 @@ if numba is not None:
                             acc += q[i, h, g, d] * k[s, h, p, d]
                         scores[i, h, g, p] = acc * scale
 
-    @njit(parallel=True, fastmath=_FASTMATH, cache=True)
+    @njit(parallel=True, fastmath=_FASTMATH, cache=True, nogil=True)
     def _weighted_values(probs, v, v_new, slots, starts, lengths, out):  # pragma: no cover - compiled
         """Store v_new[i] at position lengths[i] - 1 of row slots[i], then out[i, h, g] = sum over p in
         [starts[i], lengths[i]) of probs[i, h, g, p] * v[slots[i], h, p]."""
@@ -111,6 +112,9 @@ def decode_attention(
     threads = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
     if numba.get_num_threads() != threads:
         numba.set_num_threads(threads)
+    # rows differ in length, and a thread may lose its core for a while (the worker's publisher): hand rows out in
+    # small chunks instead of one static share per thread
+    numba.set_parallel_chunksize(_ROWS_PER_CHUNK)
     q = q.contiguous()
     n, kv_heads, groups, _ = q.shape
     width = int(lengths.max()) if n else 0
