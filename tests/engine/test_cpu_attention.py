@@ -93,3 +93,12 @@ def test_engine_outputs_are_the_same_with_kernels_and_sdpa(monkeypatch):
     used, with_sdpa = _mixed_outputs()
     assert not used
     assert with_kernels == with_sdpa
+
+
+def test_without_numba_the_engine_uses_sdpa(monkeypatch):
+    monkeypatch.delenv("ROSE_ATTENTION_BACKEND", raising=False)
+    monkeypatch.setattr(cpu_attention, "numba", None)
+    assert not cpu_attention.enabled(torch.device("cpu"), torch.float32)
+    monkeypatch.setenv("ROSE_ATTENTION_BACKEND", "numba")
+    with pytest.raises(RuntimeError, match="numba is not installed"):
+        cpu_attention.enabled(torch.device("cpu"), torch.float32)
