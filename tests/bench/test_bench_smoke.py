@@ -107,9 +107,11 @@ def test_engine_parser_defaults_match_the_issue():
     assert cfg.static.batch_size == 16
     assert cfg.hf_cb == HFContinuousBatchingConfig()  # the flags' defaults are the library's
     assert set(cfg.systems) == {"rose", "hf-static", "hf-continuous-batching"}
+    assert cfg.rose.detokenize is False  # token ids, like the baselines
     args = build_engine_parser().parse_args(["--prompt-len-range", "4:8", "--skip-hf-cb", "--skip-rose"])
     cfg = engine_config_from_args(args)
     assert cfg.prompt_len_range == (4, 8) and cfg.systems == ("hf-static",)
+    assert engine_config_from_args(build_engine_parser().parse_args(["--detokenize"])).rose.detokenize
 
 
 def _engine_argv(tmp_path, *extra):
