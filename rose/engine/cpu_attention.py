@@ -42,11 +42,21 @@ def enabled(device: torch.device, dtype: torch.dtype) -> bool:
     return True
 
 
+def _jit(fn):
+    """Compile in parallel, without the GIL; cache the machine code on disk where numba finds a writable place
+    (next to this module, else its user cache; NUMBA_CACHE_DIR), otherwise compile once per process."""
+    try:
+        return njit(parallel=True, fastmath=_FASTMATH, nogil=True, cache=True)(fn)
+    except RuntimeError as exc:  # "cannot cache function ...: no locator available"
+        logger.warning("numba cannot cache the decode kernels (%s); compiling them in each process", exc)
+        return njit(parallel=True, fastmath=_FASTMATH, nogil=True)(fn)
+
+
 if numba is not None:
     # One task per row, its KV heads walked in lockstep: several sequential streams per thread keep more memory
     # reads in flight than one head's block at a time (~30% faster here).
 
-    @njit(parallel=True, fastmath=_FASTMATH, cache=True, nogil=True)
+    @_jit
     def _scores(q, k, k_new, slots, starts, lengths, scale, scores):  # pragma: no cover - compiled
         """Store k_new[i] at position lengths[i] - 1 of row slots[i], then scores[i, h, g, p] = scale * q[i, h, g] .
         k[slots[i], h, p] for p in [starts[i], lengths[i]); -inf elsewhere."""
@@ -72,7 +82,7 @@ if numba is not None:
                             acc += q[i, h, g, d] * k[s, h, p, d]
                         scores[i, h, g, p] = acc * scale
 
-    @njit(parallel=True, fastmath=_FASTMATH, cache=True, nogil=True)
+    @_jit
     def _weighted_values(probs, v, v_new, slots, starts, lengths, out):  # pragma: no cover - compiled
         """Store v_new[i] at position lengths[i] - 1 of row slots[i], then out[i, h, g] = sum over p in
         [starts[i], lengths[i]) of probs[i, h, g, p] * v[slots[i], h, p]."""

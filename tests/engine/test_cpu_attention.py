@@ -102,3 +102,26 @@ def test_without_numba_the_engine_uses_sdpa(monkeypatch):
     monkeypatch.setenv("ROSE_ATTENTION_BACKEND", "numba")
     with pytest.raises(RuntimeError, match="numba is not installed"):
         cpu_attention.enabled(torch.device("cpu"), torch.float32)
+
+
+def test_kernels_compile_without_a_writable_cache(monkeypatch, caplog):
+    """numba raises at decoration when it finds nowhere to cache: the kernels are then compiled per process."""
+    from numba.core.dispatcher import Dispatcher
+
+    def no_locator(self):
+        raise RuntimeError("cannot cache function 'f': no locator available for file 'f.py'")
+
+    monkeypatch.setattr(Dispatcher, "enable_caching", no_locator)
+
+    from numba import prange
+
+    def add_one(x, out):
+        for i in prange(x.shape[0]):
+            out[i] = x[i] + 1.0
+
+    with caplog.at_level("WARNING", logger="rose.engine.cpu_attention"):
+        kernel = cpu_attention._jit(add_one)
+    out = np.zeros(3, dtype=np.float32)
+    kernel(np.arange(3, dtype=np.float32), out)
+    assert out.tolist() == [1.0, 2.0, 3.0]
+    assert "compiling them in each process" in caplog.text
