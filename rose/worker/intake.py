@@ -58,6 +58,9 @@ class Running:
     output: Any = None  # engine RequestOutput once finished
     in_engine: bool = False
     callback_done: bool = False  # a Redis retry of the retirement must not run the success callback twice
+    retire_inline: bool = (
+        False  # store the result on the loop's thread (success callback, or a failed handover)
+    )
     stream_ttl_due: float = 0.0  # monotonic time at which the next event (re)sets the stream's expiry
     queue_s: float | None = None  # seconds on the queue (enqueued to started), when RQ recorded both
     ttft_s: float | None = None  # seconds from start to the first token

@@ -5,6 +5,7 @@ failure_ttl behave as RQ documents; then the job's terminal event is queued for 
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from typing import TYPE_CHECKING, Any
@@ -170,8 +171,26 @@ class Outcomes:
         job.send_webhooks(JobStatus.FINISHED)
         self._announce_done(run, result)
 
-    def _announce_done(self: RoseWorker, run: Running, result: dict[str, Any] | None = None) -> None:
-        """The job's result is stored: let it go and publish its `done` event."""
+    def _store_success(self: RoseWorker, run: Running) -> None:
+        """`_succeed` for a job without a success callback, on the retirer's thread (rose.worker.retirer): RQ's
+        handler runs on a shallow copy of the worker holding this job's execution (the loop's thread keeps using
+        the worker's own), and the `done` event goes straight to the publisher, after the job's token events."""
+        job = run.job
+        result = result_dict(self, run)
+        job.ended_at = now()
+        job._result = result
+        job._status = JobStatus.FINISHED
+        worker = copy.copy(self)
+        worker.execution = run.execution
+        worker.handle_job_success(job, run.queue, run.queue.started_job_registry)
+        job.send_webhooks(JobStatus.FINISHED)
+        self._announce_done(run, result, publish_now=True)
+
+    def _announce_done(
+        self: RoseWorker, run: Running, result: dict[str, Any] | None = None, publish_now: bool = False
+    ) -> None:
+        """The job's result is stored: let it go and publish its `done` event (`publish_now`: not through the
+        loop's outbox, which only the loop's thread may touch)."""
         job = run.job
         result = result or result_dict(self, run)
         self._forget(run)
@@ -181,7 +200,10 @@ class Outcomes:
             finish_reason=result["finish_reason"] or "stop",
             usage=Usage(**result["usage"]),
         )
-        self._emit(job, done, stream_ttl(self, job))
+        if publish_now:
+            self.publisher.send([Outgoing(job.id, done.to_json(), stream_ttl(self, job))])
+        else:
+            self._emit(job, done, stream_ttl(self, job))
         self.completed += 1
         self.metrics.on_success(result)
         usage, m = result["usage"], result["metrics"]

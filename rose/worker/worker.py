@@ -2,8 +2,9 @@
 into a continuous-batching engine.
 
 One thread owns the engine and all job bookkeeping. Per iteration: take jobs while the engine has room (block on
-the queues only when idle), step the engine, check cancels / stop commands / timeouts, retire finished jobs,
-hand the step's events to the publisher thread. Heartbeats, orphan recovery and RQ maintenance run on timers.
+the queues only when idle), step the engine, check cancels / stop commands / timeouts, retire finished jobs (their
+results are stored by the retirer thread, rose.worker.retirer), hand the step's events to the publisher thread.
+Heartbeats, orphan recovery and RQ maintenance run on timers.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from rose.worker.intake import Running
 from rose.worker.lifecycle import Lifecycle
 from rose.worker.outcomes import Outcomes, RoseJobTimeout
 from rose.worker.publisher import Outgoing, Publisher
+from rose.worker.retirer import Retirer
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +66,7 @@ class RoseWorker(Lifecycle, Outcomes, BaseWorker):
         self.running: dict[str, Running] = {}
         self.publisher = Publisher(self.connection)
         self._outbox: list[Outgoing] = []
+        self._retirer = Retirer(self._store_success, _REDIS_ERRORS)
         self._limbo: list[tuple[str, Any]] = []  # taken ids whose start may not have gone through
         self._stop_job_ids: collections.deque[str] = collections.deque()
         self._queue_lengths: list[int] | None = None  # as of the last probe, for the next intake
@@ -159,7 +162,9 @@ class RoseWorker(Lifecycle, Outcomes, BaseWorker):
     def _should_exit(self) -> bool:
         if self._drain_deadline is None:
             return False
-        return self._force_stop or not self.running or time.monotonic() >= self._drain_deadline
+        if self._force_stop or time.monotonic() >= self._drain_deadline:
+            return True
+        return not self.running and not self._retirer.busy
 
     def _startup(self) -> None:
         key = self.key
@@ -173,6 +178,7 @@ class RoseWorker(Lifecycle, Outcomes, BaseWorker):
         self.heartbeat()
         self.subscribe()
         self.publisher.start()
+        self._retirer.start()
         self.set_state(WorkerStatus.IDLE)
         # Jobs our predecessor held (same name) are orphans now: requeue them before anything else.
         recovery.recover(self, self._intermediate)
@@ -196,6 +202,8 @@ class RoseWorker(Lifecycle, Outcomes, BaseWorker):
 
     def _iteration(self, block: bool) -> int:
         self.loop_beat = time.monotonic()
+        for run in self._retirer.take_failed():  # their results could not be stored: retried below
+            self.running[run.id] = run
         self._timers()
         took = 0
         if not self.running and not self.draining:
@@ -368,8 +376,17 @@ class RoseWorker(Lifecycle, Outcomes, BaseWorker):
                 )
 
     def _retire(self) -> None:
-        for run in [r for r in self.running.values() if r.output is not None]:
-            self._succeed(run)
+        finished = [r for r in self.running.values() if r.output is not None]
+        if not finished:
+            return
+        self._flush_outbox()  # their last token events reach the publisher before their `done` events
+        for run in finished:
+            inline = run.retire_inline or not self._retirer.running
+            if inline or (run.job.success_callback and not run.callback_done):
+                self._succeed(run)  # RQ runs callbacks under a SIGALRM death penalty: the main thread's
+            else:
+                self.running.pop(run.id, None)
+                self._retirer.submit(run)
 
     def _flush_outbox(self) -> None:
         if self._outbox:
