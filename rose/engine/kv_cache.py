@@ -47,17 +47,16 @@ class AttentionMetadata:
     write_slots: torch.Tensor  # [num_tokens] slot of each token
     write_positions: torch.Tensor  # [num_tokens] position of each token
     num_decode: int
-    decode_slots: (
-        torch.Tensor | None
-    )  # [num_decode] slot of each decoding token; None when it is 0..num_decode-1
-    decode_span: int  # rows [0, decode_span) of the store take part in the decode attention
-    decode_lengths: torch.Tensor  # [decode_span] context length of each row after this step's write
-    # (start, end, longest): row ranges attended in one call each, read up to their own longest row (SDPA path)
-    decode_groups: list[tuple[int, int, int]]
-    # the CPU kernels' view: each decoding token's store row and context length, in token order
+    # each decoding token's store row and context length after this step's write, in token order
     decode_rows: list[int] = field(default_factory=list)
     decode_row_lengths: list[int] = field(default_factory=list)
     prefills: list[PrefillSegment] = field(default_factory=list)
+    # SDPA decode path only (see ModelRunner): it attends over store rows [0, decode_span) in row ranges
+    decode_slots: torch.Tensor | None = None  # [num_decode] row of each decoding token; None when 0..num_decode-1
+    decode_span: int = 0
+    decode_lengths: torch.Tensor | None = None  # [decode_span] context length of each row (1 for rows mid-prefill)
+    # (start, end, longest): row ranges attended in one call each, read up to their own longest row
+    decode_groups: list[tuple[int, int, int]] = field(default_factory=list)
     _masks: dict = field(default_factory=dict)
 
     def decode_mask(self, group: int, window: int | None) -> torch.Tensor:

@@ -32,6 +32,21 @@ class ModelRunner:
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
 
+    def _plan_sdpa_decode(self, meta: AttentionMetadata, num_slots: int) -> None:
+        """SDPA attends over whole store rows [0, span): one per decoding token, in slot order; rows mid-prefill
+        among them get a dummy length of 1. Row ranges are planned over those lengths (rose.engine.slot_order)."""
+        lengths = meta.decode_row_lengths
+        meta.decode_span = meta.num_decode
+        if meta.num_decode != num_slots:
+            meta.decode_span = num_slots
+            full = [1] * num_slots
+            for row, length in zip(meta.decode_rows, lengths, strict=True):
+                full[row] = length
+            lengths = full
+            meta.decode_slots = self._tensor(meta.decode_rows)
+        meta.decode_lengths = self._tensor(lengths)
+        meta.decode_groups = decode_groups(lengths)
+
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, num_slots: int) -> torch.Tensor:
         """Run the step's forward; returns logits [num_sampled, vocab] for decode rows, then completed prefills."""
@@ -56,30 +71,16 @@ class ModelRunner:
                 sample_index.append(len(ids) - 1)
 
         num_decode = len(batch.decode)
-        decode_slots = None
-        span = num_decode
-        lengths = [p + 1 for p in positions[:num_decode]]
-        if num_decode and num_decode != num_slots:
-            # rows mid-prefill sit among the decoding ones: run all occupied rows, dummy length 1 for those
-            span = num_slots
-            full = [1] * num_slots
-            for seq, length in zip(batch.decode, lengths, strict=True):
-                full[seq.slot] = length
-            lengths = full
-            decode_slots = self._tensor(slots[:num_decode])
         meta = AttentionMetadata(
             write_slots=self._tensor(slots),
             write_positions=self._tensor(positions),
             num_decode=num_decode,
-            decode_slots=decode_slots,
-            decode_span=span,
-            decode_lengths=self._tensor(lengths),
-            # the CPU kernels read exact lengths: no ranges to plan
-            decode_groups=[] if self.cache.use_cpu_kernels else decode_groups(lengths),
             decode_rows=slots[:num_decode],
             decode_row_lengths=[p + 1 for p in positions[:num_decode]],
             prefills=segments,
         )
+        if num_decode and not self.cache.use_cpu_kernels:  # the CPU kernels read exact spans: nothing to plan
+            self._plan_sdpa_decode(meta, num_slots)
         out = self.model(
             input_ids=self._tensor(ids)[None],
             position_ids=self._tensor(positions)[None],
