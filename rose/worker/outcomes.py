@@ -152,7 +152,10 @@ class Outcomes:
             except Exception:  # the request may already be gone from a broken engine
                 log.debug("engine.abort(%s) failed", run.id, exc_info=True)
 
-    def _succeed(self: RoseWorker, run: Running) -> None:
+    def _succeed(self: RoseWorker, run: Running, off_loop: bool = False) -> None:
+        """Store the finished job's result through RQ and publish its `done` event. `off_loop`: on the retirer's
+        thread (rose.worker.retirer), which gets no job with a pending success callback (RQ runs callbacks under a
+        SIGALRM death penalty, main thread only) and publishes straight to the publisher, not via the outbox."""
         job = run.job
         result = result_dict(self, run)
         job.ended_at = now()
@@ -166,25 +169,13 @@ class Outcomes:
                 return
             run.callback_done = True
         job._status = JobStatus.FINISHED
-        self.execution = run.execution
-        self.handle_job_success(job, run.queue, run.queue.started_job_registry)
-        job.send_webhooks(JobStatus.FINISHED)
-        self._announce_done(run, result)
-
-    def _store_success(self: RoseWorker, run: Running) -> None:
-        """`_succeed` for a job without a success callback, on the retirer's thread (rose.worker.retirer): RQ's
-        handler runs on a shallow copy of the worker holding this job's execution (the loop's thread keeps using
-        the worker's own), and the `done` event goes straight to the publisher, after the job's token events."""
-        job = run.job
-        result = result_dict(self, run)
-        job.ended_at = now()
-        job._result = result
-        job._status = JobStatus.FINISHED
+        # RQ's handler reads and clears `worker.execution`: give it a shallow copy holding this job's, so the loop's
+        # thread and the retirer's never share one
         worker = copy.copy(self)
         worker.execution = run.execution
         worker.handle_job_success(job, run.queue, run.queue.started_job_registry)
         job.send_webhooks(JobStatus.FINISHED)
-        self._announce_done(run, result, publish_now=True)
+        self._announce_done(run, result, publish_now=off_loop)
 
     def _announce_done(
         self: RoseWorker, run: Running, result: dict[str, Any] | None = None, publish_now: bool = False

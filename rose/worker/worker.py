@@ -66,7 +66,7 @@ class RoseWorker(Lifecycle, Outcomes, BaseWorker):
         self.running: dict[str, Running] = {}
         self.publisher = Publisher(self.connection)
         self._outbox: list[Outgoing] = []
-        self._retirer = Retirer(self._store_success, _REDIS_ERRORS)
+        self._retirer = Retirer(lambda run: self._succeed(run, off_loop=True), _REDIS_ERRORS)
         self._limbo: list[tuple[str, Any]] = []  # taken ids whose start may not have gone through
         self._stop_job_ids: collections.deque[str] = collections.deque()
         self._queue_lengths: list[int] | None = None  # as of the last probe, for the next intake
