@@ -86,17 +86,23 @@ def sdpa(monkeypatch):
     monkeypatch.setenv("ROSE_ATTENTION_BACKEND", "sdpa")
 
 
-def test_engine_sorts_rows_and_keeps_greedy_outputs(tokenizer, monkeypatch, sdpa):
-    """Mixed prompt lengths admitted in arbitrary order: the engine sorts rows, splits decode attention into groups,
-    and every request still gets exactly transformers' greedy tokens."""
-    moved: list[int] = []
+@pytest.fixture
+def moved(monkeypatch) -> list[int]:
+    """How many rows each re-sort of the KV store moved."""
+    counts: list[int] = []
     real_move_rows = KVCache.move_rows
 
     def spy(self, src, dst, length):
-        moved.append(len(src))
+        counts.append(len(src))
         real_move_rows(self, src, dst, length)
 
     monkeypatch.setattr(KVCache, "move_rows", spy)
+    return counts
+
+
+def test_engine_sorts_rows_and_keeps_greedy_outputs(tokenizer, monkeypatch, sdpa, moved):
+    """Mixed prompt lengths admitted in arbitrary order: the engine sorts rows, splits decode attention into groups,
+    and every request still gets exactly transformers' greedy tokens."""
     engine = make_engine("tiny-llama", max_num_seqs=6, max_model_len=320)
     groups_seen: list[int] = []
     real_groups = slot_order.decode_groups
@@ -137,17 +143,9 @@ def test_sorting_and_grouping_do_not_change_outputs(monkeypatch, sdpa):
     assert _mixed_run() == with_sorting
 
 
-def test_row_sorting_with_prefix_caching_keeps_outputs(monkeypatch, sdpa):
+def test_row_sorting_with_prefix_caching_keeps_outputs(sdpa, moved):
     """Rows re-sorted while the prefix cache copies prefixes from running rows and keeps finished ones in spare
     rows: every request still gets transformers' greedy tokens, and prefixes were reused."""
-    moved: list[int] = []
-    real_move_rows = KVCache.move_rows
-
-    def spy(self, src, dst, length):
-        moved.append(len(src))
-        real_move_rows(self, src, dst, length)
-
-    monkeypatch.setattr(KVCache, "move_rows", spy)
     engine = make_engine(
         "tiny-llama", max_num_seqs=8, max_model_len=320, enable_prefix_caching=True, prefix_block_size=8
     )
