@@ -51,14 +51,12 @@ class AttentionMetadata:
     decode_rows: list[int] = field(default_factory=list)
     decode_row_lengths: list[int] = field(default_factory=list)
     prefills: list[PrefillSegment] = field(default_factory=list)
-    # SDPA decode path only (see ModelRunner): it attends over store rows [0, decode_span) in row ranges
-    decode_slots: torch.Tensor | None = (
-        None  # [num_decode] row of each decoding token; None when 0..num_decode-1
-    )
+    # SDPA decode path only (see ModelRunner): it attends over store rows [0, decode_span) in row ranges.
+    # decode_slots: [num_decode] row of each decoding token, None when they are 0..num_decode-1;
+    # decode_lengths: [decode_span] context length of each row (1 for rows mid-prefill)
+    decode_slots: torch.Tensor | None = None
     decode_span: int = 0
-    decode_lengths: torch.Tensor | None = (
-        None  # [decode_span] context length of each row (1 for rows mid-prefill)
-    )
+    decode_lengths: torch.Tensor | None = None
     # (start, end, longest): row ranges attended in one call each, read up to their own longest row
     decode_groups: list[tuple[int, int, int]] = field(default_factory=list)
     _masks: dict = field(default_factory=dict)
