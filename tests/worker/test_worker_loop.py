@@ -227,15 +227,16 @@ def test_with_scheduler_runs_scheduled_jobs_and_retry_intervals(run_worker, r, q
     from datetime import timedelta
 
     engine = FakeEngine(step_delay=0.01)
-    later = q.enqueue_in(
-        timedelta(seconds=1), "rose.jobs.generate", kwargs={"prompt": "later", "max_tokens": 3}
-    )
     retried = enqueue(q, prompt="y", max_tokens=30, retry=Retry(max=1, interval=1))
-    assert status(r, later) == "scheduled"
     worker = run_worker(engine=engine, with_scheduler=True)
     wait_status(r, retried, "started")
     engine.fail_next_step = RuntimeError("simulated")
     wait_for(lambda: status(r, retried) in ("scheduled", "queued"), 10, what="retry scheduled by RQ's Retry")
+    # scheduled only now: due earlier, on a slow machine it could be in the batch the simulated failure fails
+    later = q.enqueue_in(
+        timedelta(seconds=1), "rose.jobs.generate", kwargs={"prompt": "later", "max_tokens": 3}
+    )
+    assert status(r, later) == "scheduled"
     wait_status(r, retried, "finished", timeout=30)  # moved back to the queue by RQ's scheduler, then run
     wait_status(r, later, "finished", timeout=30)
     assert worker.worker.scheduler is not None
