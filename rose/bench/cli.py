@@ -3,13 +3,28 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from collections.abc import Sequence
 
 from rose.bench.baselines import HFContinuousBatchingConfig, StaticBatchingConfig
+from rose.bench.cli_args import (
+    add_common_args,
+    add_target_args,
+    parse_ints,
+    parse_range,
+    setup_logging,
+    target_ok,
+    where_ran,
+)
 from rose.bench.engine_bench import HF_CB, ROSE, STATIC, TARGET_RATIO, EngineBenchConfig, run_engine_bench
-from rose.bench.report import engine_rows, markdown_table, print_table, step_rows, write_json
+from rose.bench.report import (
+    engine_rows,
+    markdown_table,
+    print_table,
+    roofline_summary,
+    step_rows,
+    write_json,
+)
 from rose.bench.rose_runner import RoseConfig
 from rose.bench.step_bench import StepBenchConfig, run_step_bench
 from rose.bench.worker_bench import TARGET_RATIO as WORKER_TARGET_RATIO
@@ -21,54 +36,17 @@ DEFAULT_STEP_JSON = "benchmarks/results/bench_step.json"
 DEFAULT_WORKER_JSON = "benchmarks/results/bench_worker.json"
 
 
-def _range(text: str) -> tuple[int, int]:
-    """'16,128' or '16:128' -> (16, 128), inclusive."""
-    for sep in (",", ":", "-"):
-        if sep in text:
-            lo, hi = text.split(sep, 1)
-            try:
-                return int(lo), int(hi)
-            except ValueError:
-                break
-    raise argparse.ArgumentTypeError(f"expected LO,HI (e.g. 16,128), got {text!r}")
-
-
-def _ints(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
-
-
-def _common(parser: argparse.ArgumentParser, json_default: str) -> None:
-    parser.add_argument(
-        "--model", default="tiny-llama", help="model preset (tiny-llama, tiny-qwen2, tiny-gpt2)"
-    )
-    parser.add_argument("--seed", type=int, default=0, help="workload seed")
-    parser.add_argument(
-        "--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)"
-    )
-    parser.add_argument(
-        "--json-out", default=json_default, help="where to write the JSON report ('' for none)"
-    )
-    parser.add_argument("--markdown", action="store_true", help="also print the table as Markdown")
-    parser.add_argument("--plain", action="store_true", help="plain-text table instead of rich")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log progress (INFO)")
-
-
 def build_engine_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=prog,
         description="rose's engine vs transformers' static batching and continuous batching (one process).",
     )
-    _common(p, DEFAULT_ENGINE_JSON)
+    add_common_args(p, DEFAULT_ENGINE_JSON)
+    add_target_args(p)
     p.add_argument("--num-requests", type=int, default=128)
-    p.add_argument("--prompt-len-range", type=_range, default=(16, 128), metavar="LO,HI")
+    p.add_argument("--prompt-len-range", type=parse_range, default=(16, 128), metavar="LO,HI")
     p.add_argument(
-        "--output-len-range", type=_range, default=(16, 128), metavar="LO,HI", help="max_tokens range"
+        "--output-len-range", type=parse_range, default=(16, 128), metavar="LO,HI", help="max_tokens range"
     )
     p.add_argument(
         "--repeats", type=int, default=1, help="timed passes per system, round-robin; median reported"
@@ -95,12 +73,18 @@ def build_engine_parser(prog: str | None = None) -> argparse.ArgumentParser:
     g.add_argument(
         "--hf-cb-num-blocks", type=int, default=None, help="default: room for every request at once"
     )
-    g.add_argument("--hf-cb-max-batch-tokens", type=int, default=d.max_batch_tokens)
+    g.add_argument(
+        "--hf-cb-max-batch-tokens",
+        type=int,
+        default=d.max_batch_tokens,
+        help="tokens per step (default: 512 on CPU, 2048 on CUDA)",
+    )
     g.add_argument(
         "--hf-cb-max-requests",
         type=int,
         default=d.max_requests_per_batch,
-        help="max requests per step (0: all); transformers' CB gets slower with more, see benchmarks/README.md",
+        help="max requests per step (0: all; default: 24 on CPU, where transformers' CB gets slower with more, "
+        "see benchmarks/README.md; all on CUDA)",
     )
     g.add_argument("--hf-cb-block-sharing", action="store_true", help="allow prefix block sharing")
     g = p.add_argument_group("rose")
@@ -127,6 +111,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineBenchConfig:
         output_len_range=args.output_len_range,
         seed=args.seed,
         repeats=args.repeats,
+        device=args.device,
+        dtype=args.dtype,
         num_threads=args.threads,
         wait_idle_s=args.wait_idle,
         systems=tuple(systems),
@@ -139,39 +125,33 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineBenchConfig:
             page_size=args.hf_cb_page_size,
             num_blocks=args.hf_cb_num_blocks,
             max_batch_tokens=args.hf_cb_max_batch_tokens,
-            max_requests_per_batch=args.hf_cb_max_requests or None,
+            max_requests_per_batch=args.hf_cb_max_requests,
             allow_block_sharing=args.hf_cb_block_sharing,
         ),
         rose=RoseConfig(
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             detokenize=args.detokenize,
+            device=args.device,
+            dtype=args.dtype,
         ),
     )
 
 
-def _setup_logging(verbose: bool) -> None:
-    logging.basicConfig(
-        level=logging.INFO if verbose else logging.WARNING,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    # transformers' CB logs an error about psutil on CPU even when the cache is sized by hand.
-    logging.getLogger("ContinuousBatchingLogger").setLevel(logging.CRITICAL)
-
-
 def engine_main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     args = build_engine_parser(prog).parse_args(argv)
-    _setup_logging(args.verbose)
+    setup_logging(args.verbose)
     cfg = engine_config_from_args(args)
     if not cfg.systems:
         print("nothing to run: every system skipped", file=sys.stderr)
+        return 2
+    if not target_ok(cfg.device, cfg.dtype):
         return 2
     report = run_engine_bench(cfg, progress=lambda m: print(m, file=sys.stderr, flush=True))
     wl, env = report.workload, report.environment
     title = (
         f"{cfg.model}: {wl['num_requests']} requests, prompts {cfg.prompt_len_range}, max_tokens "
-        f"{cfg.output_len_range}, {wl['requested_tokens']} tokens requested; torch threads "
-        f"{env['torch_num_threads']}, {env['cpu_count']} CPUs, repeats {cfg.repeats}"
+        f"{cfg.output_len_range}, {wl['requested_tokens']} tokens requested; {where_ran(env)}, repeats {cfg.repeats}"
     )
     headers, rows = engine_rows(report)
     print_table(title, headers, rows, use_rich=not args.plain)
@@ -196,14 +176,21 @@ def build_step_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=prog, description="rose decode-step time vs batch size and context length."
     )
-    _common(p, DEFAULT_STEP_JSON)
-    p.add_argument("--batch-sizes", type=_ints, default=d.batch_sizes, metavar="B,B,...")
+    add_common_args(p, DEFAULT_STEP_JSON)
+    add_target_args(p)
+    p.add_argument("--batch-sizes", type=parse_ints, default=d.batch_sizes, metavar="B,B,...")
     p.add_argument("--batch-sweep-context", type=int, default=d.batch_sweep_context)
-    p.add_argument("--context-lens", type=_ints, default=d.context_lens, metavar="L,L,...")
+    p.add_argument("--context-lens", type=parse_ints, default=d.context_lens, metavar="L,L,...")
     p.add_argument("--context-sweep-batch", type=int, default=d.context_sweep_batch)
     p.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
     p.add_argument("--timed-steps", type=int, default=d.timed_steps)
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: the engine's")
+    p.add_argument(
+        "--copy-mib",
+        type=int,
+        default=None,
+        help="size of the copy that measures the memory bandwidth (default: 256 on CPU, 1024 on CUDA)",
+    )
     p.add_argument("--profile", action="store_true", help="split one decode step: model forward vs the rest")
     p.add_argument("--profile-batch", type=int, default=d.profile_batch)
     p.add_argument("--profile-context", type=int, default=d.profile_context)
@@ -212,7 +199,7 @@ def build_step_parser(prog: str | None = None) -> argparse.ArgumentParser:
 
 def step_main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     args = build_step_parser(prog).parse_args(argv)
-    _setup_logging(args.verbose)
+    setup_logging(args.verbose)
     cfg = StepBenchConfig(
         model=args.model,
         batch_sizes=args.batch_sizes,
@@ -222,20 +209,26 @@ def step_main(argv: Sequence[str] | None = None, prog: str | None = None) -> int
         warmup_steps=args.warmup_steps,
         timed_steps=args.timed_steps,
         seed=args.seed,
+        device=args.device,
+        dtype=args.dtype,
+        copy_bytes=args.copy_mib * 2**20 if args.copy_mib else None,
         num_threads=args.threads,
         max_num_batched_tokens=args.max_num_batched_tokens,
         profile=args.profile,
         profile_batch=args.profile_batch,
         profile_context=args.profile_context,
     )
+    if not target_ok(cfg.device, cfg.dtype):
+        return 2
     report = run_step_bench(cfg, progress=lambda m: print(m, file=sys.stderr, flush=True))
     env = report.environment
     title = (
-        f"{cfg.model} decode step (rose engine), {cfg.timed_steps} timed steps per point; torch threads "
-        f"{env['torch_num_threads']}, {env['cpu_count']} CPUs"
+        f"{cfg.model} decode step (rose engine), {cfg.timed_steps} timed steps per point; {where_ran(env)}"
     )
     headers, rows = step_rows(report.points)
     print_table(title, headers, rows, use_rich=not args.plain)
+    if report.roofline:
+        print(roofline_summary(report.roofline, report.points))
     if report.fit:
         f = report.fit
         print(
@@ -264,12 +257,12 @@ def build_worker_parser(prog: str | None = None) -> argparse.ArgumentParser:
         description="rose end to end (redis-server + rose-worker process) vs the engine alone, "
         "plus latency under Poisson load (--rate).",
     )
-    _common(p, DEFAULT_WORKER_JSON)
+    add_common_args(p, DEFAULT_WORKER_JSON)
     p.add_argument("--num-requests", type=int, default=d.num_requests)
-    p.add_argument("--prompt-len-range", type=_range, default=d.prompt_len_range, metavar="LO,HI")
+    p.add_argument("--prompt-len-range", type=parse_range, default=d.prompt_len_range, metavar="LO,HI")
     p.add_argument(
         "--output-len-range",
-        type=_range,
+        type=parse_range,
         default=d.output_len_range,
         metavar="LO,HI",
         help="max_tokens range",
@@ -294,7 +287,7 @@ def build_worker_parser(prog: str | None = None) -> argparse.ArgumentParser:
 
 def worker_main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     args = build_worker_parser(prog).parse_args(argv)
-    _setup_logging(args.verbose)
+    setup_logging(args.verbose)
     cfg = WorkerBenchConfig(
         model=args.model,
         num_requests=args.num_requests,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import platform
 import time
@@ -126,6 +127,12 @@ def wait_for_idle(max_wait_s: float, threshold: float = 0.15, interval_s: float 
     return busy
 
 
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work before reading a clock (CUDA launches are asynchronous); a no-op on CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def set_threads(num_threads: int | None) -> int:
     """Apply `num_threads` (None: leave torch's choice) and return what torch will use."""
     if num_threads is not None:
@@ -133,9 +140,21 @@ def set_threads(num_threads: int | None) -> int:
     return torch.get_num_threads()
 
 
-def environment() -> dict[str, Any]:
+def resolve_target(device: str | torch.device, dtype: str | torch.dtype) -> tuple[torch.device, torch.dtype]:
+    """The benchmarks' `--device` / `--dtype` as the engine resolves them ('auto': CUDA when available; bfloat16 on
+    CUDA, float32 on CPU). Raises ValueError for CUDA on a machine without it."""
+    from rose.engine.loader import resolve_device, resolve_dtype
+
+    dev = resolve_device(device)
+    if dev.type == "cuda" and dev.index is None:  # one index, so every system lands on the same GPU
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev, resolve_dtype(dtype, dev)
+
+
+def environment(device: torch.device | None = None, dtype: torch.dtype | None = None) -> dict[str, Any]:
     import transformers
 
+    dev = device if device is not None else torch.device("cpu")
     return {
         "python": platform.python_version(),
         "platform": platform.platform(),
@@ -145,16 +164,45 @@ def environment() -> dict[str, Any]:
         "transformers": transformers.__version__,
         "torch_num_threads": torch.get_num_threads(),
         "torch_num_interop_threads": torch.get_num_interop_threads(),
+        "device": str(dev),
+        "dtype": str(dtype if dtype is not None else torch.float32).removeprefix("torch."),
+        "gpu_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else None,
+        "cuda": torch.version.cuda if dev.type == "cuda" else None,
     }
 
 
-def load_model(preset: str, seed: int = 0, attn_implementation: str | None = "sdpa"):
-    """A fresh copy of a preset model (same weights for the same seed) and its tokenizer. Each system gets its own
-    copy, so one system switching attention implementations cannot affect another."""
+def prompt_vocab_size(preset: str) -> int:
+    """Ids a benchmark prompt may use: the model's vocabulary, cut to the tokenizer's size where the tokenizer is
+    smaller (`qwen2.5-0.5b`), so every system, rose with its tokenizer included, accepts the same prompts."""
+    from rose.engine.presets import build_tokenizer, preset_config
+
+    return min(int(preset_config(preset).get_text_config().vocab_size), len(build_tokenizer()))
+
+
+def load_model(
+    preset: str,
+    seed: int = 0,
+    attn_implementation: str | None = "sdpa",
+    device: str | torch.device = "cpu",
+    dtype: str | torch.dtype = torch.float32,
+):
+    """A fresh copy of a preset model (same weights for the same seed and device type) and its tokenizer, on
+    `device` in `dtype`. Each system gets its own copy, so one system switching attention implementations cannot
+    affect another. The weights are drawn in float32 on the device itself, then cast."""
     from rose.engine.presets import build_preset
 
-    model, tokenizer = build_preset(preset, seed=seed)
+    dev, torch_dtype = resolve_target(device, dtype)
+    model, tokenizer = build_preset(preset, seed=seed, device=None if dev.type == "cpu" else dev)
+    model = model.to(dtype=torch_dtype)
     if attn_implementation is not None:
         model.set_attn_implementation(attn_implementation)
     model.eval()
     return model, tokenizer
+
+
+def release_memory(device: torch.device) -> None:
+    """Between systems on a GPU: return the last system's cached blocks, so the next one sizes its cache from what
+    is really free (a no-op on CPU, where the figures were taken without it)."""
+    if device.type == "cuda":
+        gc.collect()
+        torch.cuda.empty_cache()

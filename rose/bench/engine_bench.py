@@ -1,9 +1,10 @@
 """rose's engine against transformers' static batching and transformers' continuous batching, in one process.
 
 All systems get the same workload (same prompt token ids, same max_tokens, greedy, EOS ignored), their own fresh
-copy of the same model (same weights), are warmed up before timing, and are credited only with the tokens each
-request asked for. With `repeats > 1` the systems run round-robin (A B C A B C ...) so that a slow patch of a
-shared machine hits all of them alike; the summary keeps the median and the best pass of each.
+copy of the same model (same weights, on the same `device` in the same `dtype`), are warmed up before timing, and
+are credited only with the tokens each request asked for. With `repeats > 1` the systems run round-robin (A B C A B
+C ...) so that a slow patch of a shared machine hits all of them alike; the summary keeps the median and the best
+pass of each.
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ import os
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
+
+import torch
 
 from rose.bench.baselines import (
     HFContinuousBatchingConfig,
@@ -27,6 +30,9 @@ from rose.bench.common import (
     cpu_busy_fraction,
     environment,
     load_model,
+    prompt_vocab_size,
+    release_memory,
+    resolve_target,
     set_threads,
     wait_for_idle,
 )
@@ -50,6 +56,8 @@ class EngineBenchConfig:
     output_len_range: tuple[int, int] = (16, 128)
     seed: int = 0
     repeats: int = 1
+    device: str = "cpu"  # 'auto': CUDA when available; every system runs there
+    dtype: str = "float32"  # 'auto': bfloat16 on CUDA, float32 on CPU
     num_threads: int | None = None  # None: torch's default
     wait_idle_s: float = (
         0.0  # before each pass, wait up to this long for other processes to leave the CPUs idle
@@ -127,23 +135,30 @@ def _load_avg() -> list[float]:
         return []
 
 
-def _runner(name: str, cfg: EngineBenchConfig) -> Callable[[Workload], RunResult]:
+def _runner(
+    name: str, cfg: EngineBenchConfig, device: torch.device, dtype: torch.dtype
+) -> Callable[[Workload], RunResult]:
+    def load():
+        return load_model(cfg.model, seed=0, device=device, dtype=dtype)
+
     if name == ROSE:
+        # the engine is told the same device and dtype the model already has (no copy)
+        rose_cfg = replace(cfg.rose, device=str(device), dtype=str(dtype).removeprefix("torch."))
 
         def run(workload: Workload) -> RunResult:
-            model, tokenizer = load_model(cfg.model, seed=0)
-            return run_rose(model, tokenizer, workload, cfg.rose)
+            model, tokenizer = load()
+            return run_rose(model, tokenizer, workload, rose_cfg)
 
     elif name == STATIC:
 
         def run(workload: Workload) -> RunResult:
-            model, _ = load_model(cfg.model, seed=0)
+            model, _ = load()
             return run_static_batching(model, workload, cfg.static)
 
     elif name == HF_CB:
 
         def run(workload: Workload) -> RunResult:
-            model, _ = load_model(cfg.model, seed=0)
+            model, _ = load()
             return run_hf_continuous_batching(model, workload, cfg.hf_cb)
 
     else:
@@ -175,15 +190,17 @@ def run_engine_bench(
     if unknown or not cfg.systems:
         raise ValueError(f"systems must be a non-empty subset of {SYSTEMS}, got {cfg.systems!r}")
     threads = set_threads(cfg.num_threads)
+    device, dtype = resolve_target(cfg.device, cfg.dtype)
     # process-wide, so every system in this run gets the same allocator settings (rose's engine would apply them)
     malloc = tune_malloc()
-    model, _ = load_model(cfg.model, seed=0)
-    vocab = int(model.config.vocab_size)
-    del model
     workload = make_workload(
-        cfg.num_requests, cfg.prompt_len_range, cfg.output_len_range, vocab_size=vocab, seed=cfg.seed
+        cfg.num_requests,
+        cfg.prompt_len_range,
+        cfg.output_len_range,
+        vocab_size=prompt_vocab_size(cfg.model),
+        seed=cfg.seed,
     )
-    runners = {name: _runner(name, cfg) for name in cfg.systems}
+    runners = {name: _runner(name, cfg, device, dtype) for name in cfg.systems}
     results: dict[str, list[RunResult]] = {name: [] for name in cfg.systems}
     load_before = _load_avg()
     for rep in range(cfg.repeats):
@@ -191,6 +208,7 @@ def run_engine_bench(
             busy = wait_for_idle(cfg.wait_idle_s) if cfg.wait_idle_s > 0 else cpu_busy_fraction()
             t0 = time.perf_counter()
             result = run(workload)
+            release_memory(device)
             result.extra["cpu_busy_before"] = busy
             results[name].append(result)
             msg = (
@@ -214,7 +232,7 @@ def run_engine_bench(
                 agree[f"rose~{other}"] = agreement(summaries[ROSE].runs[0], summaries[other].runs[0])
     if STATIC in summaries and HF_CB in summaries:
         agree[f"{STATIC}~{HF_CB}"] = agreement(summaries[STATIC].runs[0], summaries[HF_CB].runs[0])
-    env = environment()
+    env = environment(device, dtype)
     env["torch_num_threads"] = threads
     env["malloc_tuning"] = malloc
     config = asdict(cfg)

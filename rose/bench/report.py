@@ -98,6 +98,10 @@ def engine_rows(report: Any) -> tuple[list[str], list[list[Any]]]:
     return headers, rows
 
 
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0%}"
+
+
 def step_rows(points: Sequence[Any]) -> tuple[list[str], list[list[Any]]]:
     headers = [
         "sweep",
@@ -109,11 +113,15 @@ def step_rows(points: Sequence[Any]) -> tuple[list[str], list[list[Any]]]:
         "min ms / seq",
         "B×ctx (k tokens)",
         "fit ms",
+        "floor ms",
+        "floor / median",
+        "floor / min",
         "pure decode",
     ]
     rows = []
     for p in points:
         ctx = p.mean_context if p.mean_context is not None else float(p.context_len)
+        floor = getattr(p, "floor_ms", None)
         rows.append(
             [
                 p.sweep,
@@ -125,7 +133,35 @@ def step_rows(points: Sequence[Any]) -> tuple[list[str], list[list[Any]]]:
                 p.min_ms / p.batch_size,
                 p.batch_size * ctx / 1000,
                 p.fit_ms if p.fit_ms is not None else float("nan"),
+                f"{floor:.3f}" if floor is not None else "-",
+                _pct(getattr(p, "floor_fraction_median", None)),
+                _pct(getattr(p, "floor_fraction_best", None)),
                 "yes" if p.pure_decode else "NO",
             ]
         )
     return headers, rows
+
+
+ROOFLINE_GOAL = 0.5  # the issue's GPU goal: a batch-64 decode step at >= 50 % of the memory-bandwidth floor
+
+
+def roofline_summary(roofline: dict[str, Any], points: Sequence[Any]) -> str:
+    """What the floor counts, and the batch-64 fractions against the issue's GPU goal."""
+    w, copy = roofline["weight_bytes"], roofline["copy"]
+    lines = [
+        f"memory-bandwidth floor = (weight bytes + KV bytes read) / {roofline['bandwidth_gb_s']:.1f} GB/s "
+        f"(best of {copy['repeats']:.0f} copies of {copy['copy_bytes'] / 2**20:.0f} MiB, read + written); "
+        f"weights {w['total'] / 1e6:.2f} MB per step (LM head {w['lm_head'] / 1e6:.2f} MB, "
+        f"{'tied to the input embedding, ' if w['tied_embeddings'] else ''}counted once; "
+        f"{w['embeddings_not_counted'] / 1e6:.2f} MB of embedding tables only gathered from, not counted), "
+        f"KV {roofline['kv_bytes_per_token']} bytes per cached token"
+    ]
+    for p in points:
+        if p.batch_size == 64 and getattr(p, "floor_ms", None) is not None:
+            verdict = "meets" if p.floor_fraction_median >= ROOFLINE_GOAL else "below"
+            lines.append(
+                f"batch 64, ctx {p.kv_context:.0f}: floor {p.floor_ms:.3f} ms = {p.floor_fraction_median:.0%} of the "
+                f"median step, {p.floor_fraction_best:.0%} of the fastest ({verdict} the GPU goal of "
+                f"{ROOFLINE_GOAL:.0%})"
+            )
+    return "\n".join(lines)

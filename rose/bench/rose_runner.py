@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from rose.bench.common import RunResult, make_result
+from rose.bench.common import RunResult, make_result, sync
 from rose.bench.workload import Workload
 
 logger = logging.getLogger(__name__)
@@ -24,6 +24,8 @@ class RoseConfig:
     warmup_requests: int = 8
     # the transformers baselines return token ids only; so does rose unless asked (vLLM's --disable-detokenize)
     detokenize: bool = False
+    device: str = "cpu"  # as the engine takes them ('auto': CUDA when available)
+    dtype: str = "float32"
 
 
 def _filtered_kwargs(fn: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -47,8 +49,8 @@ def build_llm(model: Any, tokenizer: Any, cfg: RoseConfig, max_model_len: int | 
     kwargs = _filtered_kwargs(
         LLM.__init__,
         {
-            "device": "cpu",
-            "dtype": "float32",
+            "device": cfg.device,
+            "dtype": cfg.dtype,
             "max_num_seqs": cfg.max_num_seqs,
             "max_model_len": max_model_len,
             "max_num_batched_tokens": cfg.max_num_batched_tokens,
@@ -73,17 +75,24 @@ def _generate(llm: Any, workload: Workload, detokenize: bool = True) -> dict[str
 
 
 def run_rose(model: Any, tokenizer: Any, workload: Workload, cfg: RoseConfig | None = None) -> RunResult:
-    """Time `LLM.generate` on the whole workload at once (after building the engine and warming it up)."""
+    """Time `LLM.generate` on the whole workload at once (after building the engine and warming it up).
+
+    Without detokenization the engine gets no tokenizer (vLLM's `skip_tokenizer_init`): like the baselines it then
+    samples over the model's whole vocabulary, also where the tokenizer is smaller (`qwen2.5-0.5b`)."""
     cfg = cfg or RoseConfig()
     max_model_len = cfg.max_model_len
     if max_model_len is None:
         max_model_len = -(-workload.max_total_len // 64) * 64 + 64
     with torch.inference_mode():
-        llm, kwargs = build_llm(model, tokenizer, cfg, max_model_len)
+        llm, kwargs = build_llm(model, tokenizer if cfg.detokenize else None, cfg, max_model_len)
+        device = llm.engine.device
         if cfg.warmup_requests > 0:
             _generate(llm, workload.head(cfg.warmup_requests, "warmup-"), cfg.detokenize)
+        sync(device)
         start = time.perf_counter()
         outputs = _generate(llm, workload, cfg.detokenize)
+        sync(device)
         wall = time.perf_counter() - start
     logger.info("rose: %.2f s", wall)
-    return make_result("rose", workload, outputs, wall, settings={**asdict(cfg), "llm_kwargs": kwargs})
+    settings = {**asdict(cfg), "llm_kwargs": kwargs, "tokenizer": cfg.detokenize}
+    return make_result("rose", workload, outputs, wall, settings=settings)

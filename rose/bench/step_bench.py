@@ -8,6 +8,11 @@ point, so a cost that follows the allocated capacity rather than the live work w
 If step time follows attention work only, t ≈ a + b·B + c·B·ctx: a fixed per-step cost, a per-sequence cost (the
 MLPs, projections and LM head of one token) and a cost per cached token attended to. The least-squares fit and its
 R² are reported with the points.
+
+Each point also gets its memory-bandwidth floor (`rose.bench.roofline`): the weight bytes plus the KV bytes a step
+must read, over the device's measured copy bandwidth, and the fraction floor / measured step time (median and
+fastest step); on a GPU the issue's goal is ≥ 50 % at batch 64. Runs on `device` in `dtype` (CUDA: clocks read
+after `torch.cuda.synchronize()`).
 """
 
 from __future__ import annotations
@@ -21,8 +26,10 @@ from typing import Any
 
 import torch
 
-from rose.bench.common import cpu_busy_fraction, environment, load_model, set_threads
+from rose.bench.common import cpu_busy_fraction, environment, load_model, resolve_target, set_threads, sync
+from rose.bench.roofline import Roofline
 from rose.bench.rose_runner import RoseConfig, build_llm, greedy_params
+from rose.bench.step_profile import profile_step
 from rose.bench.workload import RESERVED_IDS
 
 logger = logging.getLogger(__name__)
@@ -38,6 +45,9 @@ class StepBenchConfig:
     warmup_steps: int = 3
     timed_steps: int = 16
     seed: int = 0
+    device: str = "cpu"  # 'auto': CUDA when available
+    dtype: str = "float32"  # 'auto': bfloat16 on CUDA, float32 on CPU
+    copy_bytes: int | None = None  # bandwidth probe size; None: 256 MiB on CPU, 1 GiB on CUDA
     num_threads: int | None = None
     max_num_batched_tokens: int | None = None  # None: the engine's default
     profile: bool = False  # torch profiler + model-forward split at (profile_batch, profile_context)
@@ -57,6 +67,11 @@ class StepPoint:
     pure_decode: bool = True  # every timed step decoded exactly one token for each of the batch's requests
     fit_ms: float | None = None
     cpu_busy_before: float | None = None  # share of the CPUs other processes kept busy just before the point
+    # memory-bandwidth floor: positions each row attends to, averaged over the timed steps; bytes read per step
+    kv_context: float | None = None
+    weight_bytes: int | None = None
+    kv_bytes: float | None = None
+    floor_ms: float | None = None
 
     @property
     def median_ms(self) -> float:
@@ -66,9 +81,20 @@ class StepPoint:
     def min_ms(self) -> float:
         return min(self.step_ms)
 
+    @property
+    def floor_fraction_median(self) -> float | None:
+        return self.floor_ms / self.median_ms if self.floor_ms is not None else None
+
+    @property
+    def floor_fraction_best(self) -> float | None:
+        return self.floor_ms / self.min_ms if self.floor_ms is not None else None
+
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out.update(median_ms=self.median_ms, min_ms=self.min_ms, ms_per_seq=self.median_ms / self.batch_size)
+        out.update(
+            floor_fraction_median=self.floor_fraction_median, floor_fraction_best=self.floor_fraction_best
+        )
         return out
 
 
@@ -79,6 +105,7 @@ class StepBenchReport:
     points: list[StepPoint]
     fit: dict[str, float] = field(default_factory=dict)
     profile: dict[str, Any] | None = None
+    roofline: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -86,43 +113,18 @@ class StepBenchReport:
             "environment": self.environment,
             "points": [p.to_dict() for p in self.points],
             "fit": self.fit,
+            "roofline": self.roofline,
             "profile": self.profile,
         }
-
-
-class _ForwardTimer:
-    """Wall time spent inside a module's forward (hooks, so it works however the engine calls the model)."""
-
-    def __init__(self, module: torch.nn.Module) -> None:
-        self.total = 0.0
-        self.calls = 0
-        self._t0 = 0.0
-        self._handles = [
-            module.register_forward_pre_hook(self._pre),
-            module.register_forward_hook(self._post),
-        ]
-
-    def _pre(self, *_: Any) -> None:
-        self._t0 = time.perf_counter()
-
-    def _post(self, *_: Any) -> None:
-        self.total += time.perf_counter() - self._t0
-        self.calls += 1
-
-    def reset(self) -> None:
-        self.total, self.calls = 0.0, 0
-
-    def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
 
 
 class _Driver:
     """Drives `llm.engine` directly: add B requests, finish prefill, time pure decode steps, abort them."""
 
-    def __init__(self, engine: Any, vocab_size: int, max_model_len: int, seed: int) -> None:
+    def __init__(self, engine: Any, max_model_len: int, seed: int) -> None:
         self.engine = engine
-        self.vocab_size = vocab_size
+        self.device: torch.device = engine.device
+        self.vocab_size = engine.vocab_size  # ids its prompts may use (the tokenizer's, where it is smaller)
         self.max_model_len = max_model_len
         self.rng = random.Random(seed)
         self.counter = 0
@@ -179,8 +181,10 @@ class _Driver:
         pure = True
         stop = hook() if hook is not None else None
         for _ in range(timed):
+            sync(self.device)
             t0 = time.perf_counter()
             outs = self.engine.step()
+            sync(self.device)
             times.append((time.perf_counter() - t0) * 1e3)
             pure &= len(outs) == batch and all(len(o.new_token_ids) == 1 and not o.finished for o in outs)
         extra = stop() if stop is not None else None
@@ -227,93 +231,66 @@ def _fit(points: list[StepPoint]) -> dict[str, float]:
     }
 
 
-def _profile_hook(model: torch.nn.Module, with_profiler: bool, row_limit: int = 25):
-    """A start() -> stop() pair measuring, over the timed steps, the wall time per step spent inside the model's
-    forward (the whole causal LM, and its decoder alone: whichever the engine calls) versus outside it, and
-    optionally a torch profiler table of the ops (self CPU time)."""
+def _plan(cfg: StepBenchConfig) -> list[tuple[str, int, int]]:
+    plan = [("batch", b, cfg.batch_sweep_context) for b in cfg.batch_sizes]
+    return plan + [("context", cfg.context_sweep_batch, c) for c in cfg.context_lens]
 
-    def start():
-        timers = {"causal_lm": _ForwardTimer(model), "decoder": _ForwardTimer(model.base_model)}
-        prof = (
-            torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
-            if with_profiler
-            else None
+
+def _max_model_len(cfg: StepBenchConfig, model_context: int) -> int:
+    """Positions per row: the longest point's prompt, plus room to decode while the rest of its batch prefills
+    (>= 1 step per 1024 prompt tokens: twice the engine's default token budget), then to warm up and time."""
+    points = [(b, c) for _, b, c in _plan(cfg)]
+    if cfg.profile:
+        points.append((cfg.profile_batch, cfg.profile_context))
+    need = max(c + b * c // 1024 for b, c in points) + cfg.warmup_steps + cfg.timed_steps + 32
+    max_model_len = min(-(-need // 64) * 64, model_context)
+    longest = max(c for _, c in points)
+    if longest + cfg.warmup_steps + cfg.timed_steps + 2 > max_model_len:
+        raise ValueError(
+            f"context {longest} leaves no room to decode within the model's {model_context} positions"
         )
-        t0 = time.perf_counter()
-        if prof is not None:
-            prof.__enter__()
-
-        def stop() -> dict[str, Any]:
-            if prof is not None:
-                prof.__exit__(None, None, None)
-            wall = time.perf_counter() - t0
-            out: dict[str, Any] = {"wall_s": wall}
-            for name, timer in timers.items():
-                timer.remove()
-                out[f"{name}_forward_s"] = timer.total
-                out[f"{name}_forward_calls"] = timer.calls
-            if prof is not None:
-                out["top_ops"] = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=row_limit)
-            return out
-
-        return stop
-
-    return start
+    return max_model_len
 
 
-def _profile(driver: _Driver, model: torch.nn.Module, cfg: StepBenchConfig) -> dict[str, Any]:
-    """Where one decode step's time goes at (profile_batch, profile_context)."""
-    m = driver.measure(
-        cfg.profile_batch, cfg.profile_context, cfg.warmup_steps, cfg.timed_steps, _profile_hook(model, False)
-    )
-    times, split = m.step_ms, m.extra
-    steps = len(times)
-    fwd = split["causal_lm_forward_s"] if split["causal_lm_forward_calls"] else split["decoder_forward_s"]
-    out: dict[str, Any] = {
-        "batch_size": cfg.profile_batch,
-        "context_len": cfg.profile_context,
-        "steps": steps,
-        "step_ms_median": statistics.median(times),
-        "step_ms_min": min(times),
-        "pure_decode": m.pure_decode,
-        "wall_ms_per_step": split["wall_s"] * 1e3 / steps,
-        "model_forward_ms_per_step": fwd * 1e3 / steps,
-        "decoder_forward_ms_per_step": split["decoder_forward_s"] * 1e3 / steps,
-        "outside_model_forward_ms_per_step": (split["wall_s"] - fwd) * 1e3 / steps,
-        "forward_calls": {k: v for k, v in split.items() if k.endswith("_calls")},
-    }
-    prof = driver.measure(
-        cfg.profile_batch, cfg.profile_context, cfg.warmup_steps, cfg.timed_steps, _profile_hook(model, True)
-    ).extra
-    out["profiler_wall_ms_per_step"] = prof["wall_s"] * 1e3 / steps
-    out["top_ops"] = prof["top_ops"]
-    return out
+def _add_floor(point: StepPoint, roofline: Roofline, timed_steps: int) -> None:
+    # step i of the timed ones attends to (tokens when timing began + i) positions per row
+    ctx = (point.mean_context if point.mean_context is not None else point.context_len) + (
+        timed_steps - 1
+    ) / 2
+    point.kv_context = ctx
+    point.weight_bytes = roofline.weights.total
+    point.kv_bytes = roofline.kv_bytes(point.batch_size, ctx)
+    point.floor_ms = roofline.floor_ms(point.batch_size, ctx)
 
 
 def run_step_bench(cfg: StepBenchConfig, progress: Any = None) -> StepBenchReport:
     threads = set_threads(cfg.num_threads)
-    model, tokenizer = load_model(cfg.model, seed=0)
-    vocab = int(model.config.vocab_size)
+    device, dtype = resolve_target(cfg.device, cfg.dtype)
+    model, tokenizer = load_model(cfg.model, seed=0, device=device, dtype=dtype)
     max_batch = max([*cfg.batch_sizes, cfg.context_sweep_batch, cfg.profile_batch if cfg.profile else 1])
     max_ctx = max([*cfg.context_lens, cfg.batch_sweep_context, cfg.profile_context if cfg.profile else 1])
-    # room to decode while the rest of the batch prefills (>= 1 step per 1024 prompt tokens), then warm up and time
-    margin = cfg.warmup_steps + cfg.timed_steps + 32 + max_batch * max_ctx // 1024
-    rose_cfg = RoseConfig(max_num_seqs=max_batch, max_num_batched_tokens=cfg.max_num_batched_tokens)
     model_context = getattr(model.config.get_text_config(), "max_position_embeddings", None) or 2048
-    max_model_len = min(-(-(max_ctx + margin) // 64) * 64, model_context)
-    if max_ctx + cfg.warmup_steps + cfg.timed_steps + 2 > max_model_len:
-        raise ValueError(
-            f"context {max_ctx} leaves no room to decode within the model's {model_context} positions"
-        )
+    max_model_len = _max_model_len(cfg, model_context)
+    # before the engine exists, so the probe's buffers never compete with its KV store for memory
+    roofline = Roofline.measure(model, device, cfg.copy_bytes)
+    logger.info(
+        "copy bandwidth %.1f GB/s; %d weight bytes per step",
+        roofline.bandwidth_bytes_per_s / 1e9,
+        roofline.weights.total,
+    )
+    rose_cfg = RoseConfig(
+        max_num_seqs=max_batch,
+        max_num_batched_tokens=cfg.max_num_batched_tokens,
+        device=str(device),
+        dtype=str(dtype).removeprefix("torch."),
+    )
     points: list[StepPoint] = []
     profile = None
     with torch.inference_mode():
         llm, llm_kwargs = build_llm(model, tokenizer, rose_cfg, max_model_len)
-        driver = _Driver(llm.engine, vocab, max_model_len, cfg.seed)
+        driver = _Driver(llm.engine, max_model_len, cfg.seed)
         driver.measure(min(4, max_batch), min(32, max_ctx), 2, 4)  # warm the engine up
-        plan = [("batch", b, cfg.batch_sweep_context) for b in cfg.batch_sizes]
-        plan += [("context", cfg.context_sweep_batch, c) for c in cfg.context_lens]
-        for sweep, batch, ctx in plan:
+        for sweep, batch, ctx in _plan(cfg):
             busy = cpu_busy_fraction(0.3)
             t0 = time.perf_counter()
             m = driver.measure(batch, ctx, cfg.warmup_steps, cfg.timed_steps)
@@ -321,20 +298,22 @@ def run_step_bench(cfg: StepBenchConfig, progress: Any = None) -> StepBenchRepor
                 sweep, batch, ctx, m.step_ms, m.num_running, m.mean_context, m.prefill_steps, m.pure_decode
             )
             point.cpu_busy_before = busy
+            _add_floor(point, roofline, cfg.timed_steps)
             points.append(point)
             msg = (
                 f"{sweep} sweep: batch {batch} ctx {ctx}: {point.median_ms:.2f} ms/step median, "
-                f"{point.min_ms:.2f} min "
-                f"({time.perf_counter() - t0:.1f} s incl. prefill)"
+                f"{point.min_ms:.2f} min, bandwidth floor {point.floor_ms:.3f} ms "
+                f"({point.floor_fraction_best:.0%} of it at the fastest step; "
+                f"{time.perf_counter() - t0:.1f} s incl. prefill)"
             )
             logger.info(msg)
             if progress is not None:
                 progress(msg)
         if cfg.profile:
-            profile = _profile(driver, model, cfg)
+            profile = profile_step(driver, model, cfg)
     fit = _fit(points)
-    env = environment()
+    env = environment(device, dtype)
     env["torch_num_threads"] = threads
     config = asdict(cfg)
     config.update(llm_kwargs=llm_kwargs, max_num_seqs=max_batch, max_model_len=max_model_len)
-    return StepBenchReport(config, env, points, fit, profile)
+    return StepBenchReport(config, env, points, fit, profile, roofline.to_dict())

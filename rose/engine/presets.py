@@ -1,11 +1,13 @@
-"""Tiny random-weight models and an in-memory tokenizer, so tests and demos run anywhere with no download.
+"""Random-weight models and an in-memory tokenizer, so tests, demos and benchmarks run anywhere with no download.
 
 The weights come from a fixed seed (same model every time); the tokenizer is a byte-level BPE trained in memory on a
-fixed synthetic corpus, with exactly as many tokens as the models' vocabularies, so every id the model can emit decodes.
+fixed synthetic corpus. The tiny presets' vocabularies have exactly as many ids as the tokenizer, so every id the model
+can emit decodes; `qwen2.5-0.5b` (a benchmark model) has a larger vocabulary than the tokenizer, see its config.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import random
 from collections.abc import Callable
@@ -108,6 +110,33 @@ def tiny_qwen2_config() -> Qwen2Config:
     )
 
 
+def qwen2_5_0_5b_config() -> Qwen2Config:
+    """Qwen2.5-0.5B's published dimensions (494M parameters) with random weights: a benchmark model (GPU roofline,
+    `rose bench step --model qwen2.5-0.5b --device cuda --dtype bfloat16`), not a language model.
+
+    Its vocabulary (151,936 ids, as published) is larger than the in-memory tokenizer's 8,192 tokens, as Qwen's own
+    151,936-row embedding is larger than its 151,665-token tokenizer: an engine given this tokenizer treats ids past
+    it as padding rows (never sampled, rejected in prompts), and the detokenizer decodes an unknown id to "" rather
+    than failing. Benchmark it on token ids (`detokenize=False`, or no tokenizer at all, as vLLM's
+    `skip_tokenizer_init`), so the LM head and the sampler work over the full published vocabulary. The special ids
+    are the in-memory tokenizer's (0, 1, 2), not Qwen's.
+    """
+    return Qwen2Config(
+        vocab_size=151936,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        tie_word_embeddings=True,
+        use_sliding_window=False,
+        **_special_ids(),
+    )
+
+
 def tiny_gpt2_config() -> GPT2Config:
     return GPT2Config(
         vocab_size=VOCAB_SIZE,
@@ -123,6 +152,7 @@ _PRESETS: dict[str, tuple[Callable[[], PretrainedConfig], type[PreTrainedModel]]
     "tiny-llama": (tiny_llama_config, LlamaForCausalLM),
     "tiny-qwen2": (tiny_qwen2_config, Qwen2ForCausalLM),
     "tiny-gpt2": (tiny_gpt2_config, GPT2LMHeadModel),
+    "qwen2.5-0.5b": (qwen2_5_0_5b_config, Qwen2ForCausalLM),
 }
 
 PRESET_NAMES = tuple(_PRESETS)
@@ -132,23 +162,40 @@ def is_preset(name: object) -> bool:
     return isinstance(name, str) and name in _PRESETS
 
 
-def model_from_config(
-    config: PretrainedConfig, model_cls: type[PreTrainedModel] | None = None, seed: int = 0
-):
-    """Random weights for `config`, the same for the same seed."""
-    from transformers import AutoModelForCausalLM
-
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        if model_cls is None:
-            return AutoModelForCausalLM.from_config(config)
-        return model_cls(config)
-
-
-def build_preset(name: str, seed: int = 0) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
-    """The preset's model (float32, CPU, eval mode) and its tokenizer."""
+def preset_config(name: str) -> PretrainedConfig:
+    """The preset's config alone (no weights): e.g. to build it on the meta device or read its dimensions."""
     if name not in _PRESETS:
         raise ValueError(f"unknown preset {name!r}; presets are {', '.join(PRESET_NAMES)}")
-    make_config, model_cls = _PRESETS[name]
-    model = model_from_config(make_config(), model_cls, seed=seed).eval()
+    return _PRESETS[name][0]()
+
+
+def model_from_config(
+    config: PretrainedConfig,
+    model_cls: type[PreTrainedModel] | None = None,
+    seed: int = 0,
+    device: str | torch.device | None = None,
+):
+    """Random weights for `config` (float32), the same for the same seed and device type.
+
+    `device` builds the weights there directly (None: CPU): a 0.5B model initialised on a GPU takes a fraction of a
+    second instead of seconds on the host. CUDA's generator differs from the CPU's, so the weights differ too."""
+    from transformers import AutoModelForCausalLM
+
+    dev = torch.device("cpu") if device is None else torch.device(device)
+    # fork_rng restores the RNG state of the devices it is given; the CPU's is always restored
+    fork = [dev.index if dev.index is not None else torch.cuda.current_device()] if dev.type == "cuda" else []
+    with torch.random.fork_rng(devices=fork):
+        torch.manual_seed(seed)
+        # the CPU path stays exactly as it always was: no device mode installed
+        with torch.device(dev) if dev.type != "cpu" else contextlib.nullcontext():
+            if model_cls is None:
+                return AutoModelForCausalLM.from_config(config)
+            return model_cls(config)
+
+
+def build_preset(
+    name: str, seed: int = 0, device: str | torch.device | None = None
+) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
+    """The preset's model (float32, eval mode, on `device`: None for the CPU) and its tokenizer."""
+    model = model_from_config(preset_config(name), _PRESETS[name][1], seed=seed, device=device).eval()
     return model, build_tokenizer()

@@ -206,3 +206,13 @@ def test_prompt_ending_mid_character_does_not_leak_prompt_text(tok, tokenizer):
     deltas = [detok.update(t) for t in generated] + [detok.finish()]
     assert "".join(deltas) == detok.text
     assert detok.text in ("é queue", " queue"), detok.text
+
+
+def test_ids_past_the_tokenizer_decode_to_nothing(tok, tokenizer):
+    """A model whose vocabulary is larger than its tokenizer (the `qwen2.5-0.5b` benchmark preset): an id the
+    tokenizer lacks, in the prompt or generated, adds no text and breaks nothing around it."""
+    past = len(tokenizer) + 100
+    detok = IncrementalDetokenizer(tok, [*tokenizer.encode(PROMPT), past])
+    ids = [*tokenizer.encode(" a"), past, *tokenizer.encode(" b")]
+    deltas = feed(detok, ids)
+    assert "".join(deltas) == detok.text == " a b"
