@@ -1,23 +1,31 @@
-"""Sends job events to Redis from a background thread, so the engine loop never waits on the network.
+"""Writes job events to Redis without waiting for Redis.
 
-Each batch handed over (one engine step's events) goes out in one round trip: a Lua script that, for each event,
-XADDs it to the job's stream, sets the stream's expiry when the event says so (a job's first event and, now and
-then, a refresh; terminal events) and PUBLISHes it on the job's channel. Batches are sent in order; on a connection
-error the batch is retried with backoff, never dropped. The script is atomic and numbered
-(a per-publisher counter key), so a retry of a batch that did reach Redis before the connection broke is a no-op:
-subscribers see every seq exactly once, without gaps, even across Redis blips.
+Each batch handed over (one engine step's events) is one atomic command: a Lua script that, for each event, XADDs it
+to the job's stream, sets the stream's expiry when the event says so (a job's first event and, now and then, a
+refresh; terminal events) and PUBLISHes it on the job's channel. The batch is sent at once, on the publisher's own
+connection, and its reply is read later: at the next `send` or `poll`, one engine step on, when Redis has long
+answered. So the loop pays a socket write per step, never a round trip, and no publishing thread competes with it
+for the GIL (measured with a thread doing the same: -4% tokens/s on a busy 2-core host).
+
+Batches are applied in order and none is dropped: on a connection error every batch not yet acknowledged is sent
+again, with backoff, at a later `send`/`poll`. The script is numbered (a per-publisher counter key), so a batch that
+did reach Redis before the connection broke is a no-op the second time: subscribers see every seq exactly once,
+without gaps, even across Redis blips. Thread-safe (the retirer thread publishes `done` events too).
 """
 
 from __future__ import annotations
 
+import collections
 import logging
-import queue
 import threading
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Any
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from rose.jobs import keys
 from rose.worker import resp
@@ -27,9 +35,11 @@ log = logging.getLogger(__name__)
 NO_EXPIRY = -1
 KEEP_TTL = None  # leave the stream's expiry as an earlier event of the job set it
 _COUNTER_TTL_S = 3600
-_MAX_EVENTS_PER_CALL = (
-    2000  # merged batches per script call, so that a backlog after an outage goes in chunks
+MAX_IN_FLIGHT = (
+    1024  # batches sent and unanswered before `send` waits for Redis (a live but overloaded server)
 )
+_REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError)
+CONNECT_TIMEOUT_S = 1.0  # longest a (re)connect may hold the engine loop; Redis is local or on the LAN
 
 # KEYS[1]: this publisher's batch counter; KEYS[1 + i]: stream of event i.
 # ARGV[1]: batch number; ARGV[2]: counter TTL; ARGV[3]: channel prefix; ARGV[4]: stream key prefix length;
@@ -61,75 +71,76 @@ class Outgoing:
     stream_ttl: int | None  # seconds; NO_EXPIRY to persist the stream; KEEP_TTL to leave it as it is
 
 
+@dataclass(slots=True)
+class _Batch:
+    packed: bytes  # the numbered EVAL, ready to send (the same bytes when sent again)
+    events: int
+
+
 class Publisher:
     def __init__(self, connection: redis.Redis, *, max_backoff: float = 5.0):
         self.connection = connection
         self.max_backoff = max_backoff
-        self._queue: queue.Queue[list[Outgoing] | None] = queue.Queue()
-        self._idle = threading.Condition()
-        self._unsent = 0  # batches handed over and not yet written
-        self._closing = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="rose-publisher", daemon=True)
+        self._lock = threading.RLock()
+        self._conn: Any = None  # the publisher's own connection, made on first use
+        self._unacked: collections.deque[_Batch] = collections.deque()  # in order; the first `_sent` are sent
+        self._sent = 0
+        self._retry_at = 0.0  # after a connection error: when to reconnect and send the unacknowledged again
+        self._backoff = 0.1
         self._counter_key = f"rose:publisher:{uuid.uuid4().hex}"
         self._batch_no = 0
-        self.sent_events = 0
-
-    def start(self) -> Publisher:
-        self._thread.start()
-        return self
+        self.sent_events = 0  # events acknowledged by Redis
 
     def send(self, batch: list[Outgoing]) -> None:
-        """Hand a batch over; returns at once."""
-        if not batch:
-            return
-        with self._idle:
-            self._unsent += 1
-        self._queue.put(batch)
+        """Send a batch (and collect the replies Redis has given since the last call). Never waits for Redis,
+        except with MAX_IN_FLIGHT batches unanswered; while Redis is unreachable batches are kept, in order."""
+        with self._lock:
+            if batch:
+                self._unacked.append(self._pack(batch))
+            self._pump()
+
+    def poll(self) -> None:
+        """Collect replies; after a connection error, send the unacknowledged batches again once the backoff ends."""
+        if self._unacked:
+            self.send([])
 
     @property
     def backlog(self) -> int:
-        return self._unsent
+        """Batches not acknowledged by Redis yet."""
+        return len(self._unacked)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until everything handed over so far is written. False on timeout."""
-        with self._idle:
-            return self._idle.wait_for(lambda: self._unsent == 0, timeout=timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            while self._unacked:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                wait = self._retry_at - time.monotonic()
+                if wait > 0:
+                    time.sleep(wait if left is None else min(wait, left))
+                    continue
+                self._pump(wait_s=0.1 if left is None else min(0.1, left))
+            return True
 
     def close(self, timeout: float = 10.0) -> None:
-        """Write what is pending (up to `timeout` s), then stop the thread."""
-        if not self._thread.is_alive():
-            return
+        """Write what is pending (up to `timeout` s), then let the connection go."""
         if not self.flush(timeout):
+            events = sum(b.events for b in self._unacked)
             log.warning(
-                "publisher: %d event batches not written after %.0f s; dropping them", self._unsent, timeout
+                "publisher: %d event batches (%d events) not written after %.0f s; dropping them",
+                len(self._unacked),
+                events,
+                timeout,
             )
-        self._closing.set()
-        self._queue.put(None)
-        self._thread.join(timeout=2)
+        with self._lock:
+            if self._conn is not None:
+                self._conn.disconnect()
+            self._sent = 0
+            self._unacked.clear()
 
-    def _run(self) -> None:
-        while True:
-            first = self._queue.get()
-            if first is None:
-                return
-            # Merge whatever else is waiting: one round trip for several steps when Redis is the bottleneck.
-            batches = [first]
-            while sum(len(b) for b in batches) < _MAX_EVENTS_PER_CALL:
-                try:
-                    more = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if more is None:
-                    self._queue.put(None)
-                    break
-                batches.append(more)
-            events = [e for b in batches for e in b]
-            self._write(events)
-            with self._idle:
-                self._unsent -= len(batches)
-                self._idle.notify_all()
-
-    def _write(self, events: list[Outgoing]) -> None:
+    def _pack(self, events: list[Outgoing]) -> _Batch:
         self._batch_no += 1
         # EVAL, not EVALSHA: Redis caches the script by its hash either way, and never answers NOSCRIPT after a
         # restart. Packed by resp.pack_command: a step's batch has a few hundred arguments.
@@ -139,22 +150,61 @@ class Publisher:
         for e in events:
             ttl = e.stream_ttl
             items += [e.data, "" if ttl is KEEP_TTL else ttl if ttl == NO_EXPIRY else max(1, ttl)]
-        delay = 0.1
-        while True:
-            try:
-                resp.call(self.connection, items)
-                self.sent_events += len(events)
-                return
-            except (redis.ConnectionError, redis.TimeoutError) as exc:
-                if self._closing.is_set():
-                    log.error(
-                        "publisher: Redis unreachable while closing (%s); %d events lost", exc, len(events)
-                    )
-                    return
-                log.warning("publisher: Redis unreachable (%s); retrying in %.1f s", exc, delay)
-                time.sleep(delay)
-                delay = min(delay * 2, self.max_backoff)
-            except Exception:
-                # A bug or a server-side refusal (e.g. OOM): retrying the same batch would loop forever.
-                log.exception("publisher: could not write %d events; dropping them", len(events))
-                return
+        return _Batch(resp.pack_command(items), len(events))
+
+    def _pump(self, wait_s: float = 0.0) -> None:
+        """Read the replies that are there (waiting up to `wait_s` for the first), then send what is unsent."""
+        if time.monotonic() < self._retry_at:
+            return
+        try:
+            conn = self._conn or self._open()
+            if conn._sock is None:  # not connected yet, or disconnected: whatever was in flight goes again
+                self._sent = 0
+            while self._sent and (
+                self._sent >= MAX_IN_FLIGHT or conn.can_read(timeout=wait_s if wait_s > 0 else 0)
+            ):
+                self._acknowledge(conn)
+                wait_s = 0.0
+            if self._sent < len(self._unacked):
+                # no health check: its PING would read a batch's reply as its own
+                conn.send_packed_command(
+                    [b.packed for b in list(self._unacked)[self._sent :]], check_health=False
+                )
+                self._sent = len(self._unacked)
+            self._backoff = 0.1
+        except _REDIS_ERRORS as exc:
+            if self._conn is not None:
+                self._conn.disconnect()
+            self._sent = 0
+            log.warning(
+                "publisher: Redis unreachable (%s); %d event batches kept, sending them again in %.1f s",
+                exc,
+                len(self._unacked),
+                self._backoff,
+            )
+            self._retry_at = time.monotonic() + self._backoff
+            self._backoff = min(self._backoff * 2, self.max_backoff)
+
+    def _acknowledge(self, conn: Any) -> None:
+        batch = self._unacked[0]
+        try:
+            conn.read_response()
+        except redis.ResponseError:
+            # A server-side refusal (e.g. OOM) or a bug: sending the same batch again would fail forever.
+            log.exception("publisher: Redis refused %d events; dropping them", batch.events)
+        else:
+            self.sent_events += batch.events
+        self._unacked.popleft()
+        self._sent -= 1
+
+    def _open(self) -> Any:
+        """The publisher's own connection (same settings and client name as the worker's), made to fail fast: a
+        connect must not retry and sleep in the engine loop, the publisher backs off by itself."""
+        conn = self.connection.connection_pool.make_connection()
+        conn.retry = Retry(NoBackoff(), 0)
+        timeout = conn.socket_connect_timeout
+        conn.socket_connect_timeout = (
+            CONNECT_TIMEOUT_S if timeout is None else min(timeout, CONNECT_TIMEOUT_S)
+        )
+        self._conn = conn
+        return conn

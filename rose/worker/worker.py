@@ -3,7 +3,8 @@ into a continuous-batching engine.
 
 One thread owns the engine and all job bookkeeping. Per iteration: take jobs while the engine has room (block on
 the queues only when idle), step the engine, check cancels / stop commands / timeouts, retire finished jobs (their
-results are stored by the retirer thread, rose.worker.retirer), hand the step's events to the publisher thread.
+results are stored by the retirer thread, rose.worker.retirer), send the step's events (rose.worker.publisher: sent
+at once, acknowledged at the next send, so the loop never waits for Redis to write them).
 Heartbeats, orphan recovery and RQ maintenance run on timers.
 """
 
@@ -85,6 +86,7 @@ class RoseWorker(Lifecycle, Outcomes, BaseWorker):
         self.metrics_server: metrics.HealthServer | None = None
         self.loop_beat = time.monotonic()  # each loop iteration: /health's liveness
         self.redis_ok = True  # the last Redis-touching stage worked: /health's readiness
+        self.started = False  # registered and serving (the loop runs)
         self.stopped = False
 
     @property
@@ -177,7 +179,6 @@ class RoseWorker(Lifecycle, Outcomes, BaseWorker):
         self.register_birth()
         self.heartbeat()
         self.subscribe()
-        self.publisher.start()
         self._retirer.start()
         self.set_state(WorkerStatus.IDLE)
         # Jobs our predecessor held (same name) are orphans now: requeue them before anything else.
@@ -191,6 +192,7 @@ class RoseWorker(Lifecycle, Outcomes, BaseWorker):
             getattr(self.engine, "model_name", type(self.engine).__name__),
             self._max_jobs(),
         )
+        self.started = True
 
     def serve_metrics(self) -> None:
         """Start the /metrics + /health server (--metrics-port), once. Raises OSError if the port is taken."""
@@ -389,9 +391,12 @@ class RoseWorker(Lifecycle, Outcomes, BaseWorker):
                 self._retirer.submit(run)
 
     def _flush_outbox(self) -> None:
+        """Send the queued events (and collect the publisher's replies from Redis, or retry after an outage)."""
         if self._outbox:
             self.publisher.send(self._outbox)
             self._outbox = []
+        else:
+            self.publisher.poll()
 
 
 def _json_payload(run: Running) -> bool:

@@ -1,4 +1,5 @@
-"""The publisher thread: one atomic round trip per batch, in order, exactly once, never blocking the caller."""
+"""The publisher: one atomic command per batch, sent at once and acknowledged later, in order, exactly once, never
+waiting for Redis (nor blocking the caller while Redis is down)."""
 
 from __future__ import annotations
 
@@ -9,28 +10,37 @@ import pytest
 import redis
 
 from rose.jobs import keys
+from rose.worker import publisher as publisher_mod
 from rose.worker.publisher import KEEP_TTL, NO_EXPIRY, Outgoing, Publisher
 
 pytestmark = pytest.mark.timeout(30)
 
 
-def ev(job_id: str, seq: int) -> Outgoing:
+def ev(job_id: str, seq: int, ttl: int | None = 100) -> Outgoing:
     data = json.dumps({"job_id": job_id, "type": "token", "seq": seq, "text": f"t{seq}", "token_ids": [seq]})
-    return Outgoing(job_id, data, 100)
+    return Outgoing(job_id, data, ttl)
 
 
 def seqs(r, job_id: str) -> list[int]:
     return [json.loads(f[b"event"])["seq"] for _, f in r.xrange(keys.stream_key(job_id))]
 
 
+def wait_until(cond, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.01)
+
+
 def test_batches_reach_stream_and_pubsub_in_order(r):
     sub = r.pubsub()
     sub.subscribe(keys.tokens_channel("a"))
     sub.get_message(timeout=1)
-    pub = Publisher(r).start()
+    pub = Publisher(r)
     for i in range(0, 50, 5):
         pub.send([ev("a", s) for s in range(i, i + 5)] + [ev("b", i)])
     assert pub.flush(timeout=5)
+    assert pub.backlog == 0 and pub.sent_events == 60
     pub.close()
     assert seqs(r, "a") == list(range(50))
     assert seqs(r, "b") == list(range(0, 50, 5))
@@ -42,40 +52,112 @@ def test_batches_reach_stream_and_pubsub_in_order(r):
     assert heard == list(range(50))
 
 
-def test_a_retried_batch_is_not_applied_twice(r):
+def test_send_does_not_wait_for_the_reply(r):
     pub = Publisher(r)
-    pub._write([ev("a", 0), ev("a", 1)])
-    pub._batch_no -= 1  # as if the reply of that call had been lost and the same batch were sent again
-    pub._write([ev("a", 0), ev("a", 1)])
-    pub._write([ev("a", 2)])
+    pub.send([ev("a", 0)])
+    assert pub.backlog == 1  # sent, reply not read yet
+    wait_until(lambda: seqs(r, "a") == [0])  # Redis applied it all the same
+    pub.poll()  # the reply is collected later
+    assert pub.backlog == 0 and pub.sent_events == 1
+    pub.close()
+
+
+def test_a_batch_sent_again_is_not_applied_twice(r):
+    pub = Publisher(r)
+    batch = pub._pack([ev("a", 0), ev("a", 1)])
+    conn = r.connection_pool.get_connection()
+    try:
+        for _ in range(2):  # as if its reply had been lost and the same batch were sent again
+            conn.send_packed_command([batch.packed])
+            conn.read_response()
+    finally:
+        r.connection_pool.release(conn)
+    pub.send([ev("a", 2)])
+    assert pub.flush(timeout=5)
     assert seqs(r, "a") == [0, 1, 2]
+
+
+def test_a_lost_connection_loses_and_repeats_nothing(r):
+    pub = Publisher(r)
+    pub.send([ev("a", 0), ev("a", 1)])
+    wait_until(lambda: seqs(r, "a") == [0, 1])  # applied, reply unread...
+    r.client_kill_filter(_type="normal", skipme=True)  # ...and lost with the connection
+    for i in range(2, 6):
+        pub.send([ev("a", i)])
+    assert pub.flush(timeout=10)
+    assert seqs(r, "a") == list(range(6))
+    pub.close()
 
 
 def test_persist_when_result_ttl_is_infinite(r):
     pub = Publisher(r)
-    pub._write([Outgoing("p", json.dumps({"job_id": "p", "type": "reset"}), NO_EXPIRY)])
+    pub.send([Outgoing("p", json.dumps({"job_id": "p", "type": "reset"}), NO_EXPIRY)])
+    assert pub.flush(timeout=5)
     assert r.ttl(keys.stream_key("p")) == -1
 
 
 def test_send_never_blocks_even_when_redis_is_down(unused_port):
     dead = redis.Redis(port=unused_port, socket_connect_timeout=0.2)
-    pub = Publisher(dead, max_backoff=0.2).start()
+    pub = Publisher(dead, max_backoff=0.2)
     t = time.monotonic()
     for i in range(100):
         pub.send([ev("a", i)])
-    assert time.monotonic() - t < 0.1
+    assert time.monotonic() - t < 0.5
     assert pub.flush(timeout=0.5) is False  # still retrying, nothing dropped
+    assert pub.backlog == 100
+    pub.close(timeout=0.1)
+    assert pub.backlog == 0
+
+
+def test_events_kept_while_redis_is_down_are_written_when_it_is_back(persistent_redis_server):
+    redis_server = persistent_redis_server
+    pub = Publisher(redis_server.client(), max_backoff=0.2)
+    pub.send([ev("a", 0)])
+    assert pub.flush(timeout=5)
+    redis_server.stop()
+    for i in range(1, 4):
+        pub.send([ev("a", i)])
     assert pub.backlog > 0
-    pub.close(timeout=0.5)
+    redis_server.start()
+    assert pub.flush(timeout=10)
+    assert seqs(redis_server.client(), "a") == [0, 1, 2, 3]
+    pub.close()
+
+
+def test_waits_for_redis_when_too_many_batches_are_unanswered(r, monkeypatch):
+    monkeypatch.setattr(publisher_mod, "MAX_IN_FLIGHT", 3)
+    pub = Publisher(r)
+    for i in range(10):
+        pub.send([ev("a", i)])
+        assert pub.backlog <= 3
+    assert pub.flush(timeout=5)
+    assert seqs(r, "a") == list(range(10))
+
+
+def test_a_refused_batch_is_dropped_not_retried(r, caplog):
+    pub = Publisher(r)
+    pub.send([ev("a", 0)])
+    assert pub.flush(timeout=5)
+    r.set(keys.stream_key("x"), "not a stream")  # XADD on it fails inside the script
+    pub.send([ev("x", 0)])
+    pub.send([ev("a", 1)])
+    assert pub.flush(timeout=5)
+    assert seqs(r, "a") == [0, 1]
+    assert "refused" in caplog.text
 
 
 def test_keep_ttl_leaves_the_streams_expiry_alone(r):
     pub = Publisher(r)
-    pub._write([ev("k", 0)])  # a job's first event sets the expiry
+
+    def write(*events: Outgoing) -> None:
+        pub.send(list(events))
+        assert pub.flush(timeout=5)
+
+    write(ev("k", 0))  # a job's first event sets the expiry
     assert 90 <= r.ttl(keys.stream_key("k")) <= 100
     r.expire(keys.stream_key("k"), 50)
-    pub._write([Outgoing("k", ev("k", 1).data, KEEP_TTL)])
+    write(ev("k", 1, KEEP_TTL))
     assert 40 <= r.ttl(keys.stream_key("k")) <= 50
-    pub._write([ev("k", 2)])  # a refresh or a terminal event sets it again
+    write(ev("k", 2))  # a refresh or a terminal event sets it again
     assert r.ttl(keys.stream_key("k")) > 50
     assert seqs(r, "k") == [0, 1, 2]

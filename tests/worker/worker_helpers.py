@@ -45,7 +45,7 @@ class WorkerThread:
 
     def start(self) -> WorkerThread:
         self.thread.start()
-        wait_for(lambda: self.worker.publisher._thread.is_alive() or self.error, what="worker start")
+        wait_for(lambda: self.worker.started or self.error, what="worker start")
         return self
 
     def stop(self, force: bool = False, timeout: float = 30) -> None:
