@@ -123,12 +123,8 @@ class Lifecycle:
             if self.running:
                 self._redis("checks", self._checks)
                 self._redis("retire", self._retire)
-            if not self._retirer.wait_idle(timeout=30):
-                log.error("results of finished jobs were still being stored after 30 s")
-            self._retirer.close()
-            failed = self._retirer.take_failed()
-            if failed:  # Redis failed them: one more try here (on this thread), else they are requeued
-                self.running.update((run.id, run) for run in failed)
+            self._retirer.drain()
+            if any(run.retire_inline for run in self.running.values()):  # Redis failed them: one more try
                 self._redis("retire", self._retire)
             left = sorted(self.running.values(), key=lambda r: r.started_mono)
             for run in left:

@@ -152,10 +152,10 @@ class Outcomes:
             except Exception:  # the request may already be gone from a broken engine
                 log.debug("engine.abort(%s) failed", run.id, exc_info=True)
 
-    def _succeed(self: RoseWorker, run: Running, off_loop: bool = False) -> None:
-        """Store the finished job's result through RQ and publish its `done` event. `off_loop`: on the retirer's
-        thread (rose.worker.retirer), which gets no job with a pending success callback (RQ runs callbacks under a
-        SIGALRM death penalty, main thread only) and publishes straight to the publisher, not via the outbox."""
+    def _succeed(self: RoseWorker, run: Running) -> None:
+        """Store the finished job's result through RQ's `handle_job_success` (three round trips: jobs with a
+        success callback, dependents or repeats, and retries; rose.worker.retirer retires the others in batches)
+        and publish its `done` event."""
         job = run.job
         result = result_dict(self, run)
         job.ended_at = now()
@@ -169,19 +169,16 @@ class Outcomes:
                 return
             run.callback_done = True
         job._status = JobStatus.FINISHED
-        # RQ's handler reads and clears `worker.execution`: give it a shallow copy holding this job's, so the loop's
-        # thread and the retirer's never share one
+        # RQ's handler reads and clears `worker.execution`: give it a shallow copy holding this job's (the worker's
+        # own may belong to a job being failed)
         worker = copy.copy(self)
         worker.execution = run.execution
         worker.handle_job_success(job, run.queue, run.queue.started_job_registry)
         job.send_webhooks(JobStatus.FINISHED)
-        self._announce_done(run, result, publish_now=off_loop)
+        self._announce_done(run, result)
 
-    def _announce_done(
-        self: RoseWorker, run: Running, result: dict[str, Any] | None = None, publish_now: bool = False
-    ) -> None:
-        """The job's result is stored: let it go and publish its `done` event (`publish_now`: not through the
-        loop's outbox, which only the loop's thread may touch)."""
+    def _announce_done(self: RoseWorker, run: Running, result: dict[str, Any] | None = None) -> None:
+        """The job's result is stored: let it go and queue its `done` event."""
         job = run.job
         result = result or result_dict(self, run)
         self._forget(run)
@@ -191,10 +188,7 @@ class Outcomes:
             finish_reason=result["finish_reason"] or "stop",
             usage=Usage(**result["usage"]),
         )
-        if publish_now:
-            self.publisher.send([Outgoing(job.id, done.to_json(), stream_ttl(self, job))])
-        else:
-            self._emit(job, done, stream_ttl(self, job))
+        self._emit(job, done, stream_ttl(self, job))
         self.completed += 1
         self.metrics.on_success(result)
         usage, m = result["usage"], result["metrics"]

@@ -67,11 +67,14 @@ class RoseWorker(Lifecycle, Outcomes, BaseWorker):
         self.running: dict[str, Running] = {}
         self.publisher = Publisher(self.connection)
         self._outbox: list[Outgoing] = []
-        self._retirer = Retirer(lambda run: self._succeed(run, off_loop=True), _REDIS_ERRORS)
+        self._retirer = Retirer(self)
         self._limbo: list[tuple[str, Any]] = []  # taken ids whose start may not have gone through
         self._stop_job_ids: collections.deque[str] = collections.deque()
         self._queue_lengths: list[int] | None = None  # as of the last probe, for the next intake
         self._probe = probe.InFlightProbe(self)
+        self._lengths_probe = probe.InFlightProbe(
+            self
+        )  # queue lengths only, sent after a step, read at intake
         self._drain_deadline: float | None = None
         self._force_stop = False
         self._suspended = False
@@ -179,7 +182,6 @@ class RoseWorker(Lifecycle, Outcomes, BaseWorker):
         self.register_birth()
         self.heartbeat()
         self.subscribe()
-        self._retirer.start()
         self.set_state(WorkerStatus.IDLE)
         # Jobs our predecessor held (same name) are orphans now: requeue them before anything else.
         recovery.recover(self, self._intermediate)
@@ -204,8 +206,6 @@ class RoseWorker(Lifecycle, Outcomes, BaseWorker):
 
     def _iteration(self, block: bool) -> int:
         self.loop_beat = time.monotonic()
-        for run in self._retirer.take_failed():  # their results could not be stored: retried below
-            self.running[run.id] = run
         self._timers()
         took = 0
         if not self.running and not self.draining:
@@ -221,6 +221,9 @@ class RoseWorker(Lifecycle, Outcomes, BaseWorker):
             self._step()
         if self.running:
             self._redis("checks", self._checks)
+        if self._retirer.busy:  # results sent earlier: collect Redis's replies, send the next round
+            self._redis("retire", self._retirer.advance, not self.engine.has_unfinished())
+        if self.running:
             self._redis("retire", self._retire)
         self._flush_outbox()
         if time.monotonic() < self._redis_down_until and not self.engine.has_unfinished():
@@ -255,7 +258,12 @@ class RoseWorker(Lifecycle, Outcomes, BaseWorker):
             self._redis("maintenance", self.run_maintenance_tasks)
 
     def _intake(self, block: bool) -> int:
-        room = self._max_jobs() - int(self.engine.num_running) - int(self.engine.num_waiting)
+        # a backlog seen by the probe spares a round trip; queues empty then may have filled during the step (and a
+        # job taken now starts this step, not the next): _checks asked again after the step
+        lengths, self._queue_lengths = self._queue_lengths, None
+        if lengths is not None and not any(lengths):
+            lengths = self._lengths_probe.receive()[1] if self._lengths_probe.pending else None
+        room = self._room()
         if room <= 0:
             return 0
         taken, self._limbo = self._limbo, []
@@ -263,11 +271,6 @@ class RoseWorker(Lifecycle, Outcomes, BaseWorker):
             if taken:  # a start whose reply was lost last time
                 runs = intake.adopt(self, taken)
             else:
-                # a backlog seen by the last probe spares a round trip; empty queues may have filled since (and a
-                # job taken now starts this step, not the next): ask Redis
-                lengths, self._queue_lengths = self._queue_lengths, None
-                if lengths is not None and not any(lengths):
-                    lengths = None
                 taken = intake.take(self, room, lengths)
                 if not taken and block and not self.running and not self.engine.has_unfinished():
                     taken = intake.wait_for_one(self, IDLE_BLOCK_S)
@@ -280,6 +283,9 @@ class RoseWorker(Lifecycle, Outcomes, BaseWorker):
         for run in runs:
             self._admit(run)
         return len(runs)
+
+    def _room(self) -> int:
+        return self._max_jobs() - int(self.engine.num_running) - int(self.engine.num_waiting)
 
     def _admit(self, run: Running) -> None:
         stale = self.running.get(run.id)
@@ -348,6 +354,10 @@ class RoseWorker(Lifecycle, Outcomes, BaseWorker):
             found, self._queue_lengths = self._probe.receive()
         else:
             found, self._queue_lengths = probe.probe(self, list(self.running.values()))
+        if not any(self._queue_lengths) and not self.draining and self._room() > 0:
+            # the queues were empty when the step began: ask again now, read at the next intake, so that a job
+            # that came during the step starts at once and the loop still waits for no round trip
+            self._lengths_probe.send([])
         for item in found:
             run, status, owner = item.run, item.status, item.owner
             if self.running.get(run.id) is not run:
@@ -382,13 +392,16 @@ class RoseWorker(Lifecycle, Outcomes, BaseWorker):
         if not finished:
             return
         self._flush_outbox()  # their last token events reach the publisher before their `done` events
+        batch = []
         for run in finished:
-            inline = run.retire_inline or not self._retirer.running
-            if inline or (run.job.success_callback and not run.callback_done):
-                self._succeed(run)  # RQ runs callbacks under a SIGALRM death penalty: the main thread's
+            if run.retire_inline or (run.job.success_callback and not run.callback_done):
+                self._succeed(run)  # RQ's handler, job by job: a retry, or a callback to run
             else:
                 self.running.pop(run.id, None)
-                self._retirer.submit(run)
+                batch.append(run)
+        self._retirer.submit(batch)
+        if not self.engine.has_unfinished():
+            self._retirer.drain()  # no step to overlap the round trips with
 
     def _flush_outbox(self) -> None:
         """Send the queued events (and collect the publisher's replies from Redis, or retry after an outage)."""

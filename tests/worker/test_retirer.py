@@ -1,57 +1,166 @@
-"""rose.worker.retirer: finished jobs' results stored off the loop's thread; failures handed back to the loop."""
+"""rose.worker.retirer: the jobs of a step retired as one batch in two pipelined rounds, leaving Redis exactly as RQ's
+own handle_job_success does; dependents, a WATCH abort and Redis errors fall back to RQ's handler."""
 
 from __future__ import annotations
 
-import threading
-from types import SimpleNamespace
+import time
 
-import redis
+import pytest
+from rq.job import Job, JobStatus
+from rq.registry import FinishedJobRegistry, StartedJobRegistry
+from rq.results import Result
+from rq.serializers import JSONSerializer
+from worker_helpers import FakeEngine
 
-from rose.worker.retirer import Retirer
+from rose.config import WorkerSettings
+from rose.engine.outputs import RequestMetrics, RequestOutput
+from rose.jobs.client import Client
+from rose.worker import RoseWorker, intake
 
-
-def _run(job_id: str):
-    return SimpleNamespace(id=job_id, retire_inline=False)
-
-
-def test_stores_in_order_off_the_calling_thread():
-    stored, threads = [], set()
-    gate = threading.Event()
-
-    def store(run):
-        gate.wait(5)
-        threads.add(threading.current_thread().name)
-        stored.append(run.id)
-
-    retirer = Retirer(store, (redis.ConnectionError,))
-    retirer.start()
-    for i in range(3):
-        retirer.submit(_run(f"j{i}"))
-    assert retirer.busy  # handed over, not stored yet: the worker must not exit
-    gate.set()
-    assert retirer.wait_idle(5)
-    assert stored == ["j0", "j1", "j2"]
-    assert threads == {"rose-retirer"}
-    assert not retirer.busy and retirer.take_failed() == []
-    retirer.close()
-    assert not retirer.running
+pytestmark = pytest.mark.timeout(60)
 
 
-def test_failures_go_back_to_the_loop_marked_inline():
-    def store(run):
-        if run.id == "down":
-            raise redis.ConnectionError("connection refused")
-        if run.id == "bug":
-            raise KeyError("oops")
+@pytest.fixture
+def worker(redis_server, r):
+    conn = redis_server.client()
+    w = RoseWorker(
+        ["rose"],
+        engine=FakeEngine(),
+        connection=conn,
+        name="retirer",
+        settings=WorkerSettings(redis_url=redis_server.url),
+    )
+    w.register_birth()
+    yield w
+    conn.close()
 
-    retirer = Retirer(store, (redis.ConnectionError,))
-    retirer.start()
-    runs = [_run("ok"), _run("down"), _run("bug")]
+
+def finished_runs(worker, r, n: int, **submit):
+    client = Client(r, queue="rose")
+    jobs = [client.submit(f"prompt {i}", max_tokens=2, **submit) for i in range(n)]
+    runs = intake.start(worker, intake.take(worker, n))
+    assert [run.id for run in runs] == [job.id for job in jobs]
     for run in runs:
-        retirer.submit(run)
-    assert retirer.wait_idle(5)
-    failed = retirer.take_failed()
-    assert [r.id for r in failed] == ["down", "bug"]
-    assert all(r.retire_inline for r in failed) and not runs[0].retire_inline
-    assert retirer.take_failed() == []
-    retirer.close()
+        assert intake.validate(worker, run) is None
+        run.text, run.token_ids = ["a", "b"], [5, 6]
+        run.output = RequestOutput(
+            request_id=run.id,
+            prompt=None,
+            prompt_token_ids=[1, 2],
+            text="ab",
+            token_ids=[5, 6],
+            finish_reason="length",
+            metrics=RequestMetrics(arrival_time=time.time(), num_prompt_tokens=2),
+        )
+    return runs
+
+
+def job_state(r, run) -> dict:
+    """What RQ stored about a finished job, minus what differs between any two jobs (ids, times)."""
+    job = Job.fetch(run.id, connection=r, serializer=JSONSerializer)
+    result = Result.fetch_latest(job, serializer=JSONSerializer)
+    fields = {k.decode(): v for k, v in r.hgetall(job.key).items()}
+    volatile = {
+        "created_at",
+        "enqueued_at",
+        "started_at",
+        "ended_at",
+        "last_heartbeat",
+        "data",
+        "description",
+    }
+    return {
+        "status": job.get_status(),
+        "fields": sorted(set(fields) - volatile),
+        "worker_name": fields.get("worker_name"),
+        "ttl": r.ttl(job.key) > 0,
+        "result_type": result.type if result else None,
+        "result_keys": sorted(result.return_value) if result else None,
+        "finished": run.id in FinishedJobRegistry("rose", connection=r),
+        "started": any(
+            m.startswith(run.id.encode())
+            for m in r.zrange(StartedJobRegistry("rose", connection=r).key, 0, -1)
+        ),
+        "execution": r.exists(run.execution.key),
+    }
+
+
+def test_a_batch_leaves_redis_as_rqs_handler_does(worker, r):
+    by_handler, *batch = finished_runs(worker, r, 4)
+    worker.running = {run.id: run for run in [by_handler, *batch]}
+    worker._succeed(by_handler)  # RQ's handle_job_success
+    for run in batch:
+        worker.running.pop(run.id)
+    worker._retirer.submit(batch)
+    assert worker._retirer.busy
+    worker._retirer.advance(wait=True)  # WATCH + SMEMBERS read, MULTI/EXEC sent
+    assert worker._retirer.busy
+    worker._retirer.advance(wait=True)  # EXEC read
+    assert not worker._retirer.busy and worker._retirer.batched_jobs == 3
+    expected = job_state(r, by_handler)
+    assert expected["status"] == JobStatus.FINISHED and expected["finished"] and not expected["started"]
+    for run in batch:
+        assert job_state(r, run) == expected
+        assert Client(r, queue="rose").job(run.id).result(timeout=1)["token_ids"] == [5, 6]
+    counts = r.hmget(worker.key, "successful_job_count", "total_working_time")
+    assert int(counts[0]) == 4 and float(counts[1]) > 0
+    assert worker.completed == 4 and not worker.running
+    done = [e for e in worker._outbox if '"type":"done"' in e.data.replace(" ", "")]
+    assert len(done) == 4
+
+
+def test_rounds_wait_for_replies_unless_told_to(worker, r):
+    runs = finished_runs(worker, r, 2)
+    worker._retirer.submit(runs)
+    batch = worker._retirer._batches[0]
+    deadline = time.monotonic() + 5
+    while not batch.conn.can_read(timeout=0.01):  # Redis answers while "the model runs"
+        assert time.monotonic() < deadline
+    worker._retirer.advance()
+    assert batch.phase == 2
+    deadline = time.monotonic() + 5
+    while worker._retirer.busy:
+        worker._retirer.advance()
+        assert time.monotonic() < deadline
+    assert worker._retirer.batched_jobs == 2
+
+
+def test_jobs_with_dependents_go_through_rqs_handler(worker, r):
+    parent, other = finished_runs(worker, r, 2)
+    dependent = Client(r, queue="rose").submit("after", max_tokens=1, depends_on=parent.id)
+    assert dependent.status() == "deferred"
+    worker._retirer.submit([parent, other])
+    worker._retirer.drain()
+    assert worker._retirer.batched_jobs == 0
+    assert {run.id for run in worker.running.values() if run.retire_inline} == {parent.id, other.id}
+    worker._retire()  # the loop's next retirement: RQ's handler, which enqueues the dependent
+    assert not worker.running
+    assert Job.fetch(dependent.id, connection=r, serializer=JSONSerializer).get_status() == JobStatus.QUEUED
+    assert job_state(r, other)["status"] == JobStatus.FINISHED
+
+
+def test_a_dependent_added_between_the_rounds_aborts_the_batch(worker, r):
+    (run,) = finished_runs(worker, r, 1)
+    worker._retirer.submit([run])
+    batch = worker._retirer._batches[0]
+    assert batch.conn.can_read(timeout=5)  # WATCHing, and no dependents seen...
+    r.sadd(run.job.dependents_key, "late-dependent")  # ...but one comes before the transaction
+    worker._retirer.advance(wait=True)  # MULTI/EXEC sent
+    worker._retirer.advance(wait=True)  # the EXEC was aborted by the WATCH
+    assert worker._retirer.batched_jobs == 0 and not worker._retirer.busy
+    assert worker.running[run.id].retire_inline
+    worker._retire()  # RQ's handler, which sees the dependent
+    assert job_state(r, run)["status"] == JobStatus.FINISHED
+
+
+def test_redis_errors_hand_the_jobs_back_to_the_loop(worker, r):
+    runs = finished_runs(worker, r, 2)
+    worker._retirer.submit(runs)
+    r.client_kill_filter(_type="normal", skipme=True)
+    worker._retirer.drain()
+    assert not worker._retirer.busy
+    assert {run.id for run in worker.running.values() if run.retire_inline} == {run.id for run in runs}
+    worker._retire()  # the loop retries them through RQ's handler
+    assert not worker.running and worker.completed == 2
+    for run in runs:
+        assert job_state(r, run)["status"] == JobStatus.FINISHED
