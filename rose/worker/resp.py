@@ -1,8 +1,8 @@
 """Commands sent as pre-packed RESP on a pooled redis-py connection, with their replies read later.
 
 Two hot paths of the worker need what redis-py's client API does not offer: packing a few hundred arguments
-cheaply (redis-py's `pack_command` costs ~0.7 us per argument, on the cores the model runs on) and reading a reply
-after the engine step instead of waiting for it before (`Pending`).
+cheaply (redis-py wraps hiredis's packer in per-argument Python; called directly it costs half as much, on the cores
+the model runs on) and reading a reply after the engine step instead of waiting for it before (`Pending`).
 """
 
 from __future__ import annotations
@@ -11,13 +11,28 @@ from typing import Any
 
 import redis
 
+try:
+    from hiredis import pack_command as _hiredis_pack
+except ImportError:  # redis-py without its hiredis extra
+    _hiredis_pack = None
 
-def pack_command(items: list[str | int | bytes]) -> bytes:
-    """RESP encoding of one command: the bytes redis-py's `pack_command` sends, at a third of its cost."""
+
+def _pack_python(items: list[str | int | bytes]) -> bytes:
     enc = [
         x if isinstance(x, bytes) else x.encode() if isinstance(x, str) else str(x).encode() for x in items
     ]
     return b"*%d\r\n" % len(enc) + b"".join(b"$%d\r\n%b\r\n" % (len(x), x) for x in enc)
+
+
+def pack_command(items: list[str | int | bytes]) -> bytes:
+    """RESP encoding of one command: the bytes redis-py's `pack_command` sends, at half its cost (hiredis's packer,
+    called directly; a third without hiredis)."""
+    if _hiredis_pack is not None:
+        try:
+            return _hiredis_pack(tuple(items))
+        except TypeError:  # a type hiredis does not pack
+            pass
+    return _pack_python(items)
 
 
 class Pending:

@@ -12,7 +12,8 @@ from rose.worker.resp import Pending, pack_command
 pytestmark = pytest.mark.timeout(30)
 
 
-def test_pack_command_is_what_redis_py_sends(r):
+@pytest.mark.parametrize("pack", [pack_command, resp._pack_python], ids=["hiredis", "python"])
+def test_pack_command_is_what_redis_py_sends(r, pack):
     items = [
         "EVAL",
         "return 1",
@@ -24,10 +25,11 @@ def test_pack_command_is_what_redis_py_sends(r):
         '{"text": "日本 \\"q\\""}',
         "x" * 10_000,
         b"\x00\xff",
+        1.25,
     ]
     conn = r.connection_pool.get_connection()
     try:
-        assert pack_command(items) == b"".join(conn.pack_command(*items))
+        assert pack(items) == b"".join(conn.pack_command(*items))
     finally:
         r.connection_pool.release(conn)
 
