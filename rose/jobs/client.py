@@ -20,7 +20,7 @@ from rq.job import JobStatus
 from rq.results import Result
 from rq.serializers import JSONSerializer
 
-from rose.jobs import keys
+from rose.jobs import gather, keys
 from rose.jobs.events import TERMINAL_TYPES, CanceledEvent, parse_event
 from rose.jobs.schemas import GenerateRequest
 
@@ -251,6 +251,27 @@ class Client:
             jobs = self.queue.enqueue_many(prepared, pipeline=pipe)
             pipe.execute()
         return [Job(self, j.id) for j in jobs]
+
+    def as_completed(
+        self, jobs: Iterable[Job], timeout: float | None = None
+    ) -> Iterator[tuple[Job, dict[str, Any] | Exception]]:
+        """Yield (job, result dict) or (job, JobFailed / JobCanceled) as each job ends; TimeoutError after
+        `timeout` s. A few round trips per wake-up however many jobs (rose.jobs.gather)."""
+        return gather.as_completed(self, jobs, timeout)
+
+    def results(
+        self, jobs: Iterable[Job], timeout: float | None = None, return_exceptions: bool = False
+    ) -> list[Any]:
+        """Every job's result, in the order given, once all have ended. A failed or canceled job raises its
+        JobFailed / JobCanceled (after all have ended), or, with return_exceptions=True, stands in the list."""
+        jobs = list(jobs)
+        ended = {job.id: value for job, value in gather.as_completed(self, jobs, timeout)}
+        values = [ended[job.id] for job in jobs]
+        if not return_exceptions:
+            for value in values:
+                if isinstance(value, Exception):
+                    raise value
+        return values
 
     def job(self, job_id: str) -> Job:
         return Job(self, job_id)
