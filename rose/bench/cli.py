@@ -324,7 +324,12 @@ def worker_main(argv: Sequence[str] | None = None, prog: str | None = None) -> i
             f"{WORKER_TARGET_RATIO:.0%} target); greedy outputs identical: {report.agreement:.0%}"
         )
         if len(report.pass_ratios) > 1:
-            print("per pass: " + ", ".join(f"{r:.1%}" for r in report.pass_ratios))
+            paired = report.paired_ratio
+            verdict = "meets" if paired >= WORKER_TARGET_RATIO else "BELOW"
+            print(
+                f"median of the pairs (each worker pass / the engine pass next to it): {paired:.1%} ({verdict} "
+                "the target); pairs: " + ", ".join(f"{r:.1%}" for r in report.pass_ratios)
+            )
     md = [markdown_table(headers, rows)]
     lat = report.latency
     if lat is not None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+import statistics
 import threading
 import time
 import uuid
@@ -62,7 +63,14 @@ class WorkerBenchReport:
     workload: dict[str, Any]
     systems: dict[str, RunResult] = field(default_factory=dict)
     ratio: float | None = None  # median worker tok/s / median engine tok/s
-    pass_ratios: list[float] = field(default_factory=list)  # worker / engine of each alternating pair
+    pass_ratios: list[float] = field(default_factory=list)  # worker / engine of each pair of adjacent passes
+
+    @property
+    def paired_ratio(self) -> float | None:
+        """Median of the per-pair ratios: each worker pass against the engine pass run next to it, so a machine
+        whose speed drifts over the run (shared VMs: ±10% within minutes) skews it less than the ratio of medians."""
+        return statistics.median(self.pass_ratios) if self.pass_ratios else None
+
     agreement: float | None = None  # share of requests with identical greedy outputs, worker vs engine
     latency: dict[str, Any] | None = None
     processes: dict[str, Any] = field(default_factory=dict)
@@ -77,6 +85,7 @@ class WorkerBenchReport:
             "systems": {k: v.to_dict() for k, v in self.systems.items()},
             "worker_vs_engine_tokens_per_s": self.ratio,
             "worker_vs_engine_per_pass": self.pass_ratios,
+            "worker_vs_engine_paired_median": self.paired_ratio,
             "target_ratio": TARGET_RATIO,
             "greedy_identical_share": self.agreement,
             "latency": self.latency,
@@ -329,6 +338,12 @@ def run_worker_bench(
                 worker_runs, engine_runs = [], []
                 for rep in range(cfg.repeats):
                     tag = f"[{rep + 1}/{cfg.repeats}] " if cfg.repeats > 1 else ""
+                    # each pair in turn starts with the worker and with the engine: a machine speeding up or
+                    # slowing down over the run favours neither
+                    engine_first = rep % 2 == 1 and not cfg.skip_engine
+                    if engine_first:
+                        say(f"{tag}engine alone: {len(workload)} requests in this process (the worker idles)")
+                        engine_runs.append(_engine_pass(cfg, workload, max_len))
                     say(f"{tag}worker: {len(workload)} requests at once")
                     outputs, wall, extra = _run_all_at_once(client, workload, f"tp{rep}-", cfg.timeout_s)
                     worker_runs.append(
@@ -341,7 +356,7 @@ def run_worker_bench(
                             extra=extra,
                         )
                     )
-                    if not cfg.skip_engine:
+                    if not cfg.skip_engine and not engine_first:
                         say(f"{tag}engine alone: {len(workload)} requests in this process (the worker idles)")
                         engine_runs.append(_engine_pass(cfg, workload, max_len))
                 if lat_wl is not None:

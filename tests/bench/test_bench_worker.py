@@ -50,7 +50,7 @@ def test_worker_bench_end_to_end(tmp_path, capsys):
     assert worker_main(argv) == 0
     text = capsys.readouterr().out
     assert "rose-worker" in text and "rose-engine" in text and "TTFT" in text
-    assert "per pass: " in text
+    assert "median of the pairs" in text
 
     report = json.loads(out.read_text())
     assert report["benchmark"] == "worker"
@@ -61,7 +61,8 @@ def test_worker_bench_end_to_end(tmp_path, capsys):
         assert s["wall_s"] > 0
         assert len(s["extra"]["pass_wall_s"]) == 2 and s["wall_s"] in s["extra"]["pass_wall_s"]
     assert report["worker_vs_engine_tokens_per_s"] > 0
-    assert len(report["worker_vs_engine_per_pass"]) == 2
+    pairs = report["worker_vs_engine_per_pass"]
+    assert len(pairs) == 2 and report["worker_vs_engine_paired_median"] == pytest.approx(sum(pairs) / 2)
 
     lat = report["latency"]
     assert lat["completed"] == 4 and lat["token_counts_ok"]
