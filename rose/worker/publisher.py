@@ -10,14 +10,13 @@ for the GIL (measured with a thread doing the same: -4% tokens/s on a busy 2-cor
 Batches are applied in order and none is dropped: on a connection error every batch not yet acknowledged is sent
 again, with backoff, at a later `send`/`poll`. The script is numbered (a per-publisher counter key), so a batch that
 did reach Redis before the connection broke is a no-op the second time: subscribers see every seq exactly once,
-without gaps, even across Redis blips. Thread-safe (the retirer thread publishes `done` events too).
+without gaps, even across Redis blips. Used by the engine loop's thread only (not thread-safe).
 """
 
 from __future__ import annotations
 
 import collections
 import logging
-import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -81,7 +80,6 @@ class Publisher:
     def __init__(self, connection: redis.Redis, *, max_backoff: float = 5.0):
         self.connection = connection
         self.max_backoff = max_backoff
-        self._lock = threading.RLock()
         self._conn: Any = None  # the publisher's own connection, made on first use
         self._unacked: collections.deque[_Batch] = collections.deque()  # in order; the first `_sent` are sent
         self._sent = 0
@@ -94,10 +92,9 @@ class Publisher:
     def send(self, batch: list[Outgoing]) -> None:
         """Send a batch (and collect the replies Redis has given since the last call). Never waits for Redis,
         except with MAX_IN_FLIGHT batches unanswered; while Redis is unreachable batches are kept, in order."""
-        with self._lock:
-            if batch:
-                self._unacked.append(self._pack(batch))
-            self._pump()
+        if batch:
+            self._unacked.append(self._pack(batch))
+        self._pump()
 
     def poll(self) -> None:
         """Collect replies; after a connection error, send the unacknowledged batches again once the backoff ends."""
@@ -112,17 +109,16 @@ class Publisher:
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until everything handed over so far is written. False on timeout."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        with self._lock:
-            while self._unacked:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return False
-                wait = self._retry_at - time.monotonic()
-                if wait > 0:
-                    time.sleep(wait if left is None else min(wait, left))
-                    continue
-                self._pump(wait_s=0.1 if left is None else min(0.1, left))
-            return True
+        while self._unacked:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return False
+            wait = self._retry_at - time.monotonic()
+            if wait > 0:
+                time.sleep(wait if left is None else min(wait, left))
+                continue
+            self._pump(wait_s=0.1 if left is None else min(0.1, left))
+        return True
 
     def close(self, timeout: float = 10.0) -> None:
         """Write what is pending (up to `timeout` s), then let the connection go."""
@@ -134,11 +130,10 @@ class Publisher:
                 events,
                 timeout,
             )
-        with self._lock:
-            if self._conn is not None:
-                self._conn.disconnect()
-            self._sent = 0
-            self._unacked.clear()
+        if self._conn is not None:
+            self._conn.disconnect()
+        self._sent = 0
+        self._unacked.clear()
 
     def _pack(self, events: list[Outgoing]) -> _Batch:
         self._batch_no += 1
