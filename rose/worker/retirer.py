@@ -44,7 +44,6 @@ WATCHING, COMMITTING = 1, 2
 @dataclass
 class _Batch:
     runs: list[Running]
-    results: list[dict[str, Any]]
     conn: Any  # a pool connection, held (and WATCHing) until the batch is done
     phase: int = WATCHING
     replies: int = 0  # replies the round in flight will get
@@ -66,12 +65,11 @@ class Retirer:
         if not runs:
             return
         pool = self.worker.connection.connection_pool
-        batch = _Batch(runs, [], None)
+        batch = _Batch(runs, None)
         try:
             for run in runs:
                 run.job.ended_at = now()
                 run.job._result = result_dict(self.worker, run)
-                batch.results.append(run.job._result)
             batch.conn = pool.get_connection()
             keys = [run.job.dependents_key for run in runs]
             commands = [("WATCH", *keys), *(("SMEMBERS", key) for key in keys)]
@@ -142,7 +140,7 @@ class Retirer:
     def _finish(self, batch: _Batch) -> None:
         replies = _read(batch.conn, batch.replies)
         self._batches.remove(batch)
-        self._release(batch, unwatch=False)
+        self._release(batch)
         executed = replies[-1]
         if executed is None:  # the WATCH aborted the transaction: a dependent was added meanwhile
             log.info("retiring %d jobs: dependents changed meanwhile, using RQ's handler", len(batch.runs))
@@ -154,9 +152,9 @@ class Retirer:
         if errors:
             raise redis.ConnectionError(f"storing {len(batch.runs)} results failed: {errors[0]}")
         self.batched_jobs += len(batch.runs)
-        for run, result in zip(batch.runs, batch.results, strict=True):
+        for run in batch.runs:
             run.job.send_webhooks(JobStatus.FINISHED)
-            self.worker._announce_done(run, result)
+            self.worker._announce_done(run, run.job._result)
 
     def _by_handler(self, batch: _Batch) -> None:
         if batch in self._batches:
@@ -167,18 +165,18 @@ class Retirer:
 
     def _hand_back(self, batch: _Batch, exc: BaseException) -> None:
         log.error("could not store the results of %d jobs (%s); the loop retries them", len(batch.runs), exc)
-        if batch in self._batches:
-            self._batches.remove(batch)
         if batch.conn is not None:
-            batch.conn.disconnect()
-            self.worker.connection.connection_pool.release(batch.conn)
-            batch.conn = None
+            self._release(batch, broken=True)
         self._by_handler(batch)
 
-    def _release(self, batch: _Batch, unwatch: bool) -> None:
+    def _release(self, batch: _Batch, unwatch: bool = False, broken: bool = False) -> None:
+        """Give the batch's connection back to the pool: closed if `broken` (an unread reply must never reach its
+        next user), else after UNWATCH if the transaction was not sent."""
         conn, batch.conn = batch.conn, None
         try:
-            if unwatch:
+            if broken:
+                conn.disconnect()
+            elif unwatch:
                 conn.send_command("UNWATCH", check_health=False)
                 conn.read_response()
         except _REDIS_ERRORS:
