@@ -7,28 +7,19 @@ import pytest
 import redis
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
-from worker_helpers import FakeEngine
+from worker_helpers import registered_worker
 
-from rose.config import WorkerSettings
 from rose.jobs.client import Client
-from rose.worker import RoseWorker, intake, probe
+from rose.worker import intake, probe
 
 pytestmark = pytest.mark.timeout(60)
 
 
 @pytest.fixture
 def worker(redis_server):
-    conn = redis_server.client()
-    w = RoseWorker(
-        ["rose", "low"],
-        engine=FakeEngine(),
-        connection=conn,
-        name="prober",
-        settings=WorkerSettings(redis_url=redis_server.url),
-    )
-    w.register_birth()
+    w = registered_worker(redis_server, "prober", queues=("rose", "low"))
     yield w
-    conn.close()
+    w.connection.close()
 
 
 def started_runs(worker, r, n: int):

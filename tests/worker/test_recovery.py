@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from rq.job import Job
 from rq.serializers import JSONSerializer
-from worker_helpers import FakeEngine, stream_events, wait_for
+from worker_helpers import FakeEngine, registered_worker, stream_events, wait_for
 
 from rose.config import WorkerSettings
 from rose.jobs import keys
@@ -17,15 +17,8 @@ pytestmark = pytest.mark.timeout(60)
 
 def ghost_takes_jobs(redis_server, n: int, name: str = "ghost") -> RoseWorker:
     """A worker that registers, starts `n` jobs and emits a token for each, then 'dies' (connections dropped)."""
-    conn = redis_server.client()
-    ghost = RoseWorker(
-        ["rose"],
-        engine=FakeEngine(),
-        connection=conn,
-        name=name,
-        settings=WorkerSettings(redis_url=redis_server.url),
-    )
-    ghost.register_birth()
+    ghost = registered_worker(redis_server, name)
+    conn = ghost.connection
     runs = intake.start(ghost, intake.take(ghost, n))
     assert len(runs) == n
     for run in runs:
@@ -74,15 +67,7 @@ def test_dead_workers_jobs_are_requeued_by_a_live_worker(redis_server, r, run_wo
 
 def test_live_workers_jobs_are_left_alone(redis_server, r, run_worker):
     job = Client(r).submit("a b", max_tokens=3)
-    conn = redis_server.client()
-    other = RoseWorker(
-        ["rose"],
-        engine=FakeEngine(),
-        connection=conn,
-        name="busy",
-        settings=WorkerSettings(redis_url=redis_server.url),
-    )
-    other.register_birth()
+    other = registered_worker(redis_server, "busy")
     other.heartbeat()
     intake.start(other, intake.take(other, 1))
     wt = run_worker(name="scanner", recovery_interval=0.2)

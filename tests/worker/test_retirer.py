@@ -10,29 +10,20 @@ from rq.job import Job, JobStatus
 from rq.registry import FinishedJobRegistry, StartedJobRegistry
 from rq.results import Result
 from rq.serializers import JSONSerializer
-from worker_helpers import FakeEngine
+from worker_helpers import registered_worker
 
-from rose.config import WorkerSettings
 from rose.engine.outputs import RequestMetrics, RequestOutput
 from rose.jobs.client import Client
-from rose.worker import RoseWorker, intake
+from rose.worker import intake
 
 pytestmark = pytest.mark.timeout(60)
 
 
 @pytest.fixture
 def worker(redis_server, r):
-    conn = redis_server.client()
-    w = RoseWorker(
-        ["rose"],
-        engine=FakeEngine(),
-        connection=conn,
-        name="retirer",
-        settings=WorkerSettings(redis_url=redis_server.url),
-    )
-    w.register_birth()
+    w = registered_worker(redis_server, "retirer")
     yield w
-    conn.close()
+    w.connection.close()
 
 
 def finished_runs(worker, r, n: int, **submit):

@@ -12,13 +12,26 @@ from rose.jobs import keys
 from rose.worker import RoseWorker
 from rose.worker.process import wait_for
 
-__all__ = ["FakeEngine", "WorkerThread", "stream_events", "wait_for"]
+__all__ = ["FakeEngine", "WorkerThread", "registered_worker", "stream_events", "wait_for"]
 
 
 def stream_events(r, job_id: str) -> list[dict]:
     import json
 
     return [json.loads(f[keys.STREAM_FIELD.encode()]) for _, f in r.xrange(keys.stream_key(job_id))]
+
+
+def registered_worker(redis_server, name: str, queues=("rose",)) -> RoseWorker:
+    """A RoseWorker on its own connection, registered with RQ but with no loop running: the test drives its parts."""
+    worker = RoseWorker(
+        list(queues),
+        engine=FakeEngine(),
+        connection=redis_server.client(),
+        name=name,
+        settings=WorkerSettings(redis_url=redis_server.url),
+    )
+    worker.register_birth()
+    return worker
 
 
 class WorkerThread:
