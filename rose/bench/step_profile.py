@@ -82,14 +82,12 @@ def profile_hook(model: torch.nn.Module, device: torch.device, with_profiler: bo
 
 def profile_step(driver: Any, model: torch.nn.Module, cfg: Any) -> dict[str, Any]:
     """Where one decode step's time goes at (cfg.profile_batch, cfg.profile_context); `driver` is step_bench's."""
-    device = driver.device
-    m = driver.measure(
-        cfg.profile_batch,
-        cfg.profile_context,
-        cfg.warmup_steps,
-        cfg.timed_steps,
-        profile_hook(model, device, False),
-    )
+
+    def measure(with_profiler: bool) -> Any:
+        hook = profile_hook(model, driver.device, with_profiler)
+        return driver.measure(cfg.profile_batch, cfg.profile_context, cfg.warmup_steps, cfg.timed_steps, hook)
+
+    m = measure(False)
     times, split = m.step_ms, m.extra
     steps = len(times)
     fwd = split["causal_lm_forward_s"] if split["causal_lm_forward_calls"] else split["decoder_forward_s"]
@@ -106,13 +104,7 @@ def profile_step(driver: Any, model: torch.nn.Module, cfg: Any) -> dict[str, Any
         "outside_model_forward_ms_per_step": (split["wall_s"] - fwd) * 1e3 / steps,
         "forward_calls": {k: v for k, v in split.items() if k.endswith("_calls")},
     }
-    prof = driver.measure(
-        cfg.profile_batch,
-        cfg.profile_context,
-        cfg.warmup_steps,
-        cfg.timed_steps,
-        profile_hook(model, device, True),
-    ).extra
+    prof = measure(True).extra
     out["profiler_wall_ms_per_step"] = prof["wall_s"] * 1e3 / steps
     out["top_ops"] = prof["top_ops"]
     return out
