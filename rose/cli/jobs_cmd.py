@@ -13,7 +13,7 @@ from rose.cli.common import EXIT_FAILED, EXIT_TIMEOUT, add_redis_args, connect, 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     c = sub.add_parser(
         "cancel",
-        help="cancel jobs (queued ones never start, running ones stop within two engine steps)",
+        help="cancel jobs (queued ones never start, running ones stop within about 50 ms)",
         description=(
             "Cancel jobs by id. Jobs that already ended are left as they are. Exit code 1 if any id is unknown "
             "(never existed, or expired)."

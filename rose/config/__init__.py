@@ -90,6 +90,12 @@ class WorkerSettings(BaseSettings):
         description="A job requeued this many times after worker deaths fails instead (poison-job guard).",
     )
     recovery_interval: float = Field(10.0, gt=0, description="Seconds between scans for orphaned jobs.")
+    check_interval: float = Field(
+        0.05,
+        ge=0,
+        description="Seconds between a busy worker's checks of its running jobs in Redis (cancels, deletions, stop "
+        "commands, timeouts); 0: every engine step. A job's status is always checked before its result is stored.",
+    )
 
     @field_validator("queues", mode="before")
     @classmethod

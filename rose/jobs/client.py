@@ -208,7 +208,8 @@ class Job:
             job.latest_result(timeout=max(1, int(wait)))
 
     def cancel(self) -> bool:
-        """Cancel the job: a queued job never starts, a running one stops within two engine steps.
+        """Cancel the job: a queued job never starts, a running one stops within `--check-interval`
+        (50 ms) plus an engine step, and is never stored as finished.
         Returns False if the job had already ended."""
         return self.client.cancel(self.id)
 

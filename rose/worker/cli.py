@@ -41,6 +41,7 @@ _FLAGS: list[tuple[str, str, dict[str, Any]]] = [
     ("--heartbeat-timeout", "heartbeat_timeout", {"type": int, "metavar": "SECONDS"}),
     ("--max-requeues", "max_requeues", {"type": int, "metavar": "N"}),
     ("--recovery-interval", "recovery_interval", {"type": float, "metavar": "SECONDS"}),
+    ("--check-interval", "check_interval", {"type": float, "metavar": "SECONDS"}),
 ]
 
 

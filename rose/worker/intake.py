@@ -64,10 +64,14 @@ class Running:
     stream_ttl_due: float = 0.0  # monotonic time at which the next event (re)sets the stream's expiry
     queue_s: float | None = None  # seconds on the queue (enqueued to started), when RQ recorded both
     ttft_s: float | None = None  # seconds from start to the first token
+    # The job's id and hash key, read once: RQ's properties recompute them, and the loop reads them for every
+    # running job at every step (events, probe).
+    id: str = field(init=False)
+    key: str = field(init=False)
 
-    @property
-    def id(self) -> str:
-        return self.job.id
+    def __post_init__(self) -> None:
+        self.id = self.job.id
+        self.key = self.job.key
 
     @property
     def composite_key(self) -> str:

@@ -124,7 +124,8 @@ class Lifecycle:
                 self._redis("checks", self._checks)
                 self._redis("retire", self._retire)
             self._retirer.drain()
-            if any(run.retire_inline for run in self.running.values()):  # Redis failed them: one more try
+            if any(run.retire_inline for run in self.running.values()):  # handed back: checked, one more try
+                self._redis("checks", self._checks)
                 self._redis("retire", self._retire)
             left = sorted(self.running.values(), key=lambda r: r.started_mono)
             for run in left:

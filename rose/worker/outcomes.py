@@ -93,23 +93,25 @@ class Outcomes:
     def _on_taken(self: RoseWorker, run: Running) -> None:
         run.queue_s = _queue_s(run.job)
         self.metrics.on_started(run.queue_s)
-        log.info(
-            "job %s taken from %s (%.2f s on the queue)",
-            run.id,
-            run.queue.name,
-            run.queue_s or 0.0,
-            extra=job_fields(run, "taken", queue_s=run.queue_s, restarted=run.restarted or None),
-        )
+        if log.isEnabledFor(logging.INFO):  # the fields are built per job, at every level otherwise
+            log.info(
+                "job %s taken from %s (%.2f s on the queue)",
+                run.id,
+                run.queue.name,
+                run.queue_s or 0.0,
+                extra=job_fields(run, "taken", queue_s=run.queue_s, restarted=run.restarted or None),
+            )
 
     def _on_first_token(self: RoseWorker, run: Running, now: float) -> None:
         run.ttft_s = max(0.0, now - run.started_wall)
         self.metrics.on_first_token(run.ttft_s)
-        log.info(
-            "job %s first token after %.2f s",
-            run.id,
-            run.ttft_s,
-            extra=job_fields(run, "first_token", queue_s=run.queue_s, ttft_s=run.ttft_s),
-        )
+        if log.isEnabledFor(logging.INFO):
+            log.info(
+                "job %s first token after %.2f s",
+                run.id,
+                run.ttft_s,
+                extra=job_fields(run, "first_token", queue_s=run.queue_s, ttft_s=run.ttft_s),
+            )
 
     def _end_fields(self: RoseWorker, run: Running, event: str, **fields: Any) -> dict[str, Any]:
         """Fields of a job's last log line (failed / canceled / requeued), from what the worker saw of it."""
@@ -191,6 +193,8 @@ class Outcomes:
         self._emit(job, done, stream_ttl(self, job))
         self.completed += 1
         self.metrics.on_success(result)
+        if not log.isEnabledFor(logging.INFO):
+            return
         usage, m = result["usage"], result["metrics"]
         log.info(
             "job %s finished (%s, %d tokens, %.2f s)",

@@ -59,7 +59,7 @@ def _command(worker: RoseWorker, runs: list[Running]) -> tuple[bytes, int]:
             "EVAL",
             _SCRIPT,
             len(runs),
-            *(run.job.key for run in runs),
+            *(run.key for run in runs),
             worker.name,
             JobStatus.STARTED.value,
         ]

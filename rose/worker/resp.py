@@ -7,6 +7,7 @@ the model runs on) and reading a reply after the engine step instead of waiting 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import redis
@@ -17,14 +18,14 @@ except ImportError:  # redis-py without its hiredis extra
     _hiredis_pack = None
 
 
-def _pack_python(items: list[str | int | bytes]) -> bytes:
+def _pack_python(items: Sequence[str | int | float | bytes]) -> bytes:
     enc = [
         x if isinstance(x, bytes) else x.encode() if isinstance(x, str) else str(x).encode() for x in items
     ]
     return b"*%d\r\n" % len(enc) + b"".join(b"$%d\r\n%b\r\n" % (len(x), x) for x in enc)
 
 
-def pack_command(items: list[str | int | bytes]) -> bytes:
+def pack_command(items: Sequence[str | int | float | bytes]) -> bytes:
     """RESP encoding of one command: the bytes redis-py's `pack_command` sends, at half its cost (hiredis's packer,
     called directly; a third without hiredis)."""
     if _hiredis_pack is not None:

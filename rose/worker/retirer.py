@@ -6,15 +6,17 @@ doing it instead competes with the loop for the GIL. So the jobs that finish in 
 batch, in two pipelined rounds on a connection of their own, each sent after one step and read after the next (while
 the model runs, Redis answers):
 
-1. WATCH every job's dependents key and read them (SMEMBERS);
+1. WATCH every job's hash and dependents key; read the dependents (SMEMBERS) and each job's status and owner;
 2. MULTI, then for each job exactly what `handle_job_success` writes (RQ's own calls: worker counters, the job's
    status and Result, registries, expiry, execution cleanup), EXEC.
 
-A batch in which a job has dependents or repeats, or whose EXEC the WATCH aborted (a dependent was added meanwhile),
-is retired by `handle_job_success` itself, job by job. When the engine has nothing to run the rounds are read at
+A batch in which a job is no longer `started` by this worker (canceled, stopped, deleted, taken over), or has
+dependents or repeats, or whose EXEC the WATCH aborted (a job or its dependents changed meanwhile), goes back to the
+loop, which checks its jobs (rose.worker.checks) and stores what is still ours through `handle_job_success` itself,
+job by job: a canceled job is never stored as finished. When the engine has nothing to run the rounds are read at
 once, so a job's result is never stored later than two steps after its last token. On a Redis error the batch's jobs
-go back to the loop's running jobs, marked `retire_inline`: the next probe notices a result that landed (its reply
-lost), and the loop stores the others through RQ's handler.
+go back to the loop the same way: the check notices a result that landed (its reply lost), and the loop stores the
+others through RQ's handler.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import redis
 from rq.job import JobStatus
 from rq.utils import now
 
+from rose.worker import resp
 from rose.worker.intake import Running
 from rose.worker.outcomes import result_dict
 
@@ -53,6 +56,7 @@ class Retirer:
     def __init__(self, worker: RoseWorker) -> None:
         self.worker = worker
         self._batches: collections.deque[_Batch] = collections.deque()
+        self._started, self._name = JobStatus.STARTED.value.encode(), worker.name.encode()  # a job still ours
         self.batched_jobs = 0  # jobs retired by the pipelined rounds (the others went through RQ's handler)
 
     @property
@@ -72,8 +76,12 @@ class Retirer:
                 run.job._result = result_dict(self.worker, run)
             batch.conn = pool.get_connection()
             keys = [run.job.dependents_key for run in runs]
-            commands = [("WATCH", *keys), *(("SMEMBERS", key) for key in keys)]
-            batch.conn.send_packed_command(batch.conn.pack_commands(commands), check_health=False)
+            commands = [
+                ("WATCH", *keys, *(run.key for run in runs)),
+                *(("SMEMBERS", key) for key in keys),
+                *(("HMGET", run.key, "status", "worker_name") for run in runs),
+            ]
+            batch.conn.send_packed_command([b"".join(map(resp.pack_command, commands))], check_health=False)
         except _REDIS_ERRORS as exc:
             self._hand_back(batch, exc)
             return
@@ -101,25 +109,35 @@ class Retirer:
             self.advance(wait=True)
 
     def _commit(self, batch: _Batch) -> None:
-        replies = _read(batch.conn, 1 + len(batch.runs))
-        if isinstance(replies[0], Exception):
-            raise redis.ConnectionError(f"WATCH failed: {replies[0]}")
-        if any(replies[1:]) or any(_repeats(run) for run in batch.runs):
+        n = len(batch.runs)
+        replies = _read(batch.conn, 1 + 2 * n)
+        errors = [r for r in replies if isinstance(r, Exception)]
+        if errors:
+            raise redis.ConnectionError(f"reading the jobs to retire failed: {errors[0]}")
+        dependents, owners = replies[1 : 1 + n], replies[1 + n :]
+        if not all(owner == [self._started, self._name] for owner in owners):
+            # canceled, deleted, stopped or taken over meanwhile: the loop's check sorts them out first
+            self._release(batch, unwatch=True)
+            self._by_handler(batch)
+            return
+        if any(dependents) or any(_repeats(run) for run in batch.runs):
             self._release(batch, unwatch=True)  # dependents to enqueue, or repeats: RQ's handler does it all
             self._by_handler(batch)
             return
         recorder = self.worker.connection.pipeline(transaction=False)  # records RQ's writes, never executed
+        worker = copy.copy(self.worker)  # cleanup_execution reads and clears `worker.execution`
         for run in batch.runs:
-            self._record_success(run, recorder)
+            self._record_success(run, recorder, worker)
         commands = [("MULTI",), *(args for args, _ in recorder.command_stack), ("EXEC",)]
         recorder.reset()
-        batch.conn.send_packed_command(batch.conn.pack_commands(commands), check_health=False)
+        # hiredis's packer called directly: redis-py's pack_commands costs twice as much for these ~15 per job
+        batch.conn.send_packed_command([b"".join(map(resp.pack_command, commands))], check_health=False)
         batch.phase, batch.replies = COMMITTING, len(commands)
 
-    def _record_success(self, run: Running, pipe: Any) -> None:
-        """What `BaseWorker.handle_job_success` writes once the dependents are enqueued (none here), in its order."""
+    def _record_success(self, run: Running, pipe: Any, worker: RoseWorker) -> None:
+        """What `BaseWorker.handle_job_success` writes once the dependents are enqueued (none here), in its order.
+        `worker`: a copy of the worker whose `execution` this sets."""
         job = run.job
-        worker = copy.copy(self.worker)  # cleanup_execution reads and clears `worker.execution`
         worker.execution = run.execution
         job._status = JobStatus.FINISHED
         worker.increment_successful_job_count(pipeline=pipe)
@@ -161,7 +179,8 @@ class Retirer:
             self._batches.remove(batch)
         for run in batch.runs:
             run.retire_inline = True
-            self.worker.running[run.id] = run  # retired by the loop's `_retire`, through RQ's handler
+            self.worker.running[run.id] = run  # retired by the loop's `_retire`, through RQ's handler...
+        self.worker._check_forced = True  # ...once the loop has checked they are still ours and not canceled
 
     def _hand_back(self, batch: _Batch, exc: BaseException) -> None:
         log.error("could not store the results of %d jobs (%s); the loop retries them", len(batch.runs), exc)

@@ -17,7 +17,6 @@ import time
 from typing import Any
 
 import redis
-from rq.job import JobStatus
 from rq.serializers import JSONSerializer
 from rq.suspension import is_suspended
 from rq.timeouts import TimerDeathPenalty, UnixSignalDeathPenalty
@@ -25,9 +24,10 @@ from rq.worker import BaseWorker, WorkerStatus
 
 from rose.config import WorkerSettings
 from rose.worker import intake, metrics, probe, recovery
+from rose.worker.checks import Checks
 from rose.worker.intake import Running
 from rose.worker.lifecycle import Lifecycle
-from rose.worker.outcomes import Outcomes, RoseJobTimeout
+from rose.worker.outcomes import Outcomes
 from rose.worker.publisher import Outgoing, Publisher
 from rose.worker.retirer import Retirer
 
@@ -41,7 +41,7 @@ class NameInUse(RuntimeError):
     pass
 
 
-class RoseWorker(Lifecycle, Outcomes, BaseWorker):
+class RoseWorker(Lifecycle, Checks, Outcomes, BaseWorker):
     """`RoseWorker(["rose"], engine=engine, connection=r, settings=WorkerSettings(...)).work()`."""
 
     def __init__(
@@ -75,6 +75,8 @@ class RoseWorker(Lifecycle, Outcomes, BaseWorker):
         self._lengths_probe = probe.InFlightProbe(
             self
         )  # queue lengths only, sent after a step, read at intake
+        self._next_check = 0.0  # monotonic time the next probe is due (rose.worker.checks)
+        self._check_forced = False  # the retirer handed jobs back: check them before RQ's handler stores them
         self._drain_deadline: float | None = None
         self._force_stop = False
         self._suspended = False
@@ -216,11 +218,12 @@ class RoseWorker(Lifecycle, Outcomes, BaseWorker):
         elif self._suspended and not self.running:
             time.sleep(IDLE_BLOCK_S)
         if self.engine.has_unfinished():
-            if self.running:  # answered while the model runs; read by _checks after the step
-                self._redis("checks", self._probe.send, list(self.running.values()))
+            self._redis("checks", self._send_checks)  # when due; answered while the model runs
             self._step()
-        if self.running:
+        if self._checks_due():  # before any retirement: a canceled job is not stored as finished
             self._redis("checks", self._checks)
+        if self.engine.has_unfinished():  # ahead of the retirement's writes, so that Redis answers it first
+            self._redis("checks", self._ask_lengths)
         if self._retirer.busy:  # results sent earlier: collect Redis's replies, send the next round
             self._redis("retire", self._retirer.advance, not self.engine.has_unfinished())
         if self.running:
@@ -258,11 +261,11 @@ class RoseWorker(Lifecycle, Outcomes, BaseWorker):
             self._redis("maintenance", self.run_maintenance_tasks)
 
     def _intake(self, block: bool) -> int:
-        # a backlog seen by the probe spares a round trip; queues empty then may have filled during the step (and a
-        # job taken now starts this step, not the next): _checks asked again after the step
+        # lengths known from the step's probe, or asked after the step, spare a round trip here
         lengths, self._queue_lengths = self._queue_lengths, None
-        if lengths is not None and not any(lengths):
-            lengths = self._lengths_probe.receive()[1] if self._lengths_probe.pending else None
+        if self._lengths_probe.pending:  # asked after the step (rose.worker.checks)
+            asked = self._lengths_probe.receive()[1]
+            lengths = lengths if lengths is not None and any(lengths) else asked
         room = self._room()
         if room <= 0:
             return 0
@@ -346,47 +349,6 @@ class RoseWorker(Lifecycle, Outcomes, BaseWorker):
                 run.output = out.output
         self.metrics.on_step(self.engine, step_s, tokens, steady, now)
 
-    def _checks(self) -> None:
-        """Cancels (job.cancel() / client), deletions, stop commands, lost ownership and timeouts, before any
-        retirement: a canceled job must not be stored as finished. One round trip (usually sent before the step
-        and answered while it ran), which also sizes the queues for the next intake."""
-        if self._probe.pending:
-            found, self._queue_lengths = self._probe.receive()
-        else:
-            found, self._queue_lengths = probe.probe(self, list(self.running.values()))
-        if not any(self._queue_lengths) and not self.draining and self._room() > 0:
-            # the queues were empty when the step began: ask again now, read at the next intake, so that a job
-            # that came during the step starts at once and the loop still waits for no round trip
-            self._lengths_probe.send([])
-        for item in found:
-            run, status, owner = item.run, item.status, item.owner
-            if self.running.get(run.id) is not run:
-                continue
-            if status is None:
-                self._cancel(run, "deleted")
-            elif status in (JobStatus.CANCELED.value, JobStatus.STOPPED.value):
-                self._cancel(run, "canceled")
-            elif status == JobStatus.FINISHED.value and owner == self.name and run.output is not None:
-                # Our retirement reached Redis but its reply was lost (connection drop): finish the job here.
-                self._announce_done(run)
-            else:
-                # Requeued by another worker that took us for dead (e.g. after a long Redis outage).
-                log.warning("job %s is now %s on %r; dropping our copy", run.id, status, owner)
-                self._forget(run)
-        while self._stop_job_ids:
-            job_id = self._stop_job_ids.popleft()
-            run = self.running.get(job_id)
-            if run is not None:
-                self._stop(run)
-        t = time.monotonic()
-        for run in list(self.running.values()):
-            if run.timeout is not None and run.output is None and t - run.started_mono > run.timeout:
-                self._fail(
-                    run,
-                    f"Job exceeded maximum timeout value ({run.timeout} seconds)",
-                    exc_class=RoseJobTimeout,
-                )
-
     def _retire(self) -> None:
         finished = [r for r in self.running.values() if r.output is not None]
         if not finished:
@@ -394,6 +356,8 @@ class RoseWorker(Lifecycle, Outcomes, BaseWorker):
         self._flush_outbox()  # their last token events reach the publisher before their `done` events
         batch = []
         for run in finished:
+            if run.retire_inline and self._check_forced:
+                continue  # handed back by the retirer: checked at the next iteration first
             if run.retire_inline or (run.job.success_callback and not run.callback_done):
                 self._succeed(run)  # RQ's handler, job by job: a retry, or a callback to run
             else:

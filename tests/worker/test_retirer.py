@@ -124,6 +124,7 @@ def test_jobs_with_dependents_go_through_rqs_handler(worker, r):
     worker._retirer.drain()
     assert worker._retirer.batched_jobs == 0
     assert {run.id for run in worker.running.values() if run.retire_inline} == {parent.id, other.id}
+    worker._checks()  # handed back: the loop checks them first
     worker._retire()  # the loop's next retirement: RQ's handler, which enqueues the dependent
     assert not worker.running
     assert Job.fetch(dependent.id, connection=r, serializer=JSONSerializer).get_status() == JobStatus.QUEUED
@@ -140,6 +141,7 @@ def test_a_dependent_added_between_the_rounds_aborts_the_batch(worker, r):
     worker._retirer.advance(wait=True)  # the EXEC was aborted by the WATCH
     assert worker._retirer.batched_jobs == 0 and not worker._retirer.busy
     assert worker.running[run.id].retire_inline
+    worker._checks()  # handed back: the loop checks them first
     worker._retire()  # RQ's handler, which sees the dependent
     assert job_state(r, run)["status"] == JobStatus.FINISHED
 
@@ -151,7 +153,38 @@ def test_redis_errors_hand_the_jobs_back_to_the_loop(worker, r):
     worker._retirer.drain()
     assert not worker._retirer.busy
     assert {run.id for run in worker.running.values() if run.retire_inline} == {run.id for run in runs}
+    worker._checks()  # handed back: the loop checks them first
     worker._retire()  # the loop retries them through RQ's handler
     assert not worker.running and worker.completed == 2
     for run in runs:
         assert job_state(r, run)["status"] == JobStatus.FINISHED
+
+
+def test_a_job_no_longer_ours_sends_the_batch_back_to_be_checked(worker, r):
+    canceled, other = finished_runs(worker, r, 2)
+    Client(r, queue="rose").cancel(canceled.id)
+    worker._retirer.submit([canceled, other])
+    worker._retirer.drain()
+    assert worker._retirer.batched_jobs == 0 and worker._check_forced
+    assert {run.id for run in worker.running.values() if run.retire_inline} == {canceled.id, other.id}
+    worker._checks()  # what the loop runs first when a check is forced
+    assert not worker._check_forced and set(worker.running) == {other.id}
+    worker._retire()
+    assert job_state(r, other)["status"] == JobStatus.FINISHED
+    assert (
+        job_state(r, canceled)["status"] == JobStatus.CANCELED
+        and job_state(r, canceled)["result_type"] is None
+    )
+
+
+def test_a_job_canceled_between_the_rounds_aborts_the_batch(worker, r):
+    (run,) = finished_runs(worker, r, 1)
+    worker._retirer.submit([run])
+    assert worker._retirer._batches[0].conn.can_read(timeout=5)  # WATCHing, and the job read as ours...
+    Client(r, queue="rose").cancel(run.id)  # ...but it is canceled before the transaction
+    worker._retirer.advance(wait=True)  # MULTI/EXEC sent
+    worker._retirer.advance(wait=True)  # the EXEC was aborted by the WATCH on the job's hash
+    assert worker._retirer.batched_jobs == 0 and worker._check_forced
+    worker._checks()
+    assert not worker.running
+    assert job_state(r, run)["status"] == JobStatus.CANCELED and job_state(r, run)["result_type"] is None

@@ -470,3 +470,33 @@ def test_busy_loop_never_waits_for_queue_lengths(run_worker, r, q, monkeypatch):
     assert busy and all(lengths is not None for lengths in busy), asked
     assert status(r, first) == "started"  # the second job started while the first ran
     wait_status(r, first, "finished")
+
+
+def test_running_jobs_are_checked_every_check_interval_and_before_their_result_is_stored(
+    run_worker, r, q, monkeypatch
+):
+    """The probe goes out once per check_interval, not at every step; a job canceled between two checks still
+    never gets stored as finished: the retirer reads its status before writing, and the loop's check cancels it."""
+    from rose.worker import probe
+
+    probed: list[int] = []
+    real_send = probe.InFlightProbe.send
+
+    def send(self, runs):
+        if runs:  # not the queue-lengths question
+            probed.append(len(runs))
+        return real_send(self, runs)
+
+    monkeypatch.setattr(probe.InFlightProbe, "send", send)
+    engine = FakeEngine(max_num_seqs=4, step_delay=0.01)
+    job = enqueue(q, prompt="x", max_tokens=40)
+    run_worker(engine=engine, check_interval=3600)
+    wait_status(r, job, "started")
+    wait_for(lambda: len(stream_events(r, job.id)) >= 3, what="tokens")
+    Job.fetch(job.id, connection=r, serializer=JSONSerializer).cancel()  # unseen until the job finishes
+    wait_for(lambda: stream_events(r, job.id)[-1]["type"] == "canceled", what="canceled event")
+    assert engine.steps >= 40 and job.id not in engine.aborted  # generation ran to its end
+    assert status(r, job) == "canceled"
+    assert Job.fetch(job.id, connection=r, serializer=JSONSerializer).latest_result() is None
+    check_stream(r, job.id, "canceled")
+    assert probed == [1]  # the first step's only (the check the retirer forced is a direct round trip)
