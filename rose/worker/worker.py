@@ -2,9 +2,10 @@
 into a continuous-batching engine.
 
 One thread owns the engine and all job bookkeeping. Per iteration: take jobs while the engine has room (block on
-the queues only when idle), step the engine, check cancels / stop commands / timeouts, retire finished jobs (in
-batches, by pipelined rounds read a step later: rose.worker.retirer), send the step's events (rose.worker.publisher:
-sent at once, acknowledged at the next send). On a busy loop nothing waits for a Redis round trip.
+the queues only when idle), step the engine, check cancels / stop commands / timeouts every `check_interval`
+(rose.worker.checks), retire finished jobs (in batches, by pipelined rounds read a step later: rose.worker.retirer),
+send the step's events (rose.worker.publisher: sent at once, acknowledged at the next send). On a busy loop nothing
+waits for a Redis round trip.
 Heartbeats, orphan recovery and RQ maintenance run on timers.
 """
 
