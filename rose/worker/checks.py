@@ -2,10 +2,12 @@
 
 Every `check_interval` seconds (0: every engine step) the loop sends the probe (rose.worker.probe) before a step and
 reads it after: cancels, deletions and jobs no longer ours (taken over by another worker, or finished by a
-retirement whose reply was lost); then stop commands and timeouts. Between probes nothing about the running jobs
+retirement whose reply was lost); then timeouts. `rq`'s stop-job commands come by pub/sub and act at the next
+iteration. Between probes nothing about the running jobs
 is read, so a cancel stops a job's generation within about `check_interval` plus one step. Storing a result never
 depends on that delay: the retirer reads each finishing job's status under WATCH before it writes (a canceled job
-is never stored as finished), and a job it hands back to the loop forces a check before RQ's handler runs.
+is never stored as finished), and a job it hands back to the loop, or one with a success callback, is checked
+again before RQ's handler stores it.
 
 The probe also sizes the queues for the next intake; on a step without a probe, and when the probe saw empty
 queues, only the queue lengths are asked after the step (read at the next intake), so a busy loop never waits for
@@ -32,26 +34,34 @@ log = logging.getLogger(__name__)
 class Checks:
     """Mixin of RoseWorker: the probe's schedule and what the loop does with its answer."""
 
+    def _force_check(self: RoseWorker) -> None:
+        """Jobs just went back into `running` to be stored by RQ's handler (retire_inline): check them first. A
+        probe already in flight does not cover them: a new one goes out (before the next step, or at once when the
+        engine is idle), and `_retire` leaves them alone until it is read."""
+        self._probe.abandon()
+        self._check_forced = True
+
     def _send_checks(self: RoseWorker) -> None:
         """Before a step: send the probe if it is due (its answer is read by `_checks` after the step)."""
         t = time.monotonic()
-        if self.running and t >= self._next_check:
+        if self.running and (t >= self._next_check or self._check_forced):
             self._next_check = t + self.settings.check_interval
             self._probe.send(list(self.running.values()))
 
     def _checks_due(self: RoseWorker) -> bool:
-        """After a step: whether `_checks` must run now (its probe is in, or a check was forced)."""
-        return bool(self.running) and (self._probe.pending or self._check_forced)
+        """After a step: whether `_checks` runs now (its probe is in, or a forced check cannot wait for a step)."""
+        if not self.running:
+            return False
+        return self._probe.pending or (self._check_forced and not self.engine.has_unfinished())
 
     def _checks(self: RoseWorker) -> None:
-        """Cancels (job.cancel() / client), deletions, stop commands, lost ownership and timeouts, before any
-        retirement. One round trip (usually sent before the step and answered while it ran), which also sizes the
-        queues for the next intake."""
+        """Cancels (job.cancel() / client), deletions, lost ownership and timeouts, before any retirement. One round
+        trip (usually sent before the step and answered while it ran), which also sizes the queues for the next
+        intake."""
         if self._probe.pending:
             found, self._queue_lengths = self._probe.receive()
         else:
             found, self._queue_lengths = probe.probe(self, list(self.running.values()))
-        self._check_forced = False
         for item in found:
             run, status, owner = item.run, item.status, item.owner
             if self.running.get(run.id) is not run:
@@ -67,11 +77,7 @@ class Checks:
                 # Requeued by another worker that took us for dead (e.g. after a long Redis outage).
                 log.warning("job %s is now %s on %r; dropping our copy", run.id, status, owner)
                 self._forget(run)
-        while self._stop_job_ids:
-            job_id = self._stop_job_ids.popleft()
-            run = self.running.get(job_id)
-            if run is not None:
-                self._stop(run)
+        self._check_forced = False  # only now: a Redis error above leaves the check to be done again
         t = time.monotonic()
         for run in list(self.running.values()):
             if run.timeout is not None and run.output is None and t - run.started_mono > run.timeout:
@@ -80,6 +86,14 @@ class Checks:
                     f"Job exceeded maximum timeout value ({run.timeout} seconds)",
                     exc_class=RoseJobTimeout,
                 )
+
+    def _apply_stops(self: RoseWorker) -> None:
+        """`rq`'s stop-job commands (received by pub/sub), at every iteration: before the job's result is stored."""
+        while self._stop_job_ids:
+            run = self.running.get(self._stop_job_ids[0])
+            if run is not None:
+                self._stop(run)
+            self._stop_job_ids.popleft()  # only once stopped: a Redis error above leaves it for the next iteration
 
     def _ask_lengths(self: RoseWorker) -> None:
         """After a step: ask the queue lengths for the next intake unless the probe brought them (non-empty) or a

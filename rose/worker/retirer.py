@@ -64,6 +64,10 @@ class Retirer:
         """Jobs whose result is not stored yet (the worker must not exit)."""
         return bool(self._batches)
 
+    def held_executions(self) -> set[str]:
+        """The executions of the jobs being retired (not in the loop's running jobs, still this worker's)."""
+        return {run.composite_key for batch in self._batches for run in batch.runs}
+
     def submit(self, runs: list[Running]) -> None:
         """Start retiring jobs that finished (out of the loop's running jobs, their token events already queued)."""
         if not runs:
@@ -180,7 +184,7 @@ class Retirer:
         for run in batch.runs:
             run.retire_inline = True
             self.worker.running[run.id] = run  # retired by the loop's `_retire`, through RQ's handler...
-        self.worker._check_forced = True  # ...once the loop has checked they are still ours and not canceled
+        self.worker._force_check()  # ...once the loop has checked they are still ours and not canceled
 
     def _hand_back(self, batch: _Batch, exc: BaseException) -> None:
         log.error("could not store the results of %d jobs (%s); the loop retries them", len(batch.runs), exc)

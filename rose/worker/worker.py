@@ -104,7 +104,8 @@ class RoseWorker(Lifecycle, Checks, Outcomes, BaseWorker):
     # ---- public helpers -------------------------------------------------------------------------------------
 
     def held_executions(self) -> set[str]:
-        return {run.composite_key for run in self.running.values()}
+        """The executions this process holds: running jobs, and finished ones whose results are being stored."""
+        return {run.composite_key for run in self.running.values()} | self._retirer.held_executions()
 
     @property
     def draining(self) -> bool:
@@ -216,8 +217,10 @@ class RoseWorker(Lifecycle, Checks, Outcomes, BaseWorker):
             self._redis("suspension", self._check_suspension)
         if not self.draining and not self._suspended:
             took = self._redis("intake", self._intake, block)
-        elif self._suspended and not self.running:
-            time.sleep(IDLE_BLOCK_S)
+        else:
+            self._lengths_probe.abandon()  # no intake to read it
+            if self._suspended and not self.running:
+                time.sleep(IDLE_BLOCK_S)
         if self.engine.has_unfinished():
             self._redis("checks", self._send_checks)  # when due; answered while the model runs
             self._step()
@@ -227,6 +230,8 @@ class RoseWorker(Lifecycle, Checks, Outcomes, BaseWorker):
             self._redis("checks", self._ask_lengths)
         if self._retirer.busy:  # results sent earlier: collect Redis's replies, send the next round
             self._redis("retire", self._retirer.advance, not self.engine.has_unfinished())
+        if self._stop_job_ids:
+            self._redis("checks", self._apply_stops)
         if self.running:
             self._redis("retire", self._retire)
         self._flush_outbox()
@@ -357,10 +362,12 @@ class RoseWorker(Lifecycle, Checks, Outcomes, BaseWorker):
         self._flush_outbox()  # their last token events reach the publisher before their `done` events
         batch = []
         for run in finished:
-            if run.retire_inline and self._check_forced:
-                continue  # handed back by the retirer: checked at the next iteration first
-            if run.retire_inline or (run.job.success_callback and not run.callback_done):
-                self._succeed(run)  # RQ's handler, job by job: a retry, or a callback to run
+            if run.retire_inline:  # handed back by the retirer, or a success callback to run: RQ's handler
+                if not self._check_forced:  # once checked (rose.worker.checks)
+                    self._succeed(run)
+            elif run.job.success_callback and not run.callback_done:
+                run.retire_inline = True  # its status is checked first, then RQ's handler runs the callback
+                self._force_check()
             else:
                 self.running.pop(run.id, None)
                 batch.append(run)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 import pytest
+import redis
 from rq.job import Job, JobStatus
 from rq.registry import FinishedJobRegistry, StartedJobRegistry
 from rq.results import Result
@@ -188,3 +189,37 @@ def test_a_job_canceled_between_the_rounds_aborts_the_batch(worker, r):
     worker._checks()
     assert not worker.running
     assert job_state(r, run)["status"] == JobStatus.CANCELED and job_state(r, run)["result_type"] is None
+
+
+def test_a_forced_check_interrupted_by_redis_stays_owed(worker, r, monkeypatch):
+    runs = finished_runs(worker, r, 2)
+    for run in runs:
+        Client(r, queue="rose").cancel(run.id)
+    worker._retirer.submit(runs)
+    worker._retirer.drain()
+    real_cancel = worker._cancel
+
+    def blip(run, reason):
+        monkeypatch.setattr(worker, "_cancel", real_cancel)  # fails once
+        raise redis.ConnectionError("blip")
+
+    monkeypatch.setattr(worker, "_cancel", blip)
+    worker._redis("checks", worker._checks)  # the loop's wrapper: logs, backs off
+    assert worker._check_forced
+    worker._retire()  # stores nothing while the check is owed
+    worker._checks()
+    worker._retire()
+    assert not worker.running
+    assert [job_state(r, run)["status"] for run in runs] == [JobStatus.CANCELED] * 2
+
+
+def test_a_forced_check_never_reads_a_probe_sent_before_the_hand_back(worker, r):
+    canceled, other = finished_runs(worker, r, 2)
+    other.output = None  # still generating
+    worker._probe.send([other])  # sent before a step, not read yet
+    Client(r, queue="rose").cancel(canceled.id)
+    worker._retirer.submit([canceled])
+    worker._retirer.drain()  # handed back: the probe in flight does not cover it
+    worker._checks()
+    worker._retire()
+    assert job_state(r, canceled)["status"] == JobStatus.CANCELED

@@ -14,44 +14,13 @@ from rq.command import send_stop_job_command
 from rq.job import Job
 from rq.registry import StartedJobRegistry
 from rq.serializers import JSONSerializer
-from worker_helpers import FakeEngine, stream_events, wait_for
+from worker_helpers import FakeEngine, check_stream, enqueue, status, stream_events, wait_for, wait_status
 
 from rose.jobs import keys
 from rose.jobs.client import Client, JobCanceled, JobFailed
 from rose.worker.intake import ORPHAN_GRACE_S
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def enqueue(q, **kwargs):
-    rq_opts = {
-        k: kwargs.pop(k) for k in list(kwargs) if k in ("job_timeout", "result_ttl", "retry", "job_id")
-    }
-    kwargs.setdefault("max_tokens", 3)
-    return q.enqueue("rose.jobs.generate", kwargs=kwargs, **rq_opts)
-
-
-def status(r, job) -> str:
-    return r.hget(job.key, "status").decode()
-
-
-def wait_status(r, job, want: str, timeout: float = 10):
-    wait_for(lambda: status(r, job) == want, timeout, what=f"job {job.id} {want} (is {status(r, job)})")
-
-
-def check_stream(r, job_id: str, terminal: str) -> list[dict]:
-    # the terminal event is published right after the job's status is stored
-    wait_for(
-        lambda: stream_events(r, job_id)[-1:] and stream_events(r, job_id)[-1]["type"] == terminal,
-        5,
-        what=f"{terminal} event of {job_id}",
-    )
-    events = stream_events(r, job_id)
-    types = [e["type"] for e in events]
-    assert types[-1] == terminal and types.count(terminal) == 1, types
-    tokens = [e for e in events if e["type"] == "token"]
-    assert [e["seq"] for e in events if "seq" in e] == list(range(len(tokens) + 1))
-    return events
 
 
 def test_batch_of_jobs_finishes_with_results_streams_and_pubsub(run_worker, r, q):
@@ -470,33 +439,3 @@ def test_busy_loop_never_waits_for_queue_lengths(run_worker, r, q, monkeypatch):
     assert busy and all(lengths is not None for lengths in busy), asked
     assert status(r, first) == "started"  # the second job started while the first ran
     wait_status(r, first, "finished")
-
-
-def test_running_jobs_are_checked_every_check_interval_and_before_their_result_is_stored(
-    run_worker, r, q, monkeypatch
-):
-    """The probe goes out once per check_interval, not at every step; a job canceled between two checks still
-    never gets stored as finished: the retirer reads its status before writing, and the loop's check cancels it."""
-    from rose.worker import probe
-
-    probed: list[int] = []
-    real_send = probe.InFlightProbe.send
-
-    def send(self, runs):
-        if runs:  # not the queue-lengths question
-            probed.append(len(runs))
-        return real_send(self, runs)
-
-    monkeypatch.setattr(probe.InFlightProbe, "send", send)
-    engine = FakeEngine(max_num_seqs=4, step_delay=0.01)
-    job = enqueue(q, prompt="x", max_tokens=40)
-    run_worker(engine=engine, check_interval=3600)
-    wait_status(r, job, "started")
-    wait_for(lambda: len(stream_events(r, job.id)) >= 3, what="tokens")
-    Job.fetch(job.id, connection=r, serializer=JSONSerializer).cancel()  # unseen until the job finishes
-    wait_for(lambda: stream_events(r, job.id)[-1]["type"] == "canceled", what="canceled event")
-    assert engine.steps >= 40 and job.id not in engine.aborted  # generation ran to its end
-    assert status(r, job) == "canceled"
-    assert Job.fetch(job.id, connection=r, serializer=JSONSerializer).latest_result() is None
-    check_stream(r, job.id, "canceled")
-    assert probed == [1]  # the first step's only (the check the retirer forced is a direct round trip)

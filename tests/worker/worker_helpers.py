@@ -12,13 +12,54 @@ from rose.jobs import keys
 from rose.worker import RoseWorker
 from rose.worker.process import wait_for
 
-__all__ = ["FakeEngine", "WorkerThread", "registered_worker", "stream_events", "wait_for"]
+__all__ = [
+    "FakeEngine",
+    "WorkerThread",
+    "check_stream",
+    "enqueue",
+    "registered_worker",
+    "status",
+    "stream_events",
+    "wait_for",
+    "wait_status",
+]
 
 
 def stream_events(r, job_id: str) -> list[dict]:
     import json
 
     return [json.loads(f[keys.STREAM_FIELD.encode()]) for _, f in r.xrange(keys.stream_key(job_id))]
+
+
+def enqueue(q, **kwargs):
+    rq_opts = {
+        k: kwargs.pop(k) for k in list(kwargs) if k in ("job_timeout", "result_ttl", "retry", "job_id")
+    }
+    kwargs.setdefault("max_tokens", 3)
+    return q.enqueue("rose.jobs.generate", kwargs=kwargs, **rq_opts)
+
+
+def status(r, job) -> str:
+    return r.hget(job.key, "status").decode()
+
+
+def wait_status(r, job, want: str, timeout: float = 10):
+    wait_for(lambda: status(r, job) == want, timeout, what=f"job {job.id} {want} (is {status(r, job)})")
+
+
+def check_stream(r, job_id: str, terminal: str) -> list[dict]:
+    # the terminal event is published right after the job's status is stored
+    wait_for(
+        lambda: stream_events(r, job_id)[-1:] and stream_events(r, job_id)[-1]["type"] == terminal,
+        5,
+        what=f"{terminal} event of {job_id}",
+    )
+    events = stream_events(r, job_id)
+    types = [e["type"] for e in events]
+    assert types[-1] == terminal and types.count(terminal) == 1, types
+    tokens = [e for e in events if e["type"] == "token"]
+    assert [e["seq"] for e in events if "seq" in e] == list(range(len(tokens) + 1))
+    return events
 
 
 def registered_worker(redis_server, name: str, queues=("rose",)) -> RoseWorker:
