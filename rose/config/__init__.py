@@ -93,8 +93,8 @@ class WorkerSettings(BaseSettings):
     check_interval: float = Field(
         0.05,
         ge=0,
-        description="Seconds between a busy worker's checks of its running jobs in Redis (cancels, deletions, stop "
-        "commands, timeouts); 0: every engine step. A job's status is always checked before its result is stored.",
+        description="Seconds between a busy worker's checks of its running jobs in Redis (cancels, deletions, "
+        "timeouts); 0: every engine step. A job's status is always checked before its result is stored.",
     )
 
     @field_validator("queues", mode="before")

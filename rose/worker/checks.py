@@ -2,9 +2,9 @@
 
 Every `check_interval` seconds (0: every engine step) the loop sends the probe (rose.worker.probe) before a step and
 reads it after: cancels, deletions and jobs no longer ours (taken over by another worker, or finished by a
-retirement whose reply was lost); then timeouts. `rq`'s stop-job commands come by pub/sub and act at the next
-iteration. Between probes nothing about the running jobs
-is read, so a cancel stops a job's generation within about `check_interval` plus one step. Storing a result never
+retirement whose reply was lost); then timeouts. Between probes nothing about the running jobs is read, so a cancel
+stops a job's generation within about `check_interval` plus one step (`rq`'s stop-job commands come by pub/sub and
+act at the next iteration). Storing a result never
 depends on that delay: the retirer reads each finishing job's status under WATCH before it writes (a canceled job
 is never stored as finished), and a job it hands back to the loop, or one with a success callback, is checked
 again before RQ's handler stores it.

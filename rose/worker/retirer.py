@@ -119,14 +119,17 @@ class Retirer:
         if errors:
             raise redis.ConnectionError(f"reading the jobs to retire failed: {errors[0]}")
         dependents, owners = replies[1 : 1 + n], replies[1 + n :]
-        if not all(owner == [self._started, self._name] for owner in owners):
-            # canceled, deleted, stopped or taken over meanwhile: the loop's check sorts them out first
+        if (
+            any(
+                owner != [self._started, self._name] for owner in owners
+            )  # canceled, deleted, taken over, ...
+            or any(dependents)  # dependents to enqueue: RQ's handler does it
+            or any(_repeats(run) for run in batch.runs)
+        ):
             self._release(batch, unwatch=True)
-            self._by_handler(batch)
-            return
-        if any(dependents) or any(_repeats(run) for run in batch.runs):
-            self._release(batch, unwatch=True)  # dependents to enqueue, or repeats: RQ's handler does it all
-            self._by_handler(batch)
+            self._by_handler(
+                batch
+            )  # the loop checks them, then stores what is still ours through RQ's handler
             return
         recorder = self.worker.connection.pipeline(transaction=False)  # records RQ's writes, never executed
         worker = copy.copy(self.worker)  # cleanup_execution reads and clears `worker.execution`
