@@ -220,11 +220,13 @@ def test_sigterm_drains_and_exits_0(server, spawn):
     )
     endless = client.submit("endless", max_tokens=None, ignore_eos=True)  # ~4090 tokens: outlasts the drain
     worker = spawn("--max-num-seqs", "8", "--max-model-len", "4096", "--drain-timeout", "15").wait_ready()
+    # generating, not just marked started: the status is set a moment before the loop admits the jobs, and a
+    # signal in between would find fewer than four running
     wait_for(
-        lambda: all(r.hget(Job.key_for(j.id), "status") == b"started" for j in [*short, endless]),
+        lambda: all(stream_events(r, j.id) for j in [*short, endless]),
         60,
         interval=0.02,
-        what="all four started",
+        what="all four generating",
     )
     t = time.monotonic()
     worker.proc.send_signal(signal.SIGTERM)
