@@ -67,7 +67,12 @@ def add_target_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_common_args(parser: argparse.ArgumentParser, json_default: str) -> None:
-    parser.add_argument("--model", default="tiny-llama", help=f"model preset ({', '.join(PRESET_NAMES)})")
+    parser.add_argument(
+        "--model",
+        default="tiny-llama",
+        help=f"a preset ({', '.join(PRESET_NAMES)}), a config.json or a directory holding only one (random "
+        "weights, seed 0), or a checkpoint directory",
+    )
     parser.add_argument("--seed", type=int, default=0, help="workload seed")
     parser.add_argument(
         "--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)"

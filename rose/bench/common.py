@@ -171,29 +171,36 @@ def environment(device: torch.device | None = None, dtype: torch.dtype | None = 
     }
 
 
-def prompt_vocab_size(preset: str) -> int:
+def prompt_vocab_size(model: str) -> int:
     """Ids a benchmark prompt may use: the model's vocabulary, cut to the tokenizer's size where the tokenizer is
-    smaller (`qwen2.5-0.5b`), so every system, rose with its tokenizer included, accepts the same prompts."""
-    from rose.engine.presets import build_tokenizer, preset_config
+    smaller (`qwen2.5-0.5b`, a config without its tokenizer), so every system, rose with its tokenizer included,
+    accepts the same prompts."""
+    from rose.engine import loader
 
-    return min(int(preset_config(preset).get_text_config().vocab_size), len(build_tokenizer()))
+    config = loader.model_config(model)
+    tokenizer = loader.build_model(model)[1] if not loader.presets.is_preset(model) else None
+    tokenizer = tokenizer or loader.presets.build_tokenizer()
+    return min(int(config.get_text_config().vocab_size), len(tokenizer))
 
 
 def load_model(
-    preset: str,
+    model: str,
     seed: int = 0,
     attn_implementation: str | None = "sdpa",
     device: str | torch.device = "cpu",
     dtype: str | torch.dtype = torch.float32,
 ):
-    """A fresh copy of a preset model (same weights for the same seed and device type) and its tokenizer, on
-    `device` in `dtype`. Each system gets its own copy, so one system switching attention implementations cannot
-    affect another. The weights are drawn in float32 on the device itself, then cast."""
-    from rose.engine.presets import build_preset
+    """A fresh copy of the model (a preset or a config: random weights, the same for the same seed and device type;
+    or a checkpoint directory) and its tokenizer, on `device` in `dtype`. Each system gets its own copy, so one
+    system switching attention implementations cannot affect another. Random weights are drawn in float32 on the
+    device itself, then cast."""
+    from rose.engine.loader import build_model
 
     dev, torch_dtype = resolve_target(device, dtype)
-    model, tokenizer = build_preset(preset, seed=seed, device=None if dev.type == "cpu" else dev)
-    model = model.to(dtype=torch_dtype)
+    model, tokenizer = build_model(
+        model, seed=seed, device=None if dev.type == "cpu" else dev, dtype=torch_dtype
+    )
+    model = model.to(device=dev, dtype=torch_dtype)
     if attn_implementation is not None:
         model.set_attn_implementation(attn_implementation)
     model.eval()

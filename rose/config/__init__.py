@@ -26,7 +26,9 @@ class WorkerSettings(BaseSettings):
         description="Queues to serve, highest priority first (env: comma-separated).",
     )
     model: str = Field(
-        "tiny-llama", description="Preset name (tiny-llama, tiny-qwen2, tiny-gpt2) or a local HF model dir."
+        "tiny-llama",
+        description="Preset name (tiny-llama, tiny-qwen2, tiny-gpt2, qwen2.5-0.5b), a local HF checkpoint dir, or a "
+        "config.json (or a dir holding only one) for random weights.",
     )
     tokenizer: str | None = Field(None, description="Tokenizer dir, when it is not the model's.")
     device: str = Field("auto", description="Torch device: auto (CUDA when present), cpu, cuda, cuda:1, ...")

@@ -161,6 +161,24 @@ def test_engine_bench_all_systems(tmp_path, capsys):
     assert len(report["systems"]["rose"]["runs"]) == 2
 
 
+def test_engine_bench_takes_a_config_or_a_checkpoint(tmp_path, capsys):
+    """--model: a config.json (random weights, seed 0) or a checkpoint directory, for every system."""
+    from rose.engine import presets
+
+    config = tmp_path / "qwen" / "config.json"
+    config.parent.mkdir()
+    presets.preset_config("tiny-qwen2").to_json_file(config)
+    checkpoint = tmp_path / "ckpt"
+    model, tokenizer = presets.build_preset("tiny-gpt2")
+    model.save_pretrained(checkpoint)
+    tokenizer.save_pretrained(checkpoint)
+    for source, arch in ((config, "qwen2"), (checkpoint, "gpt2")):
+        assert engine_main(_engine_argv(tmp_path, "--model", str(source))) == 0
+        report = _check_engine_json(tmp_path / "engine.json", ["rose", "hf-static", "hf-continuous-batching"])
+        assert report["config"]["model"] == str(source)
+        assert load_model(str(source))[0].config.model_type == arch
+
+
 def test_step_bench_structure(tmp_path, capsys):
     argv = [
         "--batch-sizes",
