@@ -17,6 +17,7 @@ from rose.bench.cli_args import (
     where_ran,
 )
 from rose.bench.engine_bench import HF_CB, ROSE, STATIC, TARGET_RATIO, EngineBenchConfig, run_engine_bench
+from rose.bench.latency import latency_rows
 from rose.bench.report import (
     engine_rows,
     markdown_table,
@@ -28,7 +29,7 @@ from rose.bench.report import (
 from rose.bench.rose_runner import RoseConfig
 from rose.bench.step_bench import StepBenchConfig, run_step_bench
 from rose.bench.worker_bench import TARGET_RATIO as WORKER_TARGET_RATIO
-from rose.bench.worker_bench import WorkerBenchConfig, latency_rows, run_worker_bench, throughput_rows
+from rose.bench.worker_bench import WorkerBenchConfig, run_worker_bench, throughput_rows
 from rose.bench.worker_procs import BenchProcessError
 
 DEFAULT_ENGINE_JSON = "benchmarks/results/bench_engine.json"

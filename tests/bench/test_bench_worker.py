@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from rose.bench.cli import build_worker_parser, worker_main
-from rose.bench.worker_bench import percentiles
+from rose.bench.latency import percentiles
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs a redis-server binary")
 
