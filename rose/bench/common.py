@@ -177,10 +177,8 @@ def prompt_vocab_size(model: str) -> int:
     accepts the same prompts."""
     from rose.engine import loader
 
-    config = loader.model_config(model)
-    tokenizer = loader.build_model(model)[1] if not loader.presets.is_preset(model) else None
-    tokenizer = tokenizer or loader.presets.build_tokenizer()
-    return min(int(config.get_text_config().vocab_size), len(tokenizer))
+    vocab = int(loader.model_config(model).get_text_config().vocab_size)
+    return min(vocab, len(loader.model_tokenizer(model)))
 
 
 def load_model(

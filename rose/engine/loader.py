@@ -60,27 +60,22 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     return _DTYPES[dtype]
 
 
-# Files whose presence makes a directory a checkpoint (weights), not a bare config.
-_WEIGHT_GLOBS = (
-    "*.safetensors",
-    "*.safetensors.index.json",
-    "pytorch_model*.bin",
-    "pytorch_model.bin.index.json",
-)
-
-
 def random_weights_config(model: object) -> Path | None:
-    """The config file to build a random-weight model from, when `model` names a JSON config file or a directory
-    that holds a `config.json` but no weights; None otherwise (a preset, a checkpoint, a hub id)."""
+    """The config file to build a random-weight model from, when `model` names a JSON file (a `config.json`); None
+    otherwise (a preset, a checkpoint directory, a hub id). Only an explicit file: a checkpoint directory whose
+    weights are missing must fail, not serve random weights."""
     if not isinstance(model, str | os.PathLike) or presets.is_preset(model):
         return None
     path = Path(model)
-    if path.is_file() and path.suffix == ".json":
-        return path
-    has_weights = path.is_dir() and any(next(path.glob(pattern), None) for pattern in _WEIGHT_GLOBS)
-    if path.is_dir() and (path / "config.json").is_file() and not has_weights:
-        return path / "config.json"
-    return None
+    return path if path.suffix == ".json" and path.is_file() else None
+
+
+def _check_source(name: str) -> None:
+    if not os.path.isdir(name) and os.path.sep in name and not os.path.exists(name):
+        raise ValueError(
+            f"model {name!r} is neither a preset ({', '.join(presets.PRESET_NAMES)}), a config file nor an "
+            "existing directory"
+        )
 
 
 def model_config(model: str | os.PathLike) -> PretrainedConfig:
@@ -88,7 +83,24 @@ def model_config(model: str | os.PathLike) -> PretrainedConfig:
     if presets.is_preset(model):
         return presets.preset_config(str(model))
     config_file = random_weights_config(model)
+    if config_file is None:
+        _check_source(str(model))
     return AutoConfig.from_pretrained(str(config_file if config_file is not None else model))
+
+
+def model_tokenizer(model: str | os.PathLike) -> Any:
+    """The tokenizer that goes with `model`: a preset's, or a config file's, is the presets' in-memory one (unless
+    the config's directory holds a tokenizer); a checkpoint's is its own."""
+    if presets.is_preset(model):
+        return presets.build_tokenizer()
+    config_file = random_weights_config(model)
+    if config_file is None:
+        _check_source(str(model))
+        return load_tokenizer(str(model))
+    own = config_file.parent
+    if any((own / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        return load_tokenizer(str(own))
+    return presets.build_tokenizer()
 
 
 def build_model(
@@ -100,30 +112,23 @@ def build_model(
     dtype: torch.dtype | None = None,
     trust_remote_code: bool = False,
 ) -> tuple[PreTrainedModel, Any]:
-    """(model, tokenizer) from a preset or a config (random weights drawn with `seed` in float32 on `device`: None
-    for the CPU), or a checkpoint directory / hub id (its weights in `dtype`, on the CPU). Without `tokenizer`: the
-    checkpoint's or the config directory's own, else the presets' in-memory one (ids past its 8,192 decode to "")."""
+    """(model, tokenizer) from a preset or a config file (random weights drawn with `seed` in float32 on `device`:
+    None for the CPU), or a checkpoint directory / hub id (its weights in `dtype`, on the CPU). The tokenizer:
+    `tokenizer` if given, else `model_tokenizer(model)`."""
     config_file = random_weights_config(model)
     if presets.is_preset(model):
-        built, tok = presets.build_preset(str(model), seed=seed, device=device)
+        built = presets.build_preset(str(model), seed=seed, device=device)[0]
     elif config_file is not None:
+        logger.info("%s: random weights (seed %d)", config_file, seed)
         built = presets.model_from_config(
             AutoConfig.from_pretrained(str(config_file)), seed=seed, device=device
         )
-        own = config_file.parent
-        has_tokenizer = any((own / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
-        tok = load_tokenizer(str(own)) if has_tokenizer else presets.build_tokenizer()
     else:
-        name = str(model)
-        if not os.path.isdir(name) and os.path.sep in name and not os.path.exists(name):
-            raise ValueError(
-                f"model {name!r} is neither a preset ({', '.join(presets.PRESET_NAMES)}), a config file nor an "
-                "existing directory"
-            )
-        built = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, trust_remote_code=trust_remote_code)
-        tok = load_tokenizer(name)
-    if tokenizer is not None:
-        tok = load_tokenizer(tokenizer)
+        _check_source(str(model))
+        built = AutoModelForCausalLM.from_pretrained(
+            str(model), dtype=dtype, trust_remote_code=trust_remote_code
+        )
+    tok = load_tokenizer(tokenizer) if tokenizer is not None else model_tokenizer(model)
     return built, tok
 
 

@@ -188,8 +188,8 @@ def model_from_config(
         torch.manual_seed(seed)
         # the CPU path stays exactly as it always was: no device mode installed
         with torch.device(dev) if dev.type != "cpu" else contextlib.nullcontext():
-            if model_cls is None:
-                return AutoModelForCausalLM.from_config(config)
+            if model_cls is None:  # float32 whatever the config's `dtype` (real configs name bfloat16)
+                return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
             return model_cls(config)
 
 

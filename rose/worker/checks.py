@@ -26,6 +26,7 @@ from rose.worker import probe
 from rose.worker.outcomes import RoseJobTimeout
 
 if TYPE_CHECKING:
+    from rose.worker.intake import Running
     from rose.worker.worker import RoseWorker
 
 log = logging.getLogger(__name__)
@@ -34,11 +35,12 @@ log = logging.getLogger(__name__)
 class Checks:
     """Mixin of RoseWorker: the probe's schedule and what the loop does with its answer."""
 
-    def _force_check(self: RoseWorker) -> None:
-        """Jobs just went back into `running` to be stored by RQ's handler (retire_inline): check them first. A
-        probe already in flight does not cover them: a new one goes out (before the next step, or at once when the
-        engine is idle), and `_retire` leaves them alone until it is read."""
-        self._probe.abandon()
+    def _force_check(self: RoseWorker, runs: list[Running]) -> None:
+        """These jobs are to be stored by RQ's handler (retire_inline): read their status first. A probe already in
+        flight does not cover them, so one goes out before the next step (at once when the engine is idle), and
+        `_retire` leaves each alone until a probe that covered it has been read."""
+        for run in runs:
+            run.needs_check = True
         self._check_forced = True
 
     def _send_checks(self: RoseWorker) -> None:
@@ -59,9 +61,11 @@ class Checks:
         trip (usually sent before the step and answered while it ran), which also sizes the queues for the next
         intake."""
         if self._probe.pending:
+            covered = self._probe.runs
             found, self._queue_lengths = self._probe.receive()
         else:
-            found, self._queue_lengths = probe.probe(self, list(self.running.values()))
+            covered = list(self.running.values())
+            found, self._queue_lengths = probe.probe(self, covered)
         for item in found:
             run, status, owner = item.run, item.status, item.owner
             if self.running.get(run.id) is not run:
@@ -77,7 +81,10 @@ class Checks:
                 # Requeued by another worker that took us for dead (e.g. after a long Redis outage).
                 log.warning("job %s is now %s on %r; dropping our copy", run.id, status, owner)
                 self._forget(run)
-        self._check_forced = False  # only now: a Redis error above leaves the check to be done again
+        # only now: a Redis error above leaves the check owed; jobs handed back after the probe went out still owe one
+        for run in covered:
+            run.needs_check = False
+        self._check_forced = any(run.needs_check for run in self.running.values())
         t = time.monotonic()
         for run in list(self.running.values()):
             if run.timeout is not None and run.output is None and t - run.started_mono > run.timeout:
@@ -92,13 +99,13 @@ class Checks:
         while self._stop_job_ids:
             run = self.running.get(self._stop_job_ids[0])
             if run is not None:
-                self._stop(run)
-            self._stop_job_ids.popleft()  # only once stopped: a Redis error above leaves it for the next iteration
+                self._stop(run)  # forgets the job only once stored as stopped
+            self._stop_job_ids.popleft()  # only then: after a Redis error the next iteration tries again
 
     def _ask_lengths(self: RoseWorker) -> None:
         """After a step: ask the queue lengths for the next intake unless the probe brought them (non-empty) or a
         question is in flight; the reply is read at the intake, so the loop waits for no round trip."""
-        if self.draining or self._lengths_probe.pending or self._room() <= 0:
+        if self.draining or self._suspended or self._lengths_probe.pending or self._room() <= 0:
             return
         if self._queue_lengths is None or not any(self._queue_lengths):
             self._lengths_probe.send([])

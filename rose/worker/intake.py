@@ -61,6 +61,7 @@ class Running:
     retire_inline: bool = (
         False  # store the result on the loop's thread (success callback, or a failed handover)
     )
+    needs_check: bool = False  # its status must be read (rose.worker.checks) before RQ's handler stores it
     stream_ttl_due: float = 0.0  # monotonic time at which the next event (re)sets the stream's expiry
     queue_s: float | None = None  # seconds on the queue (enqueued to started), when RQ recorded both
     ttft_s: float | None = None  # seconds from start to the first token

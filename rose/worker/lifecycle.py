@@ -120,6 +120,8 @@ class Lifecycle:
     def _shutdown(self: RoseWorker) -> None:
         """Requeue what is still running at the front of its queue (start order kept), then unregister."""
         try:
+            if self._stop_job_ids:
+                self._redis("checks", self._apply_stops)
             if self.running:
                 self._redis("checks", self._checks)
                 self._redis("retire", self._retire)

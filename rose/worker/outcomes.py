@@ -258,12 +258,13 @@ class Outcomes:
             )
 
     def _cancel(self: RoseWorker, run: Running, reason: str) -> None:
-        """The job was canceled (job.cancel(), client cancel) or deleted: free its slot, clean up, tell subscribers."""
-        self._forget(run)
+        """The job was canceled (job.cancel(), client cancel) or deleted: free its slot, clean up, tell subscribers.
+        The job is let go once Redis has it: after a Redis error it is still ours, and checked again."""
         with self.connection.pipeline() as pipe:
             run.execution.delete(run.job, pipeline=pipe)
             self.set_current_job_id(None, pipeline=pipe)
             pipe.execute()
+        self._forget(run)
         self._emit(
             run.job,
             CanceledEvent(job_id=run.id, seq=run.next_seq(), reason=reason),
@@ -273,9 +274,9 @@ class Outcomes:
         log.info("job %s %s", run.id, reason, extra=self._end_fields(run, "canceled", reason=reason))
 
     def _stop(self: RoseWorker, run: Running) -> None:
-        """rq's send_stop_job_command: status `stopped`, as RQ's own worker does."""
+        """rq's send_stop_job_command: status `stopped`, as RQ's own worker does. The job is let go once Redis has
+        it: after a Redis error it is still ours, and the command is tried again."""
         job = run.job
-        self._forget(run)
         job.ended_at = now()
         self._stopped_job_id = job.id
         self.execution = run.execution
@@ -285,6 +286,7 @@ class Outcomes:
             started_job_registry=run.queue.started_job_registry,
             exc_string="Job stopped by user, work-horse terminated.",
         )
+        self._forget(run)
         if job.stopped_callback is not None:
             try:
                 job.execute_stopped_callback(self.death_penalty_class)

@@ -101,6 +101,11 @@ class InFlightProbe:
     def pending(self) -> bool:
         return self._pending is not None
 
+    @property
+    def runs(self) -> list[Running]:
+        """The jobs the probe in flight asks about."""
+        return list(self._runs)
+
     def send(self, runs: list[Running]) -> None:
         self.abandon()
         self._pending = resp.Pending(self.worker.connection, *_command(self.worker, runs))

@@ -187,7 +187,9 @@ class Retirer:
         for run in batch.runs:
             run.retire_inline = True
             self.worker.running[run.id] = run  # retired by the loop's `_retire`, through RQ's handler...
-        self.worker._force_check()  # ...once the loop has checked they are still ours and not canceled
+        self.worker._force_check(
+            batch.runs
+        )  # ...once the loop has checked they are still ours and not canceled
 
     def _hand_back(self, batch: _Batch, exc: BaseException) -> None:
         log.error("could not store the results of %d jobs (%s); the loop retries them", len(batch.runs), exc)

@@ -77,7 +77,7 @@ class RoseWorker(Lifecycle, Checks, Outcomes, BaseWorker):
             self
         )  # queue lengths only, sent after a step, read at intake
         self._next_check = 0.0  # monotonic time the next probe is due (rose.worker.checks)
-        self._check_forced = False  # the retirer handed jobs back: check them before RQ's handler stores them
+        self._check_forced = False  # a running job needs its status read before RQ's handler stores it
         self._drain_deadline: float | None = None
         self._force_stop = False
         self._suspended = False
@@ -363,11 +363,15 @@ class RoseWorker(Lifecycle, Checks, Outcomes, BaseWorker):
         batch = []
         for run in finished:
             if run.retire_inline:  # handed back by the retirer, or a success callback to run: RQ's handler
-                if not self._check_forced:  # once checked (rose.worker.checks)
-                    self._succeed(run)
+                if not run.needs_check:  # once checked (rose.worker.checks)
+                    try:
+                        self._succeed(run)
+                    except _REDIS_ERRORS:
+                        self._force_check([run])  # canceled meanwhile? read again before the next try
+                        raise
             elif run.job.success_callback and not run.callback_done:
                 run.retire_inline = True  # its status is checked first, then RQ's handler runs the callback
-                self._force_check()
+                self._force_check([run])
             else:
                 self.running.pop(run.id, None)
                 batch.append(run)

@@ -25,7 +25,7 @@ def qwen_config(tmp_path):
 
 def test_a_config_builds_random_weights_from_seed_0(qwen_config):
     preset, _ = presets.build_preset("tiny-qwen2")
-    for source in (qwen_config, qwen_config.parent, str(qwen_config)):
+    for source in (qwen_config, str(qwen_config)):
         assert loader.random_weights_config(source) == qwen_config
         model, tokenizer = loader.build_model(source)
         assert type(model).__name__ == "Qwen2ForCausalLM" and same_weights(model, preset)
@@ -33,6 +33,21 @@ def test_a_config_builds_random_weights_from_seed_0(qwen_config):
     other, _ = loader.build_model(qwen_config, seed=1)
     assert not same_weights(other, preset)
     assert loader.model_config(qwen_config).num_hidden_layers == preset.config.num_hidden_layers
+
+
+def test_random_weights_are_drawn_in_float32_whatever_the_config_says(qwen_config):
+    config = loader.model_config(qwen_config)
+    config.dtype = torch.bfloat16  # as real checkpoints' configs say
+    config.to_json_file(qwen_config)
+    model, _ = loader.build_model(qwen_config)
+    assert next(model.parameters()).dtype == torch.float32
+    assert same_weights(model, presets.build_preset("tiny-qwen2")[0])
+
+
+def test_a_directory_without_weights_is_an_error_not_random_weights(qwen_config):
+    assert loader.random_weights_config(qwen_config.parent) is None
+    with pytest.raises(OSError):
+        loader.load(qwen_config.parent, device="cpu")
 
 
 def test_a_checkpoint_directory_loads_its_weights_and_tokenizer(tmp_path):
@@ -45,10 +60,18 @@ def test_a_checkpoint_directory_loads_its_weights_and_tokenizer(tmp_path):
     assert loaded.tokenizer.encode("hello world") == tokenizer.encode("hello world")
 
 
-def test_a_config_directory_with_a_tokenizer_uses_it(qwen_config):
+def test_a_config_next_to_a_tokenizer_uses_it(qwen_config):
     presets.build_tokenizer(vocab_size=1024).save_pretrained(qwen_config.parent)
-    _, tokenizer = loader.build_model(qwen_config.parent)
+    _, tokenizer = loader.build_model(qwen_config)
     assert len(tokenizer) == 1024
+
+
+def test_a_given_tokenizer_spares_the_checkpoint_its_own(tmp_path):
+    model, tokenizer = presets.build_preset("tiny-llama")
+    model.save_pretrained(tmp_path / "weights-only")
+    tokenizer.save_pretrained(tmp_path / "tok")
+    loaded = loader.load(tmp_path / "weights-only", tokenizer=str(tmp_path / "tok"), device="cpu")
+    assert same_weights(loaded.model, model) and len(loaded.tokenizer) == len(tokenizer)
 
 
 def test_the_llm_api_runs_a_config(qwen_config):

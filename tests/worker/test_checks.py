@@ -6,13 +6,23 @@ from __future__ import annotations
 import logging
 
 import pytest
+import redis
 from rq import Callback
 from rq.command import send_stop_job_command
 from rq.job import Job
 from rq.serializers import JSONSerializer
-from worker_helpers import FakeEngine, check_stream, enqueue, status, stream_events, wait_for, wait_status
+from worker_helpers import (
+    FakeEngine,
+    check_stream,
+    enqueue,
+    registered_worker,
+    status,
+    stream_events,
+    wait_for,
+    wait_status,
+)
 
-from rose.worker import probe
+from rose.worker import intake, probe
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -111,3 +121,54 @@ def test_recovery_never_takes_jobs_whose_results_are_being_stored(run_worker, r,
         wait_status(r, job, "finished", timeout=30)
     assert len(engine.added) == len(jobs)
     assert not [m for m in caplog.messages if "requeued" in m or "dropping our copy" in m], caplog.messages
+
+
+@pytest.fixture
+def worker(redis_server, request):
+    w = registered_worker(redis_server, f"checks-{request.node.name}")
+    yield w
+    w.publisher.close(timeout=1)
+    w.connection.close()
+
+
+def started_run(worker, q):
+    job = enqueue(q, prompt="x", max_tokens=5)
+    (run,) = intake.start(worker, intake.take(worker, 1))
+    worker._admit(run)
+    assert worker.running[job.id] is run
+    return run
+
+
+def test_a_stop_command_hit_by_a_redis_error_is_tried_again(worker, r, q, monkeypatch):
+    run = started_run(worker, q)
+    worker._stop_job_ids.append(run.id)
+    real = type(worker).handle_job_failure
+
+    def blip(self, *args, **kwargs):
+        monkeypatch.setattr(type(worker), "handle_job_failure", real)  # once
+        raise redis.ConnectionError("blip")
+
+    monkeypatch.setattr(type(worker), "handle_job_failure", blip)
+    worker._redis("checks", worker._apply_stops)
+    assert worker.running[run.id] is run and list(worker._stop_job_ids) == [run.id]
+    worker._apply_stops()
+    assert not worker.running and status(r, run.job) == "stopped"
+
+
+def test_shutdown_applies_pending_stop_commands(worker, r, q):
+    run = started_run(worker, q)
+    worker._stop_job_ids.append(run.id)
+    worker._shutdown()
+    assert status(r, run.job) == "stopped"
+    assert r.llen(q.key) == 0  # stopped, not requeued
+
+
+def test_no_queue_length_questions_while_suspended(worker, q):
+    started_run(worker, q)
+    worker._suspended = True
+    worker._ask_lengths()
+    assert not worker._lengths_probe.pending
+    worker._suspended = False
+    worker._ask_lengths()
+    assert worker._lengths_probe.pending
+    worker._lengths_probe.abandon()

@@ -222,4 +222,42 @@ def test_a_forced_check_never_reads_a_probe_sent_before_the_hand_back(worker, r)
     worker._retirer.drain()  # handed back: the probe in flight does not cover it
     worker._checks()
     worker._retire()
+    assert canceled.needs_check and worker._check_forced and worker.running[canceled.id] is canceled
+    worker._checks()  # the next probe covers it
+    assert not worker.running and not worker._check_forced
     assert job_state(r, canceled)["status"] == JobStatus.CANCELED
+
+
+def test_a_checked_job_is_stored_even_while_later_ones_wait_for_their_check(worker, r):
+    """Hand-backs in every iteration must not starve the jobs already checked."""
+    first, second = finished_runs(worker, r, 2)
+    Client(r, queue="rose").submit("after", max_tokens=1, depends_on=first.id)
+    Client(r, queue="rose").submit("after", max_tokens=1, depends_on=second.id)
+    worker._retirer.submit([first])
+    worker._retirer.drain()  # dependents: handed back
+    worker._checks()  # first checked
+    worker._retirer.submit([second])
+    worker._retirer.drain()  # handed back too, not checked yet
+    worker._retire()
+    assert job_state(r, first)["status"] == JobStatus.FINISHED
+    assert set(worker.running) == {second.id} and second.needs_check
+
+
+def test_a_redis_error_in_rqs_handler_owes_a_new_check(worker, r, monkeypatch):
+    (run,) = finished_runs(worker, r, 1)
+    Client(r, queue="rose").submit("after", max_tokens=1, depends_on=run.id)
+    worker._retirer.submit([run])
+    worker._retirer.drain()
+    worker._checks()
+    monkeypatch.setattr(type(worker), "handle_job_success", _raise_connection_error)
+    worker._redis("retire", worker._retire)
+    assert run.needs_check and worker.running[run.id] is run
+    monkeypatch.undo()
+    Client(r, queue="rose").cancel(run.id)  # during the back-off
+    worker._checks()
+    worker._retire()
+    assert not worker.running and job_state(r, run)["status"] == JobStatus.CANCELED
+
+
+def _raise_connection_error(*args, **kwargs):
+    raise redis.ConnectionError("blip")
