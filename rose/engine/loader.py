@@ -117,7 +117,7 @@ def build_model(
     `tokenizer` if given, else `model_tokenizer(model)`."""
     config_file = random_weights_config(model)
     if presets.is_preset(model):
-        built = presets.build_preset(str(model), seed=seed, device=device)[0]
+        built = presets.preset_model(str(model), seed=seed, device=device)
     elif config_file is not None:
         logger.info("%s: random weights (seed %d)", config_file, seed)
         built = presets.model_from_config(

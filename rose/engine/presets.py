@@ -197,5 +197,9 @@ def build_preset(
     name: str, seed: int = 0, device: str | torch.device | None = None
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
     """The preset's model (float32, eval mode, on `device`: None for the CPU) and its tokenizer."""
-    model = model_from_config(preset_config(name), _PRESETS[name][1], seed=seed, device=device).eval()
-    return model, build_tokenizer()
+    return preset_model(name, seed=seed, device=device), build_tokenizer()
+
+
+def preset_model(name: str, seed: int = 0, device: str | torch.device | None = None) -> PreTrainedModel:
+    """The preset's model alone (float32, eval mode, on `device`: None for the CPU)."""
+    return model_from_config(preset_config(name), _PRESETS[name][1], seed=seed, device=device).eval()
