@@ -57,9 +57,9 @@ if numba is not None:
     # reads in flight than one head's block at a time (~30% faster here).
 
     @_jit
-    def _scores(q, k, k_new, slots, starts, lengths, scale, scores):  # pragma: no cover - compiled
+    def _scores(q, k, k_new, slots, starts, lengths, scale, softcap, scores):  # pragma: no cover - compiled
         """Store k_new[i] at position lengths[i] - 1 of row slots[i], then scores[i, h, g, p] = scale * q[i, h, g] .
-        k[slots[i], h, p] for p in [starts[i], lengths[i]); -inf elsewhere."""
+        k[slots[i], h, p] for p in [starts[i], lengths[i]) (soft-capped when softcap > 0); -inf elsewhere."""
         n, kv_heads, groups, head_dim = q.shape
         width = scores.shape[3]
         for i in prange(n):
@@ -80,13 +80,16 @@ if numba is not None:
                         acc = np.float32(0.0)
                         for d in range(head_dim):
                             acc += q[i, h, g, d] * k[s, h, p, d]
-                        scores[i, h, g, p] = acc * scale
+                        if softcap > 0:
+                            scores[i, h, g, p] = np.tanh(acc * scale / softcap) * softcap
+                        else:
+                            scores[i, h, g, p] = acc * scale
 
     @_jit
     def _weighted_values(probs, v, v_new, slots, starts, lengths, out):  # pragma: no cover - compiled
         """Store v_new[i] at position lengths[i] - 1 of row slots[i], then out[i, h, g] = sum over p in
         [starts[i], lengths[i]) of probs[i, h, g, p] * v[slots[i], h, p]."""
-        n, kv_heads, groups, head_dim = out.shape
+        n, kv_heads, groups, head_dim = out.shape  # head_dim: V's
         for i in prange(n):
             s, lo, hi = slots[i], starts[i], lengths[i]
             for h in range(kv_heads):
@@ -113,12 +116,16 @@ def decode_attention(
     starts: np.ndarray,
     lengths: np.ndarray,
     scale: float,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One decode step's attention, the new tokens' K/V written into the store on the way.
 
-    q: [n, kv_heads, groups, head_dim]; k_new, v_new: [n, kv_heads, head_dim], token i's K/V, stored at position
-    lengths[i] - 1 of row slots[i]; k, v: the layer's store [rows, kv_heads, max_len, head_dim]. Token i attends over
-    positions [starts[i], lengths[i]) of its row. Returns [n, kv_heads, groups, head_dim]."""
+    q: [n, kv_heads, groups, head_dim]; k_new: [n, kv_heads, head_dim], v_new: [n, kv_heads, v_head_dim], token i's
+    K/V, stored at position lengths[i] - 1 of row slots[i]; k, v: the layer's store [rows, kv_heads, max_len, head_dim
+    / v_head_dim]. Token i attends over positions [starts[i], lengths[i]) of its row; scores are soft-capped when
+    `softcap` is given; `sinks` ([kv_heads * groups]) join each softmax. Returns [n, kv_heads, groups, v_head_dim]."""
+    _check_shapes(q, k_new, v_new, k, v, slots, starts, lengths)
     threads = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
     if numba.get_num_threads() != threads:
         numba.set_num_threads(threads)
@@ -131,8 +138,48 @@ def decode_attention(
     scores = torch.empty((n, kv_heads, groups, width), dtype=torch.float32)
     k_new = k_new.to(torch.float32).contiguous()
     v_new = v_new.to(torch.float32).contiguous()
-    _scores(q.numpy(), k.numpy(), k_new.numpy(), slots, starts, lengths, np.float32(scale), scores.numpy())
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.empty_like(q)
+    cap = np.float32(softcap or 0.0)
+    _scores(
+        q.numpy(), k.numpy(), k_new.numpy(), slots, starts, lengths, np.float32(scale), cap, scores.numpy()
+    )
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1)
+    else:
+        sink = sinks.to(torch.float32).view(1, kv_heads, groups, 1).expand(n, -1, -1, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1].contiguous()
+    out = torch.empty((n, kv_heads, groups, v.shape[3]), dtype=torch.float32)
     _weighted_values(probs.numpy(), v.numpy(), v_new.numpy(), slots, starts, lengths, out.numpy())
     return out
+
+
+def _check_shapes(q, k_new, v_new, k, v, slots, starts, lengths) -> None:
+    """The kernels index without bounds checks: every shape they read must agree with the store's."""
+    n, kv_heads, _, head_dim = q.shape
+    rows, store_heads, max_len, store_dim = k.shape
+    v_dim = v.shape[3]
+    problems = []
+    if store_heads != kv_heads or v.shape[1] != kv_heads:
+        problems.append(
+            f"the query has {kv_heads} KV-head groups, the store {store_heads} / {v.shape[1]} KV heads"
+        )
+    if store_dim != head_dim:
+        problems.append(f"query head dim {head_dim} != stored key head dim {store_dim}")
+    if tuple(k_new.shape) != (n, kv_heads, head_dim) or tuple(v_new.shape) != (n, kv_heads, v_dim):
+        problems.append(f"new K/V {tuple(k_new.shape)} / {tuple(v_new.shape)} do not fit the store")
+    if v.shape[0] != rows or v.shape[2] != max_len:
+        problems.append(f"K store {tuple(k.shape)} and V store {tuple(v.shape)} differ in rows or positions")
+    if not (len(slots) == len(starts) == len(lengths) == n):
+        problems.append(f"{n} queries but {len(slots)} rows / {len(starts)} starts / {len(lengths)} lengths")
+    elif n and (
+        slots.min() < 0
+        or slots.max() >= rows
+        or lengths.min() < 1
+        or lengths.max() > max_len
+        or (starts < 0).any()
+        or (starts >= lengths).any()
+    ):
+        problems.append("a row, start or length is out of the store's bounds")
+    if k.dtype != torch.float32 or v.dtype != torch.float32 or q.dtype != torch.float32:
+        problems.append("the kernels read float32 only")
+    if problems:
+        raise ValueError("CPU decode attention: " + "; ".join(problems))

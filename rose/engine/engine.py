@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from rose.engine import loader
+from rose.engine import loader, model_binding
 from rose.engine.detokenizer import IncrementalDetokenizer
 from rose.engine.host_malloc import tune_malloc
 from rose.engine.kv_cache import KVCache
@@ -63,8 +63,11 @@ class Engine:
         self.max_num_seqs = max_num_seqs
         self.max_logprobs = max_logprobs
 
-        layers, kv_heads, head_dim, context = model_geometry(self.model.config)
-        bytes_per_token = 2 * layers * kv_heads * head_dim * torch.empty((), dtype=self.dtype).element_size()
+        layers = model_binding.probe(
+            self.model
+        )  # refuses, before any request, a model rose cannot serve exactly
+        _, _, _, context = model_geometry(self.model.config)
+        bytes_per_token = KVCache.bytes_per_token(layers.specs, self.dtype)
         spare = 0  # rows beyond max_num_seqs that keep finished sequences' K/V for prefix caching
         if enable_prefix_caching:
             spare = max_num_seqs // 2 if prefix_cache_slots is None else prefix_cache_slots
@@ -74,14 +77,14 @@ class Engine:
         self.max_model_len = self._resolve_max_model_len(
             max_model_len, context, rows * bytes_per_token, max_kv_cache_bytes
         )
-        self.cache = KVCache(layers, rows, kv_heads, self.max_model_len, head_dim, self.dtype, self.device)
+        self.cache = KVCache(layers.specs, rows, self.max_model_len, self.dtype, self.device)
         logger.info(
             "KV store: %d slots x %d tokens, %.1f MiB",
             rows,
             self.max_model_len,
             self.cache.nbytes / 2**20,
         )
-        self.runner = ModelRunner(self.model, self.cache)
+        self.runner = ModelRunner(self.model, layers, self.cache)
         self.scheduler = Scheduler(max_num_seqs, max_num_batched_tokens or max(2048, max_num_seqs))
         self.scheduler.sort_rows = not self.cache.use_cpu_kernels
         self.prefix_cache: PrefixCache | None = None

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
-from rose.engine.kv_cache import CONTEXT_KWARG, AttentionMetadata, KVCache, PrefillSegment, bind_kv_cache
+from rose.engine.kv_cache import AttentionMetadata, KVCache, PrefillSegment
+from rose.engine.model_binding import AttentionLayers, ForwardContext, attach
 from rose.engine.scheduler import ScheduledBatch
 from rose.engine.slot_order import decode_groups
 
@@ -23,11 +24,12 @@ def model_geometry(config) -> tuple[int, int, int, int]:
 
 
 class ModelRunner:
-    def __init__(self, model: PreTrainedModel, cache: KVCache) -> None:
+    def __init__(self, model: PreTrainedModel, layers: AttentionLayers, cache: KVCache) -> None:
         self.model = model
         self.cache = cache
         self.device = cache.k[0].device
-        bind_kv_cache(model, cache)
+        self.context = ForwardContext()
+        attach(model, layers, cache, self.context)
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
@@ -81,11 +83,14 @@ class ModelRunner:
         )
         if num_decode and not self.cache.use_cpu_kernels:  # the CPU kernels read exact spans: nothing to plan
             self._plan_sdpa_decode(meta, num_slots)
-        out = self.model(
-            input_ids=self._tensor(ids)[None],
-            position_ids=self._tensor(positions)[None],
-            use_cache=False,
-            logits_to_keep=self._tensor(sample_index),
-            **{CONTEXT_KWARG: meta},
-        )
+        self.context.meta = meta
+        try:
+            out = self.model(
+                input_ids=self._tensor(ids)[None],
+                position_ids=self._tensor(positions)[None],
+                use_cache=False,
+                logits_to_keep=self._tensor(sample_index),
+            )
+        finally:
+            self.context.meta = None
         return out.logits[0]

@@ -14,6 +14,7 @@ from engine_helpers import drain, greedy, hf_greedy, make_engine
 
 from rose.engine import slot_order
 from rose.engine.kv_cache import KVCache
+from rose.engine.layer_spec import LayerSpec
 from rose.engine.presets import build_preset
 from rose.engine.slot_order import decode_groups, padded_cost, plan_reorder
 
@@ -68,7 +69,9 @@ def test_plan_reorder_skips_a_sort_that_copies_more_than_it_saves():
 
 
 def test_move_rows_applies_a_permutation():
-    cache = KVCache(2, 4, 2, 8, 3, torch.float32, torch.device("cpu"))
+    # two layers of different geometry (K and V head dims differ in the second)
+    specs = [LayerSpec(2, 2, 3, 3), LayerSpec(4, 1, 5, 2)]
+    cache = KVCache(specs, 4, 8, torch.float32, torch.device("cpu"))
     for t in cache.k + cache.v:
         t.copy_(torch.randn_like(t))
     before = [t.clone() for t in cache.k + cache.v]

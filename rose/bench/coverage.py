@@ -1,0 +1,182 @@
+"""Model coverage: does rose's engine give transformers' exact greedy tokens for a model, in every engine mode?
+
+The oracle is transformers' own `generate` (greedy, its own KV cache and attention) on an identical copy of the
+model, one prompt at a time. The engine runs the same prompts in each mode of `MODES`:
+- `batched`: every prompt admitted at once, whole-prompt prefill, the default attention backend (on CPU float32:
+  the numba decode kernels);
+- `chunked`: two slots and a small step budget, so prompts are prefilled in chunks beside decoding rows and rows
+  are reused as requests finish; prefix caching on, with prompts that share prefixes, so cached K/V is reused;
+- `sdpa`: as `batched` with the other decode backend (SDPA over row ranges instead of the kernels).
+
+A mode's verdict is `exact` when every token matches; where tokens first differ, the reference's own logits decide
+whether it was a tie (the engine picked a token within `TIE_TOLERANCE` of the best): `exact (n ties)` then, the
+rest of that prompt unchecked; anything else is `wrong`. A model the engine refuses at construction is `refused`
+with the engine's message, which is what rose promises for what it cannot serve exactly.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import random
+import time
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from transformers import GenerationConfig, PreTrainedModel
+
+from rose.engine.engine import Engine
+from rose.engine.model_binding import UnsupportedModelError
+from rose.engine.sampling_params import SamplingParams
+
+MODES = ("batched", "chunked", "sdpa")
+TIE_TOLERANCE = 1e-3
+PROMPT_LENGTHS = (3, 9, 17, 26, 6, 13)  # past the tiny configs' windows and chunks (8 tokens)
+MAX_TOKENS = 12
+SHARED_PREFIX = 12  # the last two prompts start with the first prompt of at least this length
+
+
+@dataclass
+class ModeResult:
+    status: str  # "exact", "wrong" or "error"
+    ties: int = 0
+    detail: str = ""
+    prefix_hits: int = 0
+
+    def __str__(self) -> str:
+        if self.status == "exact":
+            return "exact" + (f" ({self.ties} tie{'s' * (self.ties > 1)})" if self.ties else "")
+        return self.status
+
+
+@dataclass
+class Verdict:
+    name: str
+    status: str  # "exact", "refused", "wrong" or "error"
+    modes: dict[str, ModeResult] = field(default_factory=dict)
+    detail: str = ""
+    seconds: float = 0.0
+
+
+def prompts_for(vocab_size: int, seed: int = 0) -> list[list[int]]:
+    """Random token ids (never the special ids 0-2), the last two sharing a prefix with an earlier prompt."""
+    rng = random.Random(seed)
+    top = min(vocab_size, 512)
+    prompts = [[rng.randrange(3, top) for _ in range(n)] for n in PROMPT_LENGTHS]
+    base = next(p for p in prompts if len(p) >= SHARED_PREFIX)
+    for i in (-2, -1):
+        prompts[i] = base[:SHARED_PREFIX] + prompts[i]
+    return prompts
+
+
+def check_model(
+    name: str,
+    build: Callable[[], PreTrainedModel],
+    modes: tuple[str, ...] = MODES,
+    max_tokens: int = MAX_TOKENS,
+) -> Verdict:
+    """Build the model once, then compare each mode of the engine with transformers' greedy reference."""
+    start = time.perf_counter()
+    try:
+        pristine = build().eval()
+    except Exception as exc:  # an architecture that cannot be built tiny is reported, not hidden
+        return Verdict(name, "error", detail=f"build failed: {type(exc).__name__}: {exc}")
+    prompts = prompts_for(pristine.config.get_text_config().vocab_size)
+    verdict = Verdict(name, "exact")
+    reference = None
+    for mode in modes:
+        try:
+            engine_out, hits = _run_engine(copy.deepcopy(pristine), prompts, max_tokens, mode)
+        except UnsupportedModelError as exc:
+            return Verdict(name, "refused", detail=str(exc), seconds=time.perf_counter() - start)
+        except Exception as exc:
+            verdict.modes[mode] = ModeResult("error", detail=f"{type(exc).__name__}: {exc}")
+            continue
+        if reference is None:
+            try:
+                reference = _reference(pristine, prompts, max_tokens)
+            except Exception as exc:
+                detail = f"transformers' generate failed: {type(exc).__name__}: {exc}"
+                return Verdict(name, "error", detail=detail, seconds=time.perf_counter() - start)
+        verdict.modes[mode] = _compare(engine_out, reference, hits)
+    failed = [m for m in verdict.modes.values() if m.status != "exact"]
+    if failed:
+        verdict.status = "wrong" if any(m.status == "wrong" for m in failed) else "error"
+        verdict.detail = next(m.detail for m in failed)
+    verdict.seconds = time.perf_counter() - start
+    return verdict
+
+
+@contextmanager
+def _backend(name: str):
+    old = os.environ.get("ROSE_ATTENTION_BACKEND")
+    os.environ["ROSE_ATTENTION_BACKEND"] = name
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("ROSE_ATTENTION_BACKEND")
+        else:
+            os.environ["ROSE_ATTENTION_BACKEND"] = old
+
+
+def _run_engine(model, prompts, max_tokens, mode) -> tuple[list[list[int]], int]:
+    kwargs: dict = dict(device="cpu", dtype="float32", max_model_len=128, max_num_seqs=len(prompts))
+    if mode == "chunked":
+        kwargs.update(
+            max_num_seqs=2, max_num_batched_tokens=8, enable_prefix_caching=True, prefix_block_size=4
+        )
+    with _backend("sdpa" if mode == "sdpa" else "auto"):
+        engine = Engine(model, None, **kwargs)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for i, ids in enumerate(prompts):
+        engine.add_request(str(i), ids, params)
+    outputs: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = out.output.token_ids
+    hits = engine.get_stats().get("prefix_cache_hits", 0)
+    return [outputs[str(i)] for i in range(len(prompts))], hits
+
+
+def _reference(model, prompts, max_tokens) -> list[tuple[list[int], torch.Tensor]]:
+    """transformers' greedy tokens and the logits it chose them from, one prompt at a time."""
+    config = GenerationConfig(
+        do_sample=False,
+        max_new_tokens=max_tokens,
+        eos_token_id=[],  # no stop: the engine ignores EOS too
+        pad_token_id=0,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    results = []
+    with torch.inference_mode():
+        for ids in prompts:
+            input_ids = torch.tensor([ids])
+            out = model.generate(
+                input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                generation_config=config,
+            )
+            results.append((out.sequences[0, len(ids) :].tolist(), torch.stack(out.logits)[:, 0]))
+    return results
+
+
+def _compare(engine_out, reference, hits: int) -> ModeResult:
+    ties = 0
+    for i, (got, (want, logits)) in enumerate(zip(engine_out, reference, strict=True)):
+        for step, (a, b) in enumerate(zip(got, want, strict=True)):
+            if a == b:
+                continue
+            gap = float(logits[step, b] - logits[step, a])
+            if gap <= TIE_TOLERANCE:
+                ties += 1
+                break
+            return ModeResult(
+                "wrong",
+                detail=f"prompt {i}: token {step} is {a}, transformers gives {b} (logit gap {gap:.3g})",
+            )
+    return ModeResult("exact", ties=ties, prefix_hits=hits)

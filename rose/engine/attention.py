@@ -1,0 +1,148 @@
+"""One layer's attention for one step over rose's KV store: write the step's K/V, attend each token over its own row.
+
+The step's tokens come flattened into one row: first one token per decoding sequence, then the prefill segments
+(rose.engine.kv_cache.AttentionMetadata). Decode tokens attend through the CPU kernels (exact spans, float32 on CPU)
+or through SDPA over row ranges; prefill segments through SDPA over their own row. Layers with soft-capping or sinks,
+which SDPA cannot compute, take `eager_attention` instead: transformers' eager math, on the same views and masks.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from rose.engine import cpu_attention
+from rose.engine.kv_cache import AttentionMetadata, KVCache
+from rose.engine.layer_spec import LayerSpec
+
+
+def eager_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    visible: torch.Tensor | None,
+    scale: float,
+    spec: LayerSpec,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """Grouped attention as transformers' eager functions compute it (scores, soft-cap, mask, softmax in float32
+    with the sinks' logits, values). q: [B, kv_heads, groups, L, D]; k: [B, kv_heads, S, D]; v: [B, kv_heads, S, Dv];
+    visible: bool, broadcastable to [B, 1, 1, L, S], or None for plain causal (L == S). Returns [B, kv_heads,
+    groups, L, Dv]."""
+    scores = torch.matmul(q, k.unsqueeze(2).transpose(-1, -2)) * scale
+    if spec.softcap is not None:
+        scores = torch.tanh(scores / spec.softcap) * spec.softcap
+    if visible is None:
+        length = scores.shape[-1]
+        visible = torch.ones(length, length, dtype=torch.bool, device=scores.device).tril()
+    scores = scores.masked_fill(~visible, float("-inf"))
+    if sinks is not None:
+        sink = sinks.to(scores.dtype).view(1, spec.num_kv_heads, spec.groups, 1, 1)
+        scores = torch.cat([scores, sink.expand(*scores.shape[:-1], 1)], dim=-1)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
+    if sinks is not None:
+        probs = probs[..., :-1]
+    return torch.matmul(probs, v.unsqueeze(2))
+
+
+def attend_layer(
+    cache: KVCache,
+    layer: int,
+    meta: AttentionMetadata,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """query [1, heads, num_tokens, D], key [1, kv_heads, num_tokens, D], value [1, kv_heads, num_tokens, Dv] ->
+    [num_tokens, heads, Dv], the step's K/V stored on the way."""
+    spec = cache.specs[layer]
+    kernels = cache.use_cpu_kernels and meta.num_decode > 0
+    cache.write(layer, meta, key, value, first=meta.num_decode if kernels else 0)
+    q = query[0].transpose(0, 1)  # [num_tokens, heads, D]
+    parts = []
+    if kernels:
+        n = meta.num_decode
+        rows, starts, ends = meta.decode_spans(spec.visibility)
+        out = cpu_attention.decode_attention(
+            q[:n].reshape(n, spec.num_kv_heads, spec.groups, spec.head_dim),
+            key[0, :, :n].transpose(0, 1),
+            value[0, :, :n].transpose(0, 1),
+            cache.k[layer],
+            cache.v[layer],
+            rows,
+            starts,
+            ends,
+            scale,
+            softcap=spec.softcap,
+            sinks=sinks,
+        )
+        parts.append(out.view(n, spec.num_heads, spec.v_head_dim))
+    elif meta.num_decode:
+        parts.append(_attend_decode(cache, layer, meta, q[: meta.num_decode], scale, sinks))
+    for i, seg in enumerate(meta.prefills):
+        q_seg = q[seg.offset : seg.offset + seg.length].transpose(0, 1)
+        parts.append(_attend_prefill(cache, layer, meta, i, q_seg, scale, sinks))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+
+
+def _attend_decode(
+    cache: KVCache,
+    layer: int,
+    meta: AttentionMetadata,
+    q: torch.Tensor,
+    scale: float,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """q: [num_decode, heads, D] -> [num_decode, heads, Dv], attending over each row's own slot."""
+    spec = cache.specs[layer]
+    span = meta.decode_span
+    if meta.decode_slots is not None:
+        # some occupied rows are mid-prefill: give them a dummy query so all rows run in one batched call
+        full = q.new_zeros((span, spec.num_heads, spec.head_dim))
+        full[meta.decode_slots] = q
+        q = full
+    # GQA without repeating K/V: the query heads sharing a KV head act as that head's query positions
+    qg = q.view(span, spec.num_kv_heads, spec.groups, spec.head_dim)
+    parts = []
+    for i, (start, end, longest) in enumerate(meta.decode_groups):
+        k = cache.k[layer][start:end, :, :longest]
+        v = cache.v[layer][start:end, :, :longest]
+        mask = meta.decode_mask(i, spec.visibility)
+        if spec.plain:
+            parts.append(F.scaled_dot_product_attention(qg[start:end], k, v, attn_mask=mask, scale=scale))
+        else:
+            out = eager_attention(qg[start:end, :, :, None], k, v, mask[:, :, :, None], scale, spec, sinks)
+            parts.append(out[:, :, :, 0])
+    out = parts[0] if len(parts) == 1 else torch.cat(parts)
+    out = out.reshape(span, spec.num_heads, spec.v_head_dim)
+    if meta.decode_slots is not None:
+        out = out[meta.decode_slots]
+    return out
+
+
+def _attend_prefill(
+    cache: KVCache,
+    layer: int,
+    meta: AttentionMetadata,
+    index: int,
+    q: torch.Tensor,
+    scale: float,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """q: [heads, length, D] of one segment -> [length, heads, Dv]."""
+    spec = cache.specs[layer]
+    seg = meta.prefills[index]
+    first, mask = meta.prefill_mask(index, spec.visibility, q.device)
+    end = seg.start + seg.length
+    k = cache.k[layer][seg.slot : seg.slot + 1, :, first:end]
+    v = cache.v[layer][seg.slot : seg.slot + 1, :, first:end]
+    if spec.plain:
+        out = F.scaled_dot_product_attention(
+            q[None], k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
+        )
+        return out[0].transpose(0, 1)
+    qg = q.view(1, spec.num_kv_heads, spec.groups, seg.length, spec.head_dim)
+    out = eager_attention(qg, k, v, None if mask is None else mask[:, :, None], scale, spec, sinks)
+    return out.reshape(spec.num_heads, seg.length, spec.v_head_dim).transpose(0, 1)

@@ -1,0 +1,325 @@
+"""Plugs rose's KV store into an unmodified transformers model, after checking that rose can serve it exactly.
+
+Everything rose knows about transformers' attention internals lives here. `probe(model)`:
+1. refuses, before any request, what rose cannot serve exactly: encoder-decoder models, state-space / recurrent /
+   linear-attention layers (they hold state, not K/V), a forward without `position_ids` (rose flattens a step's
+   sequences into one row, each with its own positions);
+2. probes one forward of a few tokens with rose's probe attention, registered both as an attention function and
+   as a mask function: each attention layer reports the tensors and arguments it hands to transformers'
+   `AttentionInterface`, and the mask transformers builds for it (its mask function is evaluated, so a sliding
+   window, chunked attention or plain causal attention is read exactly as `generate` applies it, per layer). A layer
+   that is never called, called twice, or hands over something rose does not implement (a position bias, a
+   bidirectional or custom mask, K/V of another length than its queries) refuses the model with the reason;
+then `attach` switches the model to rose's attention, each probed layer bound to its index in the store.
+
+The step's metadata reaches the layers through the runner's `ForwardContext`, not through forward kwargs, so models
+whose decoder layers do not pass `**kwargs` on are served too.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AttentionInterface, PreTrainedModel
+from transformers.masking_utils import AttentionMaskInterface
+
+from rose.engine.attention import attend_layer, eager_attention
+from rose.engine.kv_cache import AttentionMetadata, KVCache
+from rose.engine.layer_spec import LayerSpec, first_visible
+
+logger = logging.getLogger(__name__)
+
+ATTN_IMPLEMENTATION = "rose_slots"
+PROBE_IMPLEMENTATION = "rose_probe"
+PROBE_TOKENS = 8
+
+# attention kwargs that carry nothing rose must apply (the mask, window and scale are read elsewhere)
+_IGNORED_KWARGS = {
+    "dropout",
+    "scaling",
+    "sliding_window",
+    "softcap",
+    "s_aux",
+    "position_ids",
+    "output_attentions",
+    "use_cache",
+}
+# layer types (transformers' cache layer kinds) whose state is not a per-token K/V rose can store
+_STATEFUL_LAYERS = {
+    "conv": "convolution layers keep a rolling state",
+    "linear_attention": "linear-attention / state-space layers keep a recurrent state",
+    "hybrid": "hybrid layers keep a recurrent state beside their K/V",
+    "hybrid_sliding": "hybrid layers keep a recurrent state beside their K/V",
+    "indexed_attention": "sparse indexed attention picks the tokens each query attends to",
+    "heavily_compressed_attention": "compressed attention stores transformed K/V",
+    "compressed_sparse_attention": "compressed sparse attention stores transformed K/V",
+}
+
+
+class UnsupportedModelError(ValueError):
+    """A model rose cannot serve exactly; the message names the model type and the reason."""
+
+
+@dataclass
+class ForwardContext:
+    """The step being run: set by the ModelRunner around each forward, read by every bound layer."""
+
+    meta: AttentionMetadata | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Binding:
+    layer: int
+    cache: KVCache
+    context: ForwardContext
+
+
+@dataclass
+class AttentionLayers:
+    """A probed model's attention layers, in call order (= their index in the KV store), with their specs."""
+
+    modules: list[torch.nn.Module] = field(default_factory=list)
+    specs: list[LayerSpec] = field(default_factory=list)
+
+
+def attach(model: PreTrainedModel, layers: AttentionLayers, cache: KVCache, context: ForwardContext) -> None:
+    """Bind every probed layer to its store index and switch the model to rose's attention. The engine owns the
+    model from then on: its attention runs only inside the engine."""
+    for index, module in enumerate(layers.modules):
+        module._rose_binding = _Binding(index, cache, context)
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+
+
+def model_type(model: PreTrainedModel) -> str:
+    return getattr(model.config, "model_type", "") or type(model).__name__
+
+
+def probe(model: PreTrainedModel) -> AttentionLayers:
+    """The attention layers of `model` in call order, with what each computes; raises UnsupportedModelError."""
+    name = model_type(model)
+    _check_architecture(model, name)
+    recorder = _Recorder()
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(PROBE_IMPLEMENTATION)
+    vocab = model.config.get_text_config().vocab_size
+    ids = (torch.arange(PROBE_TOKENS) * 7 + 3) % vocab
+    device = next(model.parameters()).device
+    try:
+        _Recorder.active = recorder
+        with torch.inference_mode():
+            model(
+                input_ids=ids[None].to(device),
+                position_ids=torch.arange(PROBE_TOKENS, device=device)[None],
+                use_cache=False,
+            )
+    except UnsupportedModelError:
+        raise
+    except Exception as exc:
+        raise UnsupportedModelError(
+            f"{name}: a probe forward through rose's attention failed ({type(exc).__name__}: {exc}); rose cannot "
+            "serve this model"
+        ) from exc
+    finally:
+        _Recorder.active = None
+        model.set_attn_implementation(previous)
+    if recorder.problems:
+        raise UnsupportedModelError(f"{name}: {recorder.problems[0]}")
+    if not recorder.layers.specs:
+        raise UnsupportedModelError(
+            f"{name}: no layer of this model attends through transformers' AttentionInterface, so rose cannot attach "
+            "its KV cache"
+        )
+    return recorder.layers
+
+
+def _check_architecture(model: PreTrainedModel, name: str) -> None:
+    config = model.config
+    if getattr(config, "is_encoder_decoder", False):
+        raise UnsupportedModelError(
+            f"{name}: encoder-decoder models are not supported (rose serves decoder-only)"
+        )
+    stateful = {t: why for t, why in _STATEFUL_LAYERS.items() if t in _layer_types(config)}
+    if stateful or _has_state_space_config(config):
+        reason = "; ".join(stateful.values()) or "state-space layers keep a recurrent state"
+        raise UnsupportedModelError(f"{name}: {reason}: they have no KV cache rose can hold")
+    if not model._can_set_attn_implementation():
+        raise UnsupportedModelError(
+            f"{name}: its attention does not use transformers' AttentionInterface, so rose cannot attach its KV cache"
+        )
+    params = inspect.signature(model.forward).parameters
+    if "position_ids" not in params:
+        raise UnsupportedModelError(
+            f"{name}: its forward takes no position_ids, so rose cannot give each batched sequence its own positions"
+        )
+
+
+def _layer_types(config) -> list[str]:
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    try:
+        types, _ = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+    except Exception:  # configs without per-layer structure (state-space models): judged by their fields
+        return list(getattr(config, "layer_types", None) or ())
+    return list(types)
+
+
+def _has_state_space_config(config) -> bool:
+    text = config.get_text_config(decoder=True)
+    return any(
+        hasattr(text, f) for f in ("state_size", "ssm_state_size", "mamba_d_state", "attention_hidden_size")
+    )
+
+
+# ----------------------------------------------------------------------------------------------------- the probe
+
+
+@dataclass(frozen=True, slots=True)
+class _Mask:
+    """What the probe's mask function returns: the visibility transformers' mask gives a layer, or why it is not
+    one rose implements."""
+
+    window: int | None = None
+    chunk: int | None = None
+    unknown: str | None = None
+
+
+def _probe_mask(*, mask_function, local_size: int | None = None, **_) -> _Mask:
+    """Mask interface of the probe: evaluate transformers' mask function and name the pattern it draws."""
+    size = int(local_size or 0)
+    top = max(3 * size + 3, 4 * PROBE_TOKENS)
+    rows = sorted(
+        {
+            p
+            for p in (0, 1, 2, 7, size - 1, size, size + 1, 2 * size, 2 * size + 1, 3 * size + 2)
+            if 0 <= p < top
+        }
+    )
+    q = torch.tensor(rows)[:, None]
+    kv = torch.arange(top)[None, :]
+    zero = torch.zeros((), dtype=torch.long)
+    got = torch.as_tensor(mask_function(zero, zero, q, kv)).expand(len(rows), top)
+    for window, chunk in ((None, None), (size, None), (None, size)) if size else ((None, None),):
+        want = (kv <= q) & (kv >= first_visible(q, window, chunk))
+        if torch.equal(got, want):
+            return _Mask(window, chunk)
+    return _Mask(unknown="its attention mask is neither causal, a sliding window nor chunked attention")
+
+
+class _Recorder:
+    """Collects, during the probe forward, each attention layer's spec in call order."""
+
+    active: _Recorder | None = None
+
+    def __init__(self) -> None:
+        self.layers = AttentionLayers()
+        self.problems: list[str] = []
+        self._seen: set[int] = set()
+
+    def record(self, module, query, key, value, attention_mask, kwargs) -> LayerSpec | None:
+        where = f"attention layer {getattr(module, 'layer_idx', len(self.layers.specs))}"
+        problem = _spec_problem(query, key, value, attention_mask, kwargs)
+        if id(module) in self._seen:
+            problem = problem or "one attention module runs more than once per forward (shared attention)"
+        if problem:
+            self.problems.append(f"{where}: {problem}")
+            return None
+        window = chunk = None
+        if isinstance(attention_mask, _Mask):
+            window, chunk = attention_mask.window, attention_mask.chunk
+        sinks = kwargs.get("s_aux")
+        spec = LayerSpec(
+            num_heads=query.shape[1],
+            num_kv_heads=key.shape[1],
+            head_dim=query.shape[3],
+            v_head_dim=value.shape[3],
+            window=window,
+            chunk=chunk,
+            softcap=float(kwargs["softcap"]) if kwargs.get("softcap") else None,
+            sinks=sinks is not None,
+        )
+        self._seen.add(id(module))
+        self.layers.modules.append(module)
+        self.layers.specs.append(spec)
+        return spec
+
+
+def _spec_problem(query, key, value, attention_mask, kwargs) -> str | None:
+    if isinstance(attention_mask, _Mask) and attention_mask.unknown:
+        return attention_mask.unknown
+    if attention_mask is not None and not isinstance(attention_mask, _Mask):
+        return "it builds its own attention mask tensor instead of transformers' mask functions"
+    if kwargs.get("is_causal") is False:
+        return "its attention is not causal"
+    if kwargs.get("position_bias") is not None:
+        return "it adds a position bias (ALiBi-style) to the attention scores, which rose does not implement"
+    # None / False: a feature switched off (e.g. output_router_logits=False)
+    extra = sorted(
+        k
+        for k, v in kwargs.items()
+        if v is not None and v is not False and k not in _IGNORED_KWARGS | {"is_causal"}
+    )
+    if extra:
+        return f"its attention takes arguments rose does not implement: {', '.join(extra)}"
+    if query.shape[0] != 1 or query.shape[2] != PROBE_TOKENS:
+        return f"its queries have shape {tuple(query.shape)}, not one row of the {PROBE_TOKENS} probe tokens"
+    if key.shape[2] != PROBE_TOKENS or value.shape[2] != PROBE_TOKENS or key.shape[1] != value.shape[1]:
+        return f"its K/V {tuple(key.shape)} / {tuple(value.shape)} are not one entry per token of its queries"
+    if query.shape[1] % key.shape[1] or query.shape[3] != key.shape[3]:
+        return f"{query.shape[1]} query heads of dim {query.shape[3]} cannot attend over {key.shape[1]} KV heads of dim {key.shape[3]}"
+    return None
+
+
+def _probe_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    """Attention function of the probe: record the layer, then attend as transformers' eager attention would."""
+    recorder = _Recorder.active
+    spec = (
+        recorder.record(module, query, key, value, attention_mask, kwargs) if recorder is not None else None
+    )
+    if spec is None:  # the forward goes on with zeros; the recorded problem refuses the model afterwards
+        return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[3]), None
+    n = query.shape[2]
+    pos = torch.arange(n, device=query.device)
+    visible = (pos[None, :] <= pos[:, None]) & (pos[None, :] >= first_visible(pos[:, None], *spec.visibility))
+    qg = query.view(1, spec.num_kv_heads, spec.groups, n, spec.head_dim)
+    scale = scaling if scaling is not None else spec.head_dim**-0.5
+    out = eager_attention(qg, key, value, visible, scale, spec, kwargs.get("s_aux"))
+    return out.reshape(1, spec.num_heads, n, spec.v_head_dim).transpose(1, 2), None
+
+
+# ----------------------------------------------------------------------------------------------------- serving
+
+
+def slot_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention hook: write this step's K/V into the store, attend each token over its own slot.
+
+    query/key/value: [1, heads, num_tokens, head_dim] (the step's tokens flattened into one row).
+    Returns [1, num_tokens, heads, v_head_dim] as transformers expects.
+    """
+    binding: _Binding | None = getattr(module, "_rose_binding", None)
+    meta = binding.context.meta if binding is not None else None
+    if meta is None:
+        raise RuntimeError(
+            f"attention implementation {ATTN_IMPLEMENTATION!r} runs only inside rose's Engine (this layer is not "
+            "bound to a KV store, or no step is running)"
+        )
+    spec = binding.cache.specs[binding.layer]
+    scale = scaling if scaling is not None else spec.head_dim**-0.5
+    out = attend_layer(binding.cache, binding.layer, meta, query, key, value, scale, kwargs.get("s_aux"))
+    return out[None], None
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, slot_attention_forward)
+AttentionInterface.register(PROBE_IMPLEMENTATION, _probe_attention)
+AttentionMaskInterface.register(PROBE_IMPLEMENTATION, _probe_mask)
