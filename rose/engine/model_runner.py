@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from transformers import PreTrainedModel
 
@@ -30,6 +32,8 @@ class ModelRunner:
         self.device = cache.k[0].device
         self.context = ForwardContext()
         attach(model, layers, cache, self.context)
+        # models without it compute every token's logits; the sampled rows are picked out after the forward
+        self.keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
@@ -83,14 +87,15 @@ class ModelRunner:
         )
         if num_decode and not self.cache.use_cpu_kernels:  # the CPU kernels read exact spans: nothing to plan
             self._plan_sdpa_decode(meta, num_slots)
+        keep = self._tensor(sample_index)
         self.context.meta = meta
         try:
             out = self.model(
                 input_ids=self._tensor(ids)[None],
                 position_ids=self._tensor(positions)[None],
                 use_cache=False,
-                logits_to_keep=self._tensor(sample_index),
+                **({"logits_to_keep": keep} if self.keeps_logits else {}),
             )
         finally:
             self.context.meta = None
-        return out.logits[0]
+        return out.logits[0] if self.keeps_logits else out.logits[0, keep]

@@ -125,3 +125,73 @@ def test_kernels_compile_without_a_writable_cache(monkeypatch, caplog):
     kernel(np.arange(3, dtype=np.float32), out)
     assert out.tolist() == [1.0, 2.0, 3.0]
     assert "compiling them in each process" in caplog.text
+
+
+def _eager_reference(q, k, v, rows, starts, ends, scale, softcap, sinks):
+    """transformers' eager math per row: soft-capped scores, the sinks' logits in the softmax, then dropped."""
+    out = []
+    for i, (row, lo, hi) in enumerate(zip(rows, starts, ends, strict=True)):
+        scores = torch.einsum("hgd,hpd->hgp", q[i], k[row, :, lo:hi]) * scale
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        if sinks is not None:
+            sink = sinks.view(q.shape[1], q.shape[2], 1)
+            probs = torch.softmax(torch.cat([scores, sink], -1), -1)[..., :-1]
+        else:
+            probs = torch.softmax(scores, -1)
+        out.append(torch.einsum("hgp,hpd->hgd", probs, v[row, :, lo:hi]))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize(("softcap", "with_sinks"), [(None, True), (2.0, False), (1.5, True)])
+def test_kernels_soft_cap_sinks_and_a_value_head_dim_of_its_own(softcap, with_sinks):
+    gen = torch.Generator().manual_seed(5)
+    kv_heads, groups, head_dim, v_dim, rows_total, max_len = 2, 3, 12, 5, 6, 30
+    k = torch.randn(rows_total, kv_heads, max_len, head_dim, generator=gen) * 2  # scores large enough to be capped
+    v = torch.randn(rows_total, kv_heads, max_len, v_dim, generator=gen)
+    rows = np.array([4, 0, 2], dtype=np.int64)
+    ends = np.array([7, 1, 30], dtype=np.int64)
+    starts = np.array([2, 0, 24], dtype=np.int64)
+    q = torch.randn(3, kv_heads, groups, head_dim, generator=gen)
+    k_new = torch.randn(3, kv_heads, head_dim, generator=gen)
+    v_new = torch.randn(3, kv_heads, v_dim, generator=gen)
+    sinks = torch.randn(kv_heads * groups, generator=gen) if with_sinks else None
+    got = cpu_attention.decode_attention(
+        q, k_new, v_new, k, v, rows, starts, ends, 0.4, softcap=softcap, sinks=sinks
+    )
+    want = _eager_reference(q, k, v, rows.tolist(), starts.tolist(), ends.tolist(), 0.4, softcap, sinks)
+    assert got.shape == (3, kv_heads, groups, v_dim)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    plain = cpu_attention.decode_attention(q, k_new, v_new, k, v, rows, starts, ends, 0.4)
+    assert not torch.allclose(plain, got, atol=1e-3)  # the cap / the sinks changed the result
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("store_heads", "KV-head groups"),
+        ("head_dim", "head dim"),
+        ("row", "out of the store's bounds"),
+        ("length", "out of the store's bounds"),
+        ("count", "queries but"),
+    ],
+)
+def test_kernels_refuse_shapes_that_do_not_fit_the_store(case, message):
+    """The kernels index without bounds checks: a mismatch must raise, never read another row's memory."""
+    k = torch.zeros(4, 2, 16, 8)
+    v = torch.zeros(4, 2, 16, 8)
+    q = torch.zeros(2, 2, 2, 8)
+    rows, starts, ends = np.array([0, 3]), np.array([0, 0]), np.array([4, 9])
+    if case == "store_heads":
+        q = torch.zeros(2, 4, 1, 8)  # 4 KV-head groups over a store of 2 KV heads
+    elif case == "head_dim":
+        q = torch.zeros(2, 2, 2, 16)
+    elif case == "row":
+        rows = np.array([0, 4])
+    elif case == "length":
+        ends = np.array([4, 17])
+    elif case == "count":
+        rows, starts, ends = rows[:1], starts[:1], ends[:1]
+    k_new = torch.zeros(q.shape[0], q.shape[1], q.shape[3])
+    with pytest.raises(ValueError, match=message):
+        cpu_attention.decode_attention(q, k_new, k_new, k, v, rows, starts, ends, 1.0)
