@@ -70,8 +70,8 @@ def add_common_args(parser: argparse.ArgumentParser, json_default: str) -> None:
     parser.add_argument(
         "--model",
         default="tiny-llama",
-        help=f"a preset ({', '.join(PRESET_NAMES)}), the path of a config.json (random weights, seed 0), or a "
-        "checkpoint directory",
+        help=f"a preset ({', '.join(PRESET_NAMES)}), the path of a config.json (random weights, seed 0), a "
+        "checkpoint directory or a hub id",
     )
     parser.add_argument("--seed", type=int, default=0, help="workload seed")
     parser.add_argument(

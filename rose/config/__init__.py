@@ -27,8 +27,9 @@ class WorkerSettings(BaseSettings):
     )
     model: str = Field(
         "tiny-llama",
-        description="Preset name (tiny-llama, tiny-qwen2, tiny-gpt2, qwen2.5-0.5b), a local HF checkpoint dir, or the path "
-        "of a config.json (random weights).",
+        description="Preset name (tiny-llama, tiny-qwen2, tiny-gpt2, qwen2.5-0.5b), a local HF checkpoint dir, a hub id "
+        "(org/name: the local HF cache, else the hub unless HF_HUB_OFFLINE=1), or the path of a config.json (random "
+        "weights).",
     )
     tokenizer: str | None = Field(None, description="Tokenizer dir, when it is not the model's.")
     device: str = Field("auto", description="Torch device: auto (CUDA when present), cpu, cuda, cuda:1, ...")
