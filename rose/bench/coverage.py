@@ -36,11 +36,14 @@ TIE_TOLERANCE = 1e-3
 PROMPT_LENGTHS = (3, 9, 17, 26, 6, 13)  # past the tiny configs' windows and chunks (8 tokens)
 MAX_TOKENS = 12
 SHARED_PREFIX = 12  # the last two prompts start with the first prompt of at least this length
+# the architectures the test suite checks (tests/engine/test_model_coverage.py); `rose bench coverage --all` checks
+# every causal-LM type of the installed transformers
+SUITE = ("llama", "mistral", "gemma2", "gpt_oss", "llama4_text")
 
 
 @dataclass
 class ModeResult:
-    status: str  # "exact", "wrong" or "error"
+    status: str  # "exact", "wrong" or "crash"
     ties: int = 0
     detail: str = ""
     prefix_hits: int = 0
@@ -54,7 +57,9 @@ class ModeResult:
 @dataclass
 class Verdict:
     name: str
-    status: str  # "exact", "refused", "wrong" or "error"
+    status: (
+        str  # "exact", "refused", "wrong", "crash" (the engine failed on a model it accepted) or "skipped"
+    )
     modes: dict[str, ModeResult] = field(default_factory=dict)
     detail: str = ""
     seconds: float = 0.0
@@ -79,10 +84,16 @@ def check_model(
 ) -> Verdict:
     """Build the model once, then compare each mode of the engine with transformers' greedy reference."""
     start = time.perf_counter()
+
+    def done(status: str, detail: str = "", verdict: Verdict | None = None) -> Verdict:
+        verdict = verdict or Verdict(name, status)
+        verdict.status, verdict.detail, verdict.seconds = status, detail, time.perf_counter() - start
+        return verdict
+
     try:
         pristine = build().eval()
     except Exception as exc:  # an architecture that cannot be built tiny is reported, not hidden
-        return Verdict(name, "error", detail=f"build failed: {type(exc).__name__}: {exc}")
+        return done("skipped", f"no tiny model: {type(exc).__name__}: {exc}")
     prompts = prompts_for(pristine.config.get_text_config().vocab_size)
     verdict = Verdict(name, "exact")
     reference = None
@@ -90,23 +101,21 @@ def check_model(
         try:
             engine_out, hits = _run_engine(copy.deepcopy(pristine), prompts, max_tokens, mode)
         except UnsupportedModelError as exc:
-            return Verdict(name, "refused", detail=str(exc), seconds=time.perf_counter() - start)
+            return done("refused", str(exc))
         except Exception as exc:
-            verdict.modes[mode] = ModeResult("error", detail=f"{type(exc).__name__}: {exc}")
+            verdict.modes[mode] = ModeResult("crash", detail=f"{mode}: {type(exc).__name__}: {exc}")
             continue
         if reference is None:
             try:
                 reference = _reference(pristine, prompts, max_tokens)
             except Exception as exc:
-                detail = f"transformers' generate failed: {type(exc).__name__}: {exc}"
-                return Verdict(name, "error", detail=detail, seconds=time.perf_counter() - start)
+                return done("skipped", f"transformers' generate failed: {type(exc).__name__}: {exc}")
         verdict.modes[mode] = _compare(engine_out, reference, hits)
     failed = [m for m in verdict.modes.values() if m.status != "exact"]
-    if failed:
-        verdict.status = "wrong" if any(m.status == "wrong" for m in failed) else "error"
-        verdict.detail = next(m.detail for m in failed)
-    verdict.seconds = time.perf_counter() - start
-    return verdict
+    if not failed:
+        return done("exact", verdict=verdict)
+    status = "wrong" if any(m.status == "wrong" for m in failed) else "crash"
+    return done(status, next(m.detail for m in failed if m.status == status), verdict)
 
 
 @contextmanager

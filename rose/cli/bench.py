@@ -8,20 +8,25 @@ import argparse
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "bench",
-        help="benchmarks: rose vs transformers (engine), decode-step time (step), end to end (worker)",
+        help="benchmarks: rose vs transformers (engine), decode-step time (step), end to end (worker), model "
+        "coverage (coverage)",
         description="Benchmarks that print a table and write JSON. `rose bench KIND --help` lists each one's flags.",
     )
     p.add_argument(
         "kind",
-        choices=["engine", "step", "worker"],
-        help="engine: rose vs transformers; step: decode-step time; worker: redis + rose-worker vs engine alone",
+        choices=["engine", "step", "worker", "coverage"],
+        help="engine: rose vs transformers; step: decode-step time; worker: redis + rose-worker vs engine alone; "
+        "coverage: rose's tokens vs transformers' generate on tiny models of many architectures",
     )
     p.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's own flags")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    from rose.bench import coverage_cli
     from rose.bench.cli import engine_main, step_main, worker_main
 
-    main = {"engine": engine_main, "step": step_main, "worker": worker_main}[args.kind]
+    main = {"engine": engine_main, "step": step_main, "worker": worker_main, "coverage": coverage_cli.main}[
+        args.kind
+    ]
     return main(args.args, prog=f"rose bench {args.kind}")

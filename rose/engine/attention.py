@@ -78,7 +78,7 @@ def attend_layer(
             softcap=spec.softcap,
             sinks=sinks,
         )
-        parts.append(out.view(n, spec.num_heads, spec.v_head_dim))
+        parts.append(out.reshape(n, spec.num_heads, spec.v_head_dim))
     elif meta.num_decode:
         parts.append(_attend_decode(cache, layer, meta, q[: meta.num_decode], scale, sinks))
     for i, seg in enumerate(meta.prefills):
@@ -104,7 +104,7 @@ def _attend_decode(
         full[meta.decode_slots] = q
         q = full
     # GQA without repeating K/V: the query heads sharing a KV head act as that head's query positions
-    qg = q.view(span, spec.num_kv_heads, spec.groups, spec.head_dim)
+    qg = q.reshape(span, spec.num_kv_heads, spec.groups, spec.head_dim)
     parts = []
     for i, (start, end, longest) in enumerate(meta.decode_groups):
         k = cache.k[layer][start:end, :, :longest]
@@ -143,6 +143,6 @@ def _attend_prefill(
             q[None], k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
         )
         return out[0].transpose(0, 1)
-    qg = q.view(1, spec.num_kv_heads, spec.groups, seg.length, spec.head_dim)
+    qg = q.reshape(1, spec.num_kv_heads, spec.groups, seg.length, spec.head_dim)
     out = eager_attention(qg, k, v, None if mask is None else mask[:, :, None], scale, spec, sinks)
     return out.reshape(spec.num_heads, seg.length, spec.v_head_dim).transpose(0, 1)

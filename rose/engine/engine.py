@@ -14,7 +14,7 @@ from rose.engine import loader, model_binding
 from rose.engine.detokenizer import IncrementalDetokenizer
 from rose.engine.host_malloc import tune_malloc
 from rose.engine.kv_cache import KVCache
-from rose.engine.model_runner import ModelRunner, model_geometry
+from rose.engine.model_runner import ModelRunner, model_context
 from rose.engine.outputs import RequestMetrics, RequestOutput, StepOutput, TokenLogprob
 from rose.engine.prefix_cache import PrefixCache, block_hashes
 from rose.engine.sampler import Sampler
@@ -63,10 +63,9 @@ class Engine:
         self.max_num_seqs = max_num_seqs
         self.max_logprobs = max_logprobs
 
-        layers = model_binding.probe(
-            self.model
-        )  # refuses, before any request, a model rose cannot serve exactly
-        _, _, _, context = model_geometry(self.model.config)
+        # refuses, before any request, a model rose cannot serve exactly
+        layers = model_binding.probe(self.model)
+        context = layers.exact_context(model_context(self.model.config), max_model_len)
         bytes_per_token = KVCache.bytes_per_token(layers.specs, self.dtype)
         spare = 0  # rows beyond max_num_seqs that keep finished sequences' K/V for prefix caching
         if enable_prefix_caching:

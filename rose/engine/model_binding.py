@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers import AttentionInterface, PreTrainedModel
+from transformers.cache_utils import get_layer_types_and_kwargs
 from transformers.masking_utils import AttentionMaskInterface
 
 from rose.engine.attention import attend_layer, eager_attention
@@ -65,31 +66,72 @@ class UnsupportedModelError(ValueError):
 
 @dataclass
 class ForwardContext:
-    """The step being run: set by the ModelRunner around each forward, read by every bound layer."""
+    """The step being run: set by the ModelRunner around each forward (`begin` / `end`), read by every bound layer."""
 
     meta: AttentionMetadata | None = None
+    calls: dict[int, int] = field(
+        default_factory=dict
+    )  # module id -> calls so far (modules that attend twice)
+
+    def begin(self, meta: AttentionMetadata) -> None:
+        self.meta = meta
+        self.calls.clear()
+
+    def end(self) -> None:
+        self.meta = None
 
 
 @dataclass(frozen=True, slots=True)
 class _Binding:
-    layer: int
+    layers: tuple[int, ...]  # the store index of each of the module's calls in a forward
     cache: KVCache
     context: ForwardContext
+
+    def next_layer(self, module: torch.nn.Module) -> int:
+        if len(self.layers) == 1:
+            return self.layers[0]
+        calls = self.context.calls
+        n = calls.get(id(module), 0)
+        calls[id(module)] = n + 1
+        return self.layers[n]
 
 
 @dataclass
 class AttentionLayers:
-    """A probed model's attention layers, in call order (= their index in the KV store), with their specs."""
+    """A probed model's attention calls in the order of one forward (= their index in the KV store), each with its
+    module (a module that attends twice per forward, as diffllama's, has two entries) and its spec.
 
+    `context_limit`: the longest context rose serves exactly, where transformers' cache keeps fewer tokens for a
+    layer than that layer's mask lets it see (a `sliding_window` applied by the cache alone); None when unbounded."""
+
+    model_type: str
     modules: list[torch.nn.Module] = field(default_factory=list)
     specs: list[LayerSpec] = field(default_factory=list)
+    context_limit: int | None = None
+    limit_reason: str = ""
+
+    def exact_context(self, context: int, requested: int | None) -> int:
+        """The model's `context`, capped at `context_limit`; a longer `requested` max_model_len is refused."""
+        limit = self.context_limit
+        if limit is None or limit >= context:
+            return context
+        if requested is not None and requested > limit:
+            raise UnsupportedModelError(
+                f"{self.model_type}: exact only for contexts up to {limit} tokens ({self.limit_reason}); "
+                f"max_model_len {requested} is longer"
+            )
+        logger.warning("%s: max_model_len capped at %d: %s", self.model_type, limit, self.limit_reason)
+        return limit
 
 
 def attach(model: PreTrainedModel, layers: AttentionLayers, cache: KVCache, context: ForwardContext) -> None:
     """Bind every probed layer to its store index and switch the model to rose's attention. The engine owns the
     model from then on: its attention runs only inside the engine."""
+    indices: dict[int, list[int]] = {}
     for index, module in enumerate(layers.modules):
-        module._rose_binding = _Binding(index, cache, context)
+        indices.setdefault(id(module), []).append(index)
+    for module in layers.modules:
+        module._rose_binding = _Binding(tuple(indices[id(module)]), cache, context)
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
 
 
@@ -101,12 +143,13 @@ def probe(model: PreTrainedModel) -> AttentionLayers:
     """The attention layers of `model` in call order, with what each computes; raises UnsupportedModelError."""
     name = model_type(model)
     _check_architecture(model, name)
-    recorder = _Recorder()
+    recorder = _Recorder(name)
     previous = model.config._attn_implementation
     model.set_attn_implementation(PROBE_IMPLEMENTATION)
     vocab = model.config.get_text_config().vocab_size
     ids = (torch.arange(PROBE_TOKENS) * 7 + 3) % vocab
     device = next(model.parameters()).device
+    failure = None
     try:
         _Recorder.active = recorder
         with torch.inference_mode():
@@ -115,24 +158,45 @@ def probe(model: PreTrainedModel) -> AttentionLayers:
                 position_ids=torch.arange(PROBE_TOKENS, device=device)[None],
                 use_cache=False,
             )
-    except UnsupportedModelError:
-        raise
-    except Exception as exc:
-        raise UnsupportedModelError(
-            f"{name}: a probe forward through rose's attention failed ({type(exc).__name__}: {exc}); rose cannot "
-            "serve this model"
-        ) from exc
+    except Exception as exc:  # reported below, after what the layers themselves told the recorder
+        failure = exc
     finally:
         _Recorder.active = None
         model.set_attn_implementation(previous)
     if recorder.problems:
-        raise UnsupportedModelError(f"{name}: {recorder.problems[0]}")
+        raise UnsupportedModelError(f"{name}: {recorder.problems[0]}") from failure
+    if failure is not None:
+        raise UnsupportedModelError(
+            f"{name}: its forward fails under rose's attention ({type(failure).__name__}: {failure}): it does "
+            "something with its attention that rose does not implement"
+        ) from failure
     if not recorder.layers.specs:
         raise UnsupportedModelError(
             f"{name}: no layer of this model attends through transformers' AttentionInterface, so rose cannot attach "
             "its KV cache"
         )
+    _limit_context(recorder.layers, model.config)
     return recorder.layers
+
+
+def _limit_context(layers: AttentionLayers, config) -> None:
+    """generate keeps only the last `window - 1` tokens of a layer transformers' cache calls sliding (or chunked);
+    where that is fewer than the layer's mask lets it see, rose is exact only while contexts fit that window."""
+    windows = _cache_windows(config)
+    limits = []
+    for module, spec in zip(layers.modules, layers.specs, strict=True):
+        index = getattr(module, "layer_idx", None)
+        kept = windows[index] if isinstance(index, int) and index < len(windows) else None
+        span = spec.window or spec.chunk
+        if kept is not None and (span is None or kept < span):
+            limits.append((kept, index, span))
+    if limits:
+        kept, index, span = min(limits)
+        layers.context_limit = kept
+        layers.limit_reason = (
+            f"transformers' cache keeps only the last {kept} tokens of attention layer {index}, whose mask sees "
+            f"{'every token' if span is None else f'{span} tokens'}"
+        )
 
 
 def _check_architecture(model: PreTrainedModel, name: str) -> None:
@@ -143,7 +207,7 @@ def _check_architecture(model: PreTrainedModel, name: str) -> None:
         )
     stateful = {t: why for t, why in _STATEFUL_LAYERS.items() if t in _layer_types(config)}
     if stateful or _has_state_space_config(config):
-        reason = "; ".join(stateful.values()) or "state-space layers keep a recurrent state"
+        reason = "; ".join(dict.fromkeys(stateful.values())) or "state-space / recurrent layers keep a state"
         raise UnsupportedModelError(f"{name}: {reason}: they have no KV cache rose can hold")
     if not model._can_set_attn_implementation():
         raise UnsupportedModelError(
@@ -156,14 +220,21 @@ def _check_architecture(model: PreTrainedModel, name: str) -> None:
         )
 
 
-def _layer_types(config) -> list[str]:
-    from transformers.cache_utils import get_layer_types_and_kwargs
-
+def _cache_layers(config) -> tuple[list[str], list[dict]]:
+    """transformers' own view of each decoder layer: its cache layer type and that layer's arguments."""
     try:
-        types, _ = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+        return get_layer_types_and_kwargs(config.get_text_config(decoder=True))
     except Exception:  # configs without per-layer structure (state-space models): judged by their fields
-        return list(getattr(config, "layer_types", None) or ())
-    return list(types)
+        return list(getattr(config, "layer_types", None) or ()), []
+
+
+def _layer_types(config) -> list[str]:
+    return list(_cache_layers(config)[0])
+
+
+def _cache_windows(config) -> list[int | None]:
+    """Per decoder layer, the window transformers' cache keeps (sliding and chunked layers), else None."""
+    return [kwargs.get("sliding_window") for kwargs in _cache_layers(config)[1]]
 
 
 def _has_state_space_config(config) -> bool:
@@ -213,16 +284,13 @@ class _Recorder:
 
     active: _Recorder | None = None
 
-    def __init__(self) -> None:
-        self.layers = AttentionLayers()
+    def __init__(self, model_type: str) -> None:
+        self.layers = AttentionLayers(model_type)
         self.problems: list[str] = []
-        self._seen: set[int] = set()
 
     def record(self, module, query, key, value, attention_mask, kwargs) -> LayerSpec | None:
         where = f"attention layer {getattr(module, 'layer_idx', len(self.layers.specs))}"
         problem = _spec_problem(query, key, value, attention_mask, kwargs)
-        if id(module) in self._seen:
-            problem = problem or "one attention module runs more than once per forward (shared attention)"
         if problem:
             self.problems.append(f"{where}: {problem}")
             return None
@@ -240,7 +308,6 @@ class _Recorder:
             softcap=float(kwargs["softcap"]) if kwargs.get("softcap") else None,
             sinks=sinks is not None,
         )
-        self._seen.add(id(module))
         self.layers.modules.append(module)
         self.layers.specs.append(spec)
         return spec
@@ -283,10 +350,10 @@ def _probe_attention(module, query, key, value, attention_mask, scaling=None, **
     n = query.shape[2]
     pos = torch.arange(n, device=query.device)
     visible = (pos[None, :] <= pos[:, None]) & (pos[None, :] >= first_visible(pos[:, None], *spec.visibility))
-    qg = query.view(1, spec.num_kv_heads, spec.groups, n, spec.head_dim)
+    qg = query.reshape(1, spec.num_kv_heads, spec.groups, n, spec.head_dim)
     scale = scaling if scaling is not None else spec.head_dim**-0.5
     out = eager_attention(qg, key, value, visible, scale, spec, kwargs.get("s_aux"))
-    return out.reshape(1, spec.num_heads, n, spec.v_head_dim).transpose(1, 2), None
+    return out.reshape(1, spec.num_heads, n, spec.v_head_dim).transpose(1, 2).contiguous(), None
 
 
 # ----------------------------------------------------------------------------------------------------- serving
@@ -314,10 +381,11 @@ def slot_attention_forward(
             f"attention implementation {ATTN_IMPLEMENTATION!r} runs only inside rose's Engine (this layer is not "
             "bound to a KV store, or no step is running)"
         )
-    spec = binding.cache.specs[binding.layer]
+    layer = binding.next_layer(module)
+    spec = binding.cache.specs[layer]
     scale = scaling if scaling is not None else spec.head_dim**-0.5
-    out = attend_layer(binding.cache, binding.layer, meta, query, key, value, scale, kwargs.get("s_aux"))
-    return out[None], None
+    out = attend_layer(binding.cache, layer, meta, query, key, value, scale, kwargs.get("s_aux"))
+    return out[None].contiguous(), None  # models may .view() it
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, slot_attention_forward)

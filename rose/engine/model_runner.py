@@ -14,15 +14,21 @@ from rose.engine.slot_order import decode_groups
 
 
 def model_geometry(config) -> tuple[int, int, int, int]:
-    """(num_layers, num_kv_heads, head_dim, context length) from a transformers config."""
+    """(num_layers, num_kv_heads, head_dim, context length) from a transformers config (an estimate for models whose
+    layers differ: the engine reads each layer's geometry off the model itself, rose.engine.model_binding)."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     layers = getattr(text, "num_hidden_layers", None) or text.n_layer
     heads = getattr(text, "num_attention_heads", None) or text.n_head
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     hidden = getattr(text, "hidden_size", None) or text.n_embd
     head_dim = getattr(text, "head_dim", None) or hidden // heads
-    context = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None) or 2048
-    return layers, kv_heads, head_dim, context
+    return layers, kv_heads, head_dim, model_context(config)
+
+
+def model_context(config) -> int:
+    """The context length a transformers config declares (2048 when it declares none)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None) or 2048
 
 
 class ModelRunner:
@@ -88,7 +94,7 @@ class ModelRunner:
         if num_decode and not self.cache.use_cpu_kernels:  # the CPU kernels read exact spans: nothing to plan
             self._plan_sdpa_decode(meta, num_slots)
         keep = self._tensor(sample_index)
-        self.context.meta = meta
+        self.context.begin(meta)
         try:
             out = self.model(
                 input_ids=self._tensor(ids)[None],
@@ -97,5 +103,5 @@ class ModelRunner:
                 **({"logits_to_keep": keep} if self.keeps_logits else {}),
             )
         finally:
-            self.context.meta = None
+            self.context.end()
         return out.logits[0] if self.keeps_logits else out.logits[0, keep]

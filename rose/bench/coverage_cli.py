@@ -1,0 +1,98 @@
+"""`rose bench coverage`: rose's engine against transformers' `generate` on tiny models of many architectures.
+
+Prints one row per architecture (exact / refused / wrong / crash / skipped, per engine mode) and a summary line,
+and writes the table as JSON. Exit status 1 when any architecture is `wrong` or `crash`: rose must serve every model
+exactly or refuse it at construction.
+
+    rose bench coverage                  # the architectures the test suite checks (rose.bench.coverage.SUITE)
+    rose bench coverage --all            # every causal-LM type in the installed transformers
+    rose bench coverage llama gemma2     # just these
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import warnings
+from collections import Counter
+from collections.abc import Sequence
+
+import torch
+
+from rose.bench.coverage import MODES, SUITE, Verdict, check_model
+from rose.bench.report import markdown_table, print_table, write_json
+
+DEFAULT_JSON = "benchmarks/results/coverage.json"
+
+
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    p.add_argument("types", nargs="*", help="model types (default: the test suite's list)")
+    p.add_argument("--all", action="store_true", help="every causal-LM type in the installed transformers")
+    p.add_argument(
+        "--modes", default=",".join(MODES), help=f"comma-separated engine modes ({', '.join(MODES)})"
+    )
+    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    p.add_argument("--markdown", action="store_true", help="print the table as markdown")
+    p.add_argument("--json-out", default=DEFAULT_JSON)
+    p.add_argument("--verbose", action="store_true", help="show transformers' warnings and rose's logs")
+    return p
+
+
+def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
+    from rose.bench.architectures import causal_lm_types, tiny_model
+
+    args = build_parser(prog).parse_args(argv)
+    modes = tuple(m for m in args.modes.split(",") if m)
+    if unknown := set(modes) - set(MODES):
+        raise SystemExit(f"unknown mode(s) {sorted(unknown)}; modes are {', '.join(MODES)}")
+    torch.set_num_threads(args.threads)
+    if not args.verbose:
+        _quiet()
+    types = causal_lm_types() if args.all else (args.types or list(SUITE))
+    verdicts = []
+    for i, model_type in enumerate(types, 1):
+        verdict = check_model(model_type, lambda t=model_type: tiny_model(t), modes)
+        verdicts.append(verdict)
+        print(f"[{i}/{len(types)}] {_line(verdict, modes)}", file=sys.stderr, flush=True)
+    headers = ["model type", "verdict", *modes, "s", "detail"]
+    rows = [[v.name, v.status, *(_mode(v, m) for m in modes), f"{v.seconds:.1f}", v.detail] for v in verdicts]
+    if args.markdown:
+        print(markdown_table(headers, rows))
+    else:
+        print_table("rose vs transformers generate (greedy, tiny random-weight models)", headers, rows)
+    counts = Counter(v.status for v in verdicts)
+    print(", ".join(f"{counts[s]} {s}" for s in ("exact", "refused", "wrong", "crash", "skipped")))
+    write_json(args.json_out, {"modes": modes, "verdicts": [_json(v) for v in verdicts], "counts": counts})
+    return 1 if counts["wrong"] or counts["crash"] else 0
+
+
+def _mode(v: Verdict, mode: str) -> str:
+    result = v.modes.get(mode)
+    return str(result) if result is not None else "-"
+
+
+def _line(v: Verdict, modes: tuple[str, ...]) -> str:
+    per_mode = " ".join(f"{m}={_mode(v, m)}" for m in modes if m in v.modes)
+    return f"{v.name}: {v.status} {per_mode} {v.detail} ({v.seconds:.1f} s)"
+
+
+def _json(v: Verdict) -> dict:
+    modes = {m: {"status": r.status, "ties": r.ties, "detail": r.detail} for m, r in v.modes.items()}
+    return {
+        "model_type": v.name,
+        "status": v.status,
+        "detail": v.detail,
+        "seconds": v.seconds,
+        "modes": modes,
+    }
+
+
+def _quiet() -> None:
+    """Tiny random configs make transformers warn about every odd field; the table is what matters."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    logging.getLogger("rose").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
