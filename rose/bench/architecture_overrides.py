@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 _ROPE = {"rope_type": "default", "rope_theta": 10_000.0}
+_GEMMA4_GLOBAL = {"global_head_dim": 32, "attention_k_eq_v": True, "num_global_key_value_heads": 1}
 
 FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {
     # sliding layers supported but none in the default pattern; laguna also varies its head count per layer
@@ -58,8 +59,16 @@ FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {
         "layer_types": ["sliding_attention", "full_attention"] * 2,
         "num_kv_shared_layers": 2,
     },
-    "gemma4_text": {"global_head_dim": 32},  # full-attention layers get their own head_dim (per_layer_config)
-    "gemma4_unified_text": {"global_head_dim": 32},
+    # gemma4: full-attention layers get their own head_dim and (with K = V) a single KV head (per_layer_config);
+    # the MoE block of the large variants runs beside the dense MLP; per-layer input embeddings stay on
+    "gemma4_text": {
+        **_GEMMA4_GLOBAL,
+        "enable_moe_block": True,
+        "num_experts": 4,
+        "top_k_experts": 2,
+        "moe_intermediate_size": 64,
+    },
+    "gemma4_unified_text": dict(_GEMMA4_GLOBAL),
     # MLA with a different shape on the sliding layers (per_layer_config from the swa_* kwargs); the rotary part
     # is head_dim * partial_rotary_factor (0.25) = qk_rope_head_dim = 8 on both kinds
     "dots3_note_text": {
@@ -72,6 +81,8 @@ FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {
         "swa_qk_nope_head_dim": 24,
         "swa_v_head_dim": 16,
     },
+    # doge's cross-domain MoE stays off, as by default: its router reshapes (2, tokens, keys) across the tokens of a
+    # forward, so a token's output depends on the others (prompt length, batch); full forward != cached decoding
     # generate builds its cache from the top-level config's layer count, which BltConfig lacks
     "blt": {"num_hidden_layers": 2},
     "mamba2": {"num_heads": 8, "head_dim": 16, "n_groups": 2},

@@ -299,7 +299,7 @@ def features(model_or_config: PreTrainedModel | PretrainedConfig) -> list[str]:
     if isinstance(v.get("kv_lora_rank"), int):
         tags.append(f"mla(kv_rank={v['kv_lora_rank']})")
     experts = next((v[k] for k in _MOE_COUNTS if isinstance(v.get(k), int)), None)
-    if experts and experts > 1:
+    if experts and experts > 1 and v.get("is_moe") is not False:  # doge declares experts it does not build
         tags.append(f"moe={experts}")
     params = model_or_config.named_parameters() if isinstance(model_or_config, torch.nn.Module) else []
     if any("sinks" in name for name, _ in params):

@@ -4,10 +4,14 @@ benchmarks/architectures_report.py)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from rose.bench.architecture_overrides import FAMILY_OVERRIDES, SUBCONFIG_OVERRIDES
 from rose.bench.architectures import (
     BOS_ID,
     BUILD_FAILURES,
@@ -161,3 +165,27 @@ def test_mamba_keeps_its_state_space_init(models):
 def test_hybrids_keep_one_layer_of_each_kind():
     assert set(tiny_config("jamba").layers_block_type) == {"attention", "mamba"}
     assert set(tiny_config("qwen3_next").layer_types) == {"linear_attention", "full_attention"}
+
+
+# Override keys that are no declared field on purpose: kwargs that __post_init__ consumes, or (blt, dbrx) attributes
+# the modelling code reads although the config does not declare them.
+UNDECLARED = {
+    "gemma4_text": {"global_head_dim", "num_global_key_value_heads"},
+    "gemma4_unified_text": {"global_head_dim", "num_global_key_value_heads"},
+    "dots3_note_text": {f"swa_{k}" for k in ("num_attention_heads", "num_key_value_heads", "head_dim")}
+    | {f"swa_{k}" for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim")},
+    "blt": {"num_hidden_layers"},
+    "dbrx.attn_config": {"rope_theta"},
+}
+
+
+def test_overrides_name_real_fields():
+    """A misspelt override would only set a stray attribute and silently leave the feature off."""
+    for model_type, overrides in FAMILY_OVERRIDES.items():
+        cls = CONFIG_MAPPING[model_type]
+        names = {f.name for f in dataclasses.fields(cls)} | set(cls.attribute_map)
+        assert set(overrides) - names == UNDECLARED.get(model_type, set()), model_type
+    for model_type, subs in SUBCONFIG_OVERRIDES.items():
+        for key, overrides in subs.items():
+            names = {f.name for f in dataclasses.fields(CONFIG_MAPPING[model_type].sub_configs[key])}
+            assert set(overrides) - names == UNDECLARED.get(f"{model_type}.{key}", set()), (model_type, key)
