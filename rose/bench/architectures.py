@@ -3,24 +3,28 @@
 Contract (what the parity sweep relies on):
 
 - `causal_lm_types()` lists every `model_type` of transformers' `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`, sorted.
-- `tiny_config(model_type)` is that type's own config class with its defaults shrunk by attribute name (width 64,
-  2 layers or as many as the family's layer pattern needs to show every kind of layer, 4 query / 2 KV heads of
-  dim 16, MLP 128, vocabulary 512 with eos 0 / bos 1 / pad 2 and every other token id inside it, 512 positions,
-  untied embeddings, float32, no dropout), then per-family overrides (`architecture_overrides.FAMILY_OVERRIDES`).
-  Each family's distinctive features stay on: sliding windows shrunk to 8 tokens, layer-type patterns, soft-capping,
-  attention sinks, chunked attention (chunk 8), MLA ranks, MoE routing (4 experts, top-2), hybrid layer patterns.
-- `tiny_model(model_type, seed)` builds it with `AutoModelForCausalLM.from_config` under `torch.manual_seed(seed)`,
-  in eval mode, then redraws every floating parameter from a generator seeded with `seed` so that greedy decoding
-  has clear winners (the default std-0.02 init gives near-uniform logits full of near-ties). The same seed gives
-  the same weights on every call. Nothing is downloaded.
-- `build_failure(model_type)` says why a type cannot be built tiny (`BUILD_FAILURES` holds the known reasons);
-  such types stay in `causal_lm_types()`.
+- `tiny_config(model_type)` is that type's own config class with its defaults shrunk by attribute name
+  (`architecture_sizes.SIZES`: width 64, 4 query / 2 KV heads of dim 16, MLP 128, vocabulary 512 with eos 0 /
+  bos 1 / pad 2 and every other token id inside it, 512 positions, untied embeddings, no dropout; 2 layers, or the
+  shortest prefix of the family's layer pattern that holds every kind of layer, at most 8), then per-family
+  overrides (`architecture_overrides`). Composite configs get tiny sub-configs the same way. Each family's
+  distinctive features stay on: sliding windows of 8 tokens wherever a config has one (flags such as qwen2's
+  use_sliding_window switched on), layer-type patterns, soft-capping, attention sinks, chunked attention (chunk 8),
+  MLA ranks, sparse-attention budgets of 8 keys, MoE routing (4 experts, top-2), hybrid layer patterns.
+- `tiny_model(model_type, seed)` builds it with `AutoModelForCausalLM.from_config(..., dtype=float32)` under
+  `torch.manual_seed(seed)`, in eval mode, then `redraw_weights` redraws the parameters from a generator seeded
+  with `seed` so that greedy decoding has clear winners (the default std-0.02 init gives near-uniform logits full
+  of near-ties). The same seed gives the same weights on every call. Nothing is downloaded.
+- `build_failure(model_type)` says why a type cannot be built tiny (`BUILD_FAILURES`); such types stay in
+  `causal_lm_types()`. `GENERATE_CAVEATS` names the types whose cached `generate` disagrees with a full forward.
+- `features(model)` tags what a tiny model exercises (layer kinds, GQA, window, soft-caps, chunks, MLA, MoE, sinks).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -109,9 +113,9 @@ def tiny_model(model_type: str, seed: int = 0) -> PreTrainedModel:
 
 
 def _shrink(cls: type[PretrainedConfig], overrides: dict[str, Any], sub_overrides: dict[str, dict]) -> Any:
-    """Build `cls` twice: once with the overrides (to see the family's own defaults and layer pattern), then with
-    the tiny values derived from that, the overrides winning. Sub-configs (text/vision/...) are shrunk the same
-    way and passed in as objects."""
+    """Build `cls` twice: once with the feature switches and overrides (to see the family's own defaults and layer
+    pattern with its features on), then with the tiny values derived from that, the overrides winning.
+    Sub-configs (text/vision/...) are shrunk the same way and passed in as objects."""
     subs = _tiny_subconfigs(cls, overrides, sub_overrides)
     names = {f.name for f in dataclasses.fields(cls)}
     overrides = {**{k: v for k, v in SWITCHES.items() if k in names}, **overrides}
@@ -176,38 +180,54 @@ def _tiny_values(base: PretrainedConfig, layers: int | None = None) -> dict[str,
     d = _field_values(base)
     count, n = _layer_count(d)
     n = layers or n
-    out: dict[str, Any] = {}
     specials = iter(range(VOCAB - 1, VOCAB - NUM_SPECIAL_TOP, -1))
+    out: dict[str, Any] = {}
     for key, value in d.items():
-        if isinstance(value, bool) or key.startswith("_") or key == "per_layer_config":
-            continue
-        if key in LAYER_COUNTS and isinstance(value, int):
-            out[key] = n
-        elif key in SIZES and _is_pattern(value, count):
-            out[key] = [SIZES[key]] * n  # per-layer sizes (gemma3n's intermediate_size)
-        elif count and isinstance(value, list) and len(value) == count:
-            out[key] = (value * n)[:n]
-        elif key in SIZES and isinstance(value, int):
-            out[key] = SIZES[key]
-        elif DROPOUT.search(key) and isinstance(value, float):
-            out[key] = 0.0
-        elif key in GROUPS and isinstance(value, int):
-            out[key] = min(value, GROUPS[key])
-        elif key in ("eos_token_id", "bos_token_id", "pad_token_id") or (
-            key.endswith(("_token_id", "_token_index", "_token_ids")) and value is not None
-        ):
-            out[key] = _token_id(key, value, specials)
-    # defaults of None that the modelling code cannot take (hunyuan's head_dim, nemotron's KV heads, MoE fields)
+        tiny = _tiny_value(key, value, count, n, specials)
+        if tiny is not _UNCHANGED:
+            out[key] = tiny
+    return {**out, **_consistent(d, out)}
+
+
+_UNCHANGED = object()
+
+
+def _tiny_value(key: str, value: Any, count: int | None, n: int, specials: Iterator[int]) -> Any:
+    """One field's tiny value, or _UNCHANGED to keep the family's default."""
+    if isinstance(value, bool) or key.startswith("_") or key == "per_layer_config":
+        return _UNCHANGED  # flags stay; per_layer_config is derived again from the tiny fields
+    if key in LAYER_COUNTS and isinstance(value, int):
+        return n
+    if count and _is_pattern(value, count):
+        return [SIZES[key]] * n if key in SIZES else (value * n)[:n]  # per-layer sizes (gemma3n) or kinds
+    if count and isinstance(value, list) and len(value) == count:
+        return value[:n]  # per-layer values without repeats
+    if key in SIZES and isinstance(value, int):
+        return SIZES[key]
+    if DROPOUT.search(key) and isinstance(value, float):
+        return 0.0
+    if key in GROUPS and isinstance(value, int):
+        return min(value, GROUPS[key])
+    if key in ("eos_token_id", "bos_token_id", "pad_token_id") or (
+        key.endswith(("_token_id", "_token_index", "_token_ids")) and value is not None
+    ):
+        return _token_id(key, value, specials)
+    return _UNCHANGED
+
+
+def _consistent(d: dict[str, Any], out: dict[str, Any]) -> dict[str, Any]:
+    """Values that must agree with others, and defaults the modelling code cannot take."""
+    fix: dict[str, Any] = {"tie_word_embeddings": False}
+    # None that the modelling code cannot take (hunyuan's head_dim, nemotron's KV heads, dots1's experts)
     fill = ("head_dim", "num_key_value_heads", *(MOE_FILL if "moe_intermediate_size" in d else ()))
-    out.update({k: SIZES[k] for k in fill if k in d and d[k] is None})
+    fix.update({k: SIZES[k] for k in fill if k in d and d[k] is None})
     if d.get("head_dim") is not None and d.get("head_dim") == d.get("qk_rope_head_dim"):
-        out["head_dim"] = SIZES["qk_rope_head_dim"]  # MLA's rotary embedding spans head_dim
+        fix["head_dim"] = SIZES["qk_rope_head_dim"]  # MLA's rotary embedding spans head_dim
     if isinstance(d.get("kv_lora_rank"), int) and "num_key_value_heads" in out:
-        out["num_key_value_heads"] = HEADS  # MLA expands its latent into one K/V per query head: no GQA
+        fix["num_key_value_heads"] = HEADS  # MLA expands its latent into one K/V per query head: no GQA
     if "is_decoder" in d:
-        out["is_decoder"] = True  # encoder families (bert, roberta, ...) are causal LMs only as decoders
-    out["tie_word_embeddings"] = False
-    return out
+        fix["is_decoder"] = True  # encoder families (bert, roberta, ...) are causal LMs only as decoders
+    return fix
 
 
 def _field_values(config: PretrainedConfig) -> dict[str, Any]:
@@ -224,7 +244,8 @@ def _field_values(config: PretrainedConfig) -> dict[str, Any]:
     return out
 
 
-def _token_id(key: str, value: Any, specials: Any) -> Any:
+def _token_id(key: str, value: Any, specials: Iterator[int]) -> Any:
+    """eos/bos/pad 0/1/2; other special ids (image, audio, ...) from the top of the vocabulary down."""
     if key.startswith("forced_"):
         return None  # forced bos/eos would override greedy choices at the first/last step
     if key.startswith("eos"):
@@ -250,11 +271,13 @@ _KEEP_INIT = re.compile(r"(A_log|dt_bias|\.D$|time_decay|time_first|recurrent_pa
 
 @torch.no_grad()
 def redraw_weights(model: torch.nn.Module, seed: int) -> None:
-    """Redraw every floating parameter from a generator seeded with `seed`, in registration order.
+    """Redraw the floating parameters from a generator seeded with `seed`, in registration order.
 
-    Matrices (and embeddings, experts, convolutions) get N(0, 0.1); constant vectors (norm weights, biases, sinks,
-    zero-initialised gates) get their constant plus noise, so norms stay near 1; state-space dynamics parameters
-    (A_log, dt_bias, D, ...) whose init encodes stability keep their (seeded, deterministic) init."""
+    Matrices (embeddings, projections, experts, convolutions) get N(0, 0.1), the output head N(0, 0.4); attention
+    sinks N(0, 1); constant vectors (norm weights, biases, zero-initialised gates) their constant plus noise, so
+    norms stay near 1 (or near 0 where the family computes 1 + w). Vectors whose init is structured (mamba's
+    A_log / dt_bias / D, rwkv's decays, dt_proj biases, xlstm's gate ramps) keep it: it is seeded by from_config
+    under torch.manual_seed(seed), hence as deterministic."""
     gen = torch.Generator().manual_seed(seed)
     head = model.get_output_embeddings() if isinstance(model, PreTrainedModel) else None
     head_weight = getattr(head, "weight", None)
