@@ -107,6 +107,11 @@ SIZES: dict[str, int] = {
 # flags that gate it (window on from layer 1).
 SWITCHES: dict[str, Any] = {"sliding_window": WINDOW, "use_sliding_window": True, "max_window_layers": 1}
 
+# Float values, applied where the default is a float (None = the feature off, which stays off). Attention scores of
+# the tiny models are of order 1: a cap of 50 (gemma2's) would change nothing, 5 visibly bends them. (The final-logit
+# caps stay: tanh is monotonic, so they never change a greedy choice anyway.)
+FLOATS: dict[str, float] = {"attn_logit_softcapping": 5.0}
+
 # Caps rather than values: group-limited MoE routing keeps 2 groups of 2 experts, of which the best 1 is used.
 GROUPS: dict[str, int] = {"n_group": 2, "topk_group": 1, "num_expert_group": 2, "topk_groups": 1}
 

@@ -43,6 +43,7 @@ from rose.bench.architecture_sizes import (
     BOS_ID,
     DROPOUT,
     EOS_ID,
+    FLOATS,
     GROUPS,
     HEADS,
     LAYER_COUNTS,
@@ -206,6 +207,8 @@ def _tiny_value(key: str, value: Any, count: int | None, n: int, specials: Itera
         return SIZES[key]
     if DROPOUT.search(key) and isinstance(value, float):
         return 0.0
+    if key in FLOATS and isinstance(value, float):
+        return FLOATS[key]
     if key in GROUPS and isinstance(value, int):
         return min(value, GROUPS[key])
     if key in ("eos_token_id", "bos_token_id", "pad_token_id") or (
