@@ -271,7 +271,12 @@ def _probe_mask(*, mask_function, local_size: int | None = None, **_) -> _Mask:
     q = torch.tensor(rows)[:, None]
     kv = torch.arange(top)[None, :]
     zero = torch.zeros((), dtype=torch.long)
-    got = torch.as_tensor(mask_function(zero, zero, q, kv)).expand(len(rows), top)
+    try:
+        got = torch.as_tensor(mask_function(zero, zero, q, kv)).expand(len(rows), top)
+    except IndexError:  # an overlay indexed by the probe's own tokens (multimodal block ids)
+        return _Mask(
+            unknown="its attention mask depends on per-token data (multimodal blocks) rose does not read"
+        )
     for window, chunk in ((None, None), (size, None), (None, size)) if size else ((None, None),):
         want = (kv <= q) & (kv >= first_visible(q, window, chunk))
         if torch.equal(got, want):

@@ -58,7 +58,10 @@ def test_per_layer_windows_follow_layer_types_exactly():
     assert qwen2.config.layer_types == ["full_attention"] + ["sliding_attention"] * 3
     assert [s.window for s in specs(qwen2)] == [None, 5, 5, 5]
     # use_sliding_window False: transformers windows no layer, whatever sliding_window says
-    assert [s.window for s in specs(tiny("qwen2", sliding_window=5, use_sliding_window=False))] == [None, None]
+    assert [s.window for s in specs(tiny("qwen2", sliding_window=5, use_sliding_window=False))] == [
+        None,
+        None,
+    ]
     types = ["sliding_attention", "full_attention", "sliding_attention"]
     gemma3 = tiny("gemma3_text", num_hidden_layers=3, sliding_window=7, layer_types=types)
     assert [s.window for s in specs(gemma3)] == [7, None, 7]
@@ -70,10 +73,16 @@ def test_soft_capping_and_sinks_and_chunks():
     gpt_oss = specs(tiny("gpt_oss", num_local_experts=2, num_experts_per_tok=1, sliding_window=4))
     assert all(s.sinks for s in gpt_oss)
     llama4 = tiny(
-        "llama4_text", attention_chunk_size=4, num_hidden_layers=4, num_local_experts=2, intermediate_size_mlp=64
+        "llama4_text",
+        attention_chunk_size=4,
+        num_hidden_layers=4,
+        num_local_experts=2,
+        intermediate_size_mlp=64,
     )
     chunks = [s.chunk for s in specs(llama4)]
-    assert chunks == [4 if rope else None for rope in llama4.config.no_rope_layers]  # transformers' own pattern
+    assert chunks == [
+        4 if rope else None for rope in llama4.config.no_rope_layers
+    ]  # transformers' own pattern
     assert None in chunks and 4 in chunks
 
 
