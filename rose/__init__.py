@@ -21,6 +21,7 @@ _EXPORTS = {
     "SamplingParams": "rose.engine.sampling_params",
     "RequestOutput": "rose.engine.outputs",
     "StepOutput": "rose.engine.outputs",
+    "UnsupportedModelError": "rose.engine.model_probe",
     "Client": "rose.jobs.client",
     "AsyncClient": "rose.jobs.client",
     "JobFailed": "rose.jobs.client",
@@ -37,12 +38,14 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
     "StepOutput",
+    "UnsupportedModelError",
     "__version__",
 ]
 
 if TYPE_CHECKING:
     from rose.engine.engine import Engine
     from rose.engine.llm import LLM
+    from rose.engine.model_probe import UnsupportedModelError
     from rose.engine.outputs import RequestOutput, StepOutput
     from rose.engine.sampling_params import SamplingParams
     from rose.jobs.client import AsyncClient, Client, JobCanceled, JobFailed

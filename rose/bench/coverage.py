@@ -28,7 +28,7 @@ import torch
 from transformers import GenerationConfig, PreTrainedModel
 
 from rose.engine.engine import Engine
-from rose.engine.model_binding import UnsupportedModelError
+from rose.engine.model_probe import UnsupportedModelError
 from rose.engine.sampling_params import SamplingParams
 
 MODES = ("batched", "chunked", "sdpa")

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from rose.engine import loader, model_binding
+from rose.engine import loader, model_probe
 from rose.engine.detokenizer import IncrementalDetokenizer
 from rose.engine.host_malloc import tune_malloc
 from rose.engine.kv_cache import KVCache
@@ -64,7 +64,7 @@ class Engine:
         self.max_logprobs = max_logprobs
 
         # refuses, before any request, a model rose cannot serve exactly
-        layers = model_binding.probe(self.model)
+        layers = model_probe.probe(self.model)
         context = layers.exact_context(model_context(self.model.config), max_model_len)
         bytes_per_token = KVCache.bytes_per_token(layers.specs, self.dtype)
         spare = 0  # rows beyond max_num_seqs that keep finished sequences' K/V for prefix caching

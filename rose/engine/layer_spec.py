@@ -1,6 +1,6 @@
 """What one attention layer of a model computes, in the terms rose's KV store and attention paths need.
 
-A `LayerSpec` is read off the model itself (rose.engine.model_binding probes one forward), never guessed from the
+A `LayerSpec` is read off the model itself (rose.engine.model_probe probes one forward), never guessed from the
 config: the layer's head counts and head dims as its attention function receives them (K and V may differ), and
 the semantics transformers gives that layer's attention — which key positions a query sees, logit soft-capping and
 attention sinks. Visibility follows transformers' mask functions exactly: causal (position q sees [0, q]), a

@@ -1,67 +1,24 @@
-"""Plugs rose's KV store into an unmodified transformers model, after checking that rose can serve it exactly.
+"""Plugs rose's KV store into an unmodified transformers model that rose.engine.model_probe has checked and read.
 
-Everything rose knows about transformers' attention internals lives here. `probe(model)`:
-1. refuses, before any request, what rose cannot serve exactly: encoder-decoder models, state-space / recurrent /
-   linear-attention layers (they hold state, not K/V), a forward without `position_ids` (rose flattens a step's
-   sequences into one row, each with its own positions);
-2. probes one forward of a few tokens with rose's probe attention, registered both as an attention function and
-   as a mask function: each attention layer reports the tensors and arguments it hands to transformers'
-   `AttentionInterface`, and the mask transformers builds for it (its mask function is evaluated, so a sliding
-   window, chunked attention or plain causal attention is read exactly as `generate` applies it, per layer). A layer
-   that is never called, called twice, or hands over something rose does not implement (a position bias, a
-   bidirectional or custom mask, K/V of another length than its queries) refuses the model with the reason;
-then `attach` switches the model to rose's attention, each probed layer bound to its index in the store.
-
-The step's metadata reaches the layers through the runner's `ForwardContext`, not through forward kwargs, so models
-whose decoder layers do not pass `**kwargs` on are served too.
+`attach` binds each probed attention call to its layer of the store and switches the model to rose's attention
+function (`rose_slots`, registered with transformers' `AttentionInterface`), then checks the switch reached every
+bound layer. At each step the ModelRunner sets the step's metadata on its `ForwardContext`, which every bound layer
+reads: it reaches the layers without forward kwargs, so models whose decoder layers do not pass `**kwargs` on are
+served too. The two modules are everything rose knows about transformers' attention internals.
 """
 
 from __future__ import annotations
 
-import inspect
-import logging
 from dataclasses import dataclass, field
 
 import torch
 from transformers import AttentionInterface, PreTrainedModel
-from transformers.cache_utils import get_layer_types_and_kwargs
-from transformers.masking_utils import AttentionMaskInterface
 
-from rose.engine.attention import attend_layer, eager_attention
+from rose.engine.attention import attend_layer
 from rose.engine.kv_cache import AttentionMetadata, KVCache
-from rose.engine.layer_spec import LayerSpec, first_visible
-
-logger = logging.getLogger(__name__)
+from rose.engine.model_probe import AttentionLayers, UnsupportedModelError
 
 ATTN_IMPLEMENTATION = "rose_slots"
-PROBE_IMPLEMENTATION = "rose_probe"
-PROBE_TOKENS = 8
-
-# attention kwargs that carry nothing rose must apply (the mask, window and scale are read elsewhere)
-_IGNORED_KWARGS = {
-    "dropout",
-    "scaling",
-    "sliding_window",
-    "softcap",
-    "s_aux",
-    "position_ids",
-    "output_attentions",
-    "use_cache",
-}
-# layer types (transformers' cache layer kinds) whose state is not a per-token K/V rose can store
-_STATEFUL_LAYERS = {
-    "conv": "convolution layers keep a rolling state",
-    "linear_attention": "linear-attention / state-space layers keep a recurrent state",
-    "hybrid": "hybrid layers keep a recurrent state beside their K/V",
-    "hybrid_sliding": "hybrid layers keep a recurrent state beside their K/V",
-    "indexed_attention": "sparse indexed attention picks the tokens each query attends to",
-    "heavily_compressed_attention": "compressed attention stores transformed K/V",
-    "compressed_sparse_attention": "compressed sparse attention stores transformed K/V",
-}
-
-
-class UnsupportedModelError(ValueError):
-    """A model rose cannot serve exactly; the message names the model type and the reason."""
 
 
 @dataclass
@@ -96,34 +53,6 @@ class _Binding:
         return self.layers[n]
 
 
-@dataclass
-class AttentionLayers:
-    """A probed model's attention calls in the order of one forward (= their index in the KV store), each with its
-    module (a module that attends twice per forward, as diffllama's, has two entries) and its spec.
-
-    `context_limit`: the longest context rose serves exactly, where transformers' cache keeps fewer tokens for a
-    layer than that layer's mask lets it see (a `sliding_window` applied by the cache alone); None when unbounded."""
-
-    model_type: str
-    modules: list[torch.nn.Module] = field(default_factory=list)
-    specs: list[LayerSpec] = field(default_factory=list)
-    context_limit: int | None = None
-    limit_reason: str = ""
-
-    def exact_context(self, context: int, requested: int | None) -> int:
-        """The model's `context`, capped at `context_limit`; a longer `requested` max_model_len is refused."""
-        limit = self.context_limit
-        if limit is None or limit >= context:
-            return context
-        if requested is not None and requested > limit:
-            raise UnsupportedModelError(
-                f"{self.model_type}: exact only for contexts up to {limit} tokens ({self.limit_reason}); "
-                f"max_model_len {requested} is longer"
-            )
-        logger.warning("%s: max_model_len capped at %d: %s", self.model_type, limit, self.limit_reason)
-        return limit
-
-
 def attach(model: PreTrainedModel, layers: AttentionLayers, cache: KVCache, context: ForwardContext) -> None:
     """Bind every probed layer to its store index and switch the model to rose's attention. The engine owns the
     model from then on: its attention runs only inside the engine."""
@@ -133,235 +62,13 @@ def attach(model: PreTrainedModel, layers: AttentionLayers, cache: KVCache, cont
     for module in layers.modules:
         module._rose_binding = _Binding(tuple(indices[id(module)]), cache, context)
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
-
-
-def model_type(model: PreTrainedModel) -> str:
-    return getattr(model.config, "model_type", "") or type(model).__name__
-
-
-def probe(model: PreTrainedModel) -> AttentionLayers:
-    """The attention layers of `model` in call order, with what each computes; raises UnsupportedModelError."""
-    name = model_type(model)
-    _check_architecture(model, name)
-    recorder = _Recorder(name)
-    previous = model.config._attn_implementation
-    model.set_attn_implementation(PROBE_IMPLEMENTATION)
-    vocab = model.config.get_text_config().vocab_size
-    ids = (torch.arange(PROBE_TOKENS) * 7 + 3) % vocab
-    device = next(model.parameters()).device
-    failure = None
-    try:
-        _Recorder.active = recorder
-        with torch.inference_mode():
-            model(
-                input_ids=ids[None].to(device),
-                position_ids=torch.arange(PROBE_TOKENS, device=device)[None],
-                use_cache=False,
+    for module in layers.modules:  # the switch reached every layer the probe bound (their configs say so)
+        config = getattr(module, "config", None)
+        if config is not None and config._attn_implementation != ATTN_IMPLEMENTATION:
+            raise UnsupportedModelError(
+                f"{layers.model_type}: a layer kept transformers' {config._attn_implementation!r} attention after "
+                "the switch to rose's"
             )
-    except Exception as exc:  # reported below, after what the layers themselves told the recorder
-        failure = exc
-    finally:
-        _Recorder.active = None
-        model.set_attn_implementation(previous)
-    if recorder.problems:
-        raise UnsupportedModelError(f"{name}: {recorder.problems[0]}") from failure
-    if failure is not None:
-        raise UnsupportedModelError(
-            f"{name}: its forward fails under rose's attention ({type(failure).__name__}: {failure}): it does "
-            "something with its attention that rose does not implement"
-        ) from failure
-    if not recorder.layers.specs:
-        raise UnsupportedModelError(
-            f"{name}: no layer of this model attends through transformers' AttentionInterface, so rose cannot attach "
-            "its KV cache"
-        )
-    _limit_context(recorder.layers, model.config)
-    return recorder.layers
-
-
-def _limit_context(layers: AttentionLayers, config) -> None:
-    """generate keeps only the last `window - 1` tokens of a layer transformers' cache calls sliding (or chunked);
-    where that is fewer than the layer's mask lets it see, rose is exact only while contexts fit that window."""
-    windows = _cache_windows(config)
-    limits = []
-    for module, spec in zip(layers.modules, layers.specs, strict=True):
-        index = getattr(module, "layer_idx", None)
-        kept = windows[index] if isinstance(index, int) and index < len(windows) else None
-        span = spec.window or spec.chunk
-        if kept is not None and (span is None or kept < span):
-            limits.append((kept, index, span))
-    if limits:
-        kept, index, span = min(limits)
-        layers.context_limit = kept
-        layers.limit_reason = (
-            f"transformers' cache keeps only the last {kept} tokens of attention layer {index}, whose mask sees "
-            f"{'every token' if span is None else f'{span} tokens'}"
-        )
-
-
-def _check_architecture(model: PreTrainedModel, name: str) -> None:
-    config = model.config
-    if getattr(config, "is_encoder_decoder", False):
-        raise UnsupportedModelError(
-            f"{name}: encoder-decoder models are not supported (rose serves decoder-only)"
-        )
-    stateful = {t: why for t, why in _STATEFUL_LAYERS.items() if t in _layer_types(config)}
-    if stateful or _has_state_space_config(config):
-        reason = "; ".join(dict.fromkeys(stateful.values())) or "state-space / recurrent layers keep a state"
-        raise UnsupportedModelError(f"{name}: {reason}: they have no KV cache rose can hold")
-    if not model._can_set_attn_implementation():
-        raise UnsupportedModelError(
-            f"{name}: its attention does not use transformers' AttentionInterface, so rose cannot attach its KV cache"
-        )
-    params = inspect.signature(model.forward).parameters
-    if "position_ids" not in params:
-        raise UnsupportedModelError(
-            f"{name}: its forward takes no position_ids, so rose cannot give each batched sequence its own positions"
-        )
-
-
-def _cache_layers(config) -> tuple[list[str], list[dict]]:
-    """transformers' own view of each decoder layer: its cache layer type and that layer's arguments."""
-    try:
-        return get_layer_types_and_kwargs(config.get_text_config(decoder=True))
-    except Exception:  # configs without per-layer structure (state-space models): judged by their fields
-        return list(getattr(config, "layer_types", None) or ()), []
-
-
-def _layer_types(config) -> list[str]:
-    return list(_cache_layers(config)[0])
-
-
-def _cache_windows(config) -> list[int | None]:
-    """Per decoder layer, the window transformers' cache keeps (sliding and chunked layers), else None."""
-    return [kwargs.get("sliding_window") for kwargs in _cache_layers(config)[1]]
-
-
-def _has_state_space_config(config) -> bool:
-    text = config.get_text_config(decoder=True)
-    return any(
-        hasattr(text, f) for f in ("state_size", "ssm_state_size", "mamba_d_state", "attention_hidden_size")
-    )
-
-
-# ----------------------------------------------------------------------------------------------------- the probe
-
-
-@dataclass(frozen=True, slots=True)
-class _Mask:
-    """What the probe's mask function returns: the visibility transformers' mask gives a layer, or why it is not
-    one rose implements."""
-
-    window: int | None = None
-    chunk: int | None = None
-    unknown: str | None = None
-
-
-def _probe_mask(*, mask_function, local_size: int | None = None, **_) -> _Mask:
-    """Mask interface of the probe: evaluate transformers' mask function and name the pattern it draws."""
-    size = int(local_size or 0)
-    top = max(3 * size + 3, 4 * PROBE_TOKENS)
-    rows = sorted(
-        {
-            p
-            for p in (0, 1, 2, 7, size - 1, size, size + 1, 2 * size, 2 * size + 1, 3 * size + 2)
-            if 0 <= p < top
-        }
-    )
-    q = torch.tensor(rows)[:, None]
-    kv = torch.arange(top)[None, :]
-    zero = torch.zeros((), dtype=torch.long)
-    try:
-        got = torch.as_tensor(mask_function(zero, zero, q, kv)).expand(len(rows), top)
-    except IndexError:  # an overlay indexed by the probe's own tokens (multimodal block ids)
-        return _Mask(
-            unknown="its attention mask depends on per-token data (multimodal blocks) rose does not read"
-        )
-    for window, chunk in ((None, None), (size, None), (None, size)) if size else ((None, None),):
-        want = (kv <= q) & (kv >= first_visible(q, window, chunk))
-        if torch.equal(got, want):
-            return _Mask(window, chunk)
-    return _Mask(unknown="its attention mask is neither causal, a sliding window nor chunked attention")
-
-
-class _Recorder:
-    """Collects, during the probe forward, each attention layer's spec in call order."""
-
-    active: _Recorder | None = None
-
-    def __init__(self, model_type: str) -> None:
-        self.layers = AttentionLayers(model_type)
-        self.problems: list[str] = []
-
-    def record(self, module, query, key, value, attention_mask, kwargs) -> LayerSpec | None:
-        where = f"attention layer {getattr(module, 'layer_idx', len(self.layers.specs))}"
-        problem = _spec_problem(query, key, value, attention_mask, kwargs)
-        if problem:
-            self.problems.append(f"{where}: {problem}")
-            return None
-        window = chunk = None
-        if isinstance(attention_mask, _Mask):
-            window, chunk = attention_mask.window, attention_mask.chunk
-        sinks = kwargs.get("s_aux")
-        spec = LayerSpec(
-            num_heads=query.shape[1],
-            num_kv_heads=key.shape[1],
-            head_dim=query.shape[3],
-            v_head_dim=value.shape[3],
-            window=window,
-            chunk=chunk,
-            softcap=float(kwargs["softcap"]) if kwargs.get("softcap") else None,
-            sinks=sinks is not None,
-        )
-        self.layers.modules.append(module)
-        self.layers.specs.append(spec)
-        return spec
-
-
-def _spec_problem(query, key, value, attention_mask, kwargs) -> str | None:
-    if isinstance(attention_mask, _Mask) and attention_mask.unknown:
-        return attention_mask.unknown
-    if attention_mask is not None and not isinstance(attention_mask, _Mask):
-        return "it builds its own attention mask tensor instead of transformers' mask functions"
-    if kwargs.get("is_causal") is False:
-        return "its attention is not causal"
-    if kwargs.get("position_bias") is not None:
-        return "it adds a position bias (ALiBi-style) to the attention scores, which rose does not implement"
-    # None / False: a feature switched off (e.g. output_router_logits=False)
-    extra = sorted(
-        k
-        for k, v in kwargs.items()
-        if v is not None and v is not False and k not in _IGNORED_KWARGS | {"is_causal"}
-    )
-    if extra:
-        return f"its attention takes arguments rose does not implement: {', '.join(extra)}"
-    if query.shape[0] != 1 or query.shape[2] != PROBE_TOKENS:
-        return f"its queries have shape {tuple(query.shape)}, not one row of the {PROBE_TOKENS} probe tokens"
-    if key.shape[2] != PROBE_TOKENS or value.shape[2] != PROBE_TOKENS or key.shape[1] != value.shape[1]:
-        return f"its K/V {tuple(key.shape)} / {tuple(value.shape)} are not one entry per token of its queries"
-    if query.shape[1] % key.shape[1] or query.shape[3] != key.shape[3]:
-        return f"{query.shape[1]} query heads of dim {query.shape[3]} cannot attend over {key.shape[1]} KV heads of dim {key.shape[3]}"
-    return None
-
-
-def _probe_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
-    """Attention function of the probe: record the layer, then attend as transformers' eager attention would."""
-    recorder = _Recorder.active
-    spec = (
-        recorder.record(module, query, key, value, attention_mask, kwargs) if recorder is not None else None
-    )
-    if spec is None:  # the forward goes on with zeros; the recorded problem refuses the model afterwards
-        return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[3]), None
-    n = query.shape[2]
-    pos = torch.arange(n, device=query.device)
-    visible = (pos[None, :] <= pos[:, None]) & (pos[None, :] >= first_visible(pos[:, None], *spec.visibility))
-    qg = query.reshape(1, spec.num_kv_heads, spec.groups, n, spec.head_dim)
-    scale = scaling if scaling is not None else spec.head_dim**-0.5
-    out = eager_attention(qg, key, value, visible, scale, spec, kwargs.get("s_aux"))
-    return out.reshape(1, spec.num_heads, n, spec.v_head_dim).transpose(1, 2).contiguous(), None
-
-
-# ----------------------------------------------------------------------------------------------------- serving
 
 
 def slot_attention_forward(
@@ -394,5 +101,3 @@ def slot_attention_forward(
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, slot_attention_forward)
-AttentionInterface.register(PROBE_IMPLEMENTATION, _probe_attention)
-AttentionMaskInterface.register(PROBE_IMPLEMENTATION, _probe_mask)

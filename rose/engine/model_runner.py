@@ -8,14 +8,15 @@ import torch
 from transformers import PreTrainedModel
 
 from rose.engine.kv_cache import AttentionMetadata, KVCache, PrefillSegment
-from rose.engine.model_binding import AttentionLayers, ForwardContext, attach
+from rose.engine.model_binding import ForwardContext, attach
+from rose.engine.model_probe import AttentionLayers
 from rose.engine.scheduler import ScheduledBatch
 from rose.engine.slot_order import decode_groups
 
 
 def model_geometry(config) -> tuple[int, int, int, int]:
     """(num_layers, num_kv_heads, head_dim, context length) from a transformers config (an estimate for models whose
-    layers differ: the engine reads each layer's geometry off the model itself, rose.engine.model_binding)."""
+    layers differ: the engine reads each layer's geometry off the model itself, rose.engine.model_probe)."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     layers = getattr(text, "num_hidden_layers", None) or text.n_layer
     heads = getattr(text, "num_attention_heads", None) or text.n_head

@@ -179,6 +179,22 @@ def test_engine_bench_takes_a_config_or_a_checkpoint(tmp_path, capsys):
         assert load_model(str(source))[0].config.model_type == arch
 
 
+def test_rose_bench_refuses_a_model_rose_cannot_serve(tmp_path, capsys):
+    """`rose bench` builds rose's engine through the same check as the worker and the LLM API."""
+    from transformers import AutoConfig
+
+    from rose.cli import main
+
+    config = tmp_path / "falcon" / "config.json"
+    config.parent.mkdir()
+    AutoConfig.for_model(
+        "falcon", hidden_size=32, num_attention_heads=4, num_hidden_layers=1, vocab_size=64
+    ).to_json_file(config)
+    argv = _engine_argv(tmp_path, "--model", str(config))
+    assert main(["bench", "engine", *argv]) == 2
+    assert "falcon: its attention does not use transformers' AttentionInterface" in capsys.readouterr().err
+
+
 def test_step_bench_structure(tmp_path, capsys):
     argv = [
         "--batch-sizes",

@@ -14,7 +14,7 @@ import torch
 
 from rose.bench.architectures import build_failure, causal_lm_types, prompt_id_range, tiny_model
 from rose.bench.coverage import MODES, Verdict, check_model
-from rose.engine import model_binding
+from rose.engine import model_probe
 
 TYPES = causal_lm_types()
 
@@ -116,13 +116,13 @@ def test_at_least_forty_architectures_are_exact():
 )
 def test_the_sweep_catches_a_feature_the_engine_would_ignore(model_type, strip, monkeypatch):
     """Guards the sweep: the tiny models exercise each feature, so an engine that ignored it would be `wrong`."""
-    probe = model_binding.probe
+    probe = model_probe.probe
 
     def ignoring(model):
         layers = probe(model)
         layers.specs = [dataclasses.replace(s, **strip) for s in layers.specs]
         return layers
 
-    monkeypatch.setattr(model_binding, "probe", ignoring)
+    monkeypatch.setattr(model_probe, "probe", ignoring)
     v = check_model(model_type, lambda: tiny_model(model_type), ("batched",), id_range=prompt_id_range())
     assert v.status == "wrong", v.detail

@@ -1,4 +1,4 @@
-"""rose.engine.model_binding: what the probe reads off each attention layer, and what it refuses, before any request.
+"""rose.engine.model_probe: what the probe reads off each attention layer, and what it refuses, before any request.
 
 The specs must be transformers' own semantics per layer (its mask functions decide which layers are windowed or
 chunked), and a model rose cannot serve exactly must be refused at construction with its type and the reason.
@@ -16,7 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from rose import LLM
 from rose.engine.engine import Engine
 from rose.engine.layer_spec import LayerSpec
-from rose.engine.model_binding import UnsupportedModelError, probe
+from rose.engine.model_probe import UnsupportedModelError, probe
 
 SMALL = dict(
     vocab_size=128,
