@@ -151,3 +151,14 @@ _MLA = dict(
     n_group=1,
     topk_group=1,
 )
+
+
+def test_a_sub_model_that_keeps_its_attention_is_refused(monkeypatch):
+    """transformers only warns when a sub-model cannot switch attention: its layers would run without the store."""
+    from rose.bench.architectures import tiny_model
+
+    model = tiny_model("gemma3")  # a multimodal model: vision tower + text model
+    text_model = type(model.model.language_model)
+    monkeypatch.setattr(text_model, "_can_set_attn_implementation", classmethod(lambda cls: False))
+    with pytest.raises(UnsupportedModelError, match="^gemma3: its sub-model Gemma3TextModel keeps transformers'"):
+        Engine(model, None, device="cpu", max_num_seqs=2, max_model_len=64)
