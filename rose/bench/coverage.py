@@ -6,11 +6,13 @@ model, one prompt at a time. The engine runs the same prompts in each mode of `M
   the numba decode kernels);
 - `chunked`: two slots and a small step budget, so prompts are prefilled in chunks beside decoding rows and rows
   are reused as requests finish; prefix caching on, with prompts that share prefixes, so cached K/V is reused;
-- `sdpa`: as `batched` with the other decode backend (SDPA over row ranges instead of the kernels).
+- `sdpa`: as `batched` with the other decode backend (SDPA over row ranges instead of the kernels);
+- `chunked_sdpa`: as `chunked` with SDPA, the path CUDA and low precision take (rows mid-prefill among decoding
+  rows get dummy queries, rows are re-sorted and moved).
 
 A mode's verdict is `exact` when every token matches; where tokens first differ, the reference's own logits decide
-whether it was a tie (the engine picked a token within `TIE_TOLERANCE` of the best): `exact (n ties)` then, the
-rest of that prompt unchecked; anything else is `wrong`. A model the engine refuses at construction is `refused`
+whether it was a tie (the engine picked a token within `Target.tie_tolerance` times the best logit of it):
+`exact (n ties)` then, the rest of that prompt unchecked; anything else is `wrong`. A model the engine refuses at construction is `refused`
 with the engine's message, which is what rose promises for what it cannot serve exactly.
 """
 
@@ -28,14 +30,28 @@ import torch
 from transformers import GenerationConfig, PreTrainedModel
 
 from rose.engine.engine import Engine
+from rose.engine.loader import resolve_dtype
 from rose.engine.model_probe import UnsupportedModelError
 from rose.engine.sampling_params import SamplingParams
 
-MODES = ("batched", "chunked", "sdpa")
-TIE_TOLERANCE = 1e-3
+MODES = ("batched", "chunked", "sdpa", "chunked_sdpa")
+TIE_TOLERANCE = 1e-4  # of the best logit's magnitude (at least 1): float32 rounding is ~1e-7 of it
+LOW_PRECISION_TIE_TOLERANCE = 2**-6  # two bf16 steps: bf16 / fp16 kernels round differently
 PROMPT_LENGTHS = (3, 9, 17, 26, 6, 13)  # past the tiny configs' windows and chunks (8 tokens)
 MAX_TOKENS = 12
 SHARED_PREFIX = 12  # the last two prompts start with the first prompt of at least this length
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where both sides run: the engine and transformers' reference, on the same device in the same dtype. In
+    float32 the tokens must match exactly; a first difference whose logit gap is within `tie_tolerance` times the
+    reference's best logit (at least 1) is a tie: rounding, not a defect (in bf16 / fp16 two attention kernels round
+    differently, so low precision takes LOW_PRECISION_TIE_TOLERANCE)."""
+
+    device: str = "cpu"
+    dtype: str = "float32"
+    tie_tolerance: float = TIE_TOLERANCE
 
 
 @dataclass
@@ -79,6 +95,7 @@ def check_model(
     *,
     id_range: tuple[int, int] = (3, 480),
     max_tokens: int = MAX_TOKENS,
+    target: Target = Target(),
 ) -> Verdict:
     """Build the model once, then compare each mode of the engine with transformers' greedy reference on prompts
     of token ids drawn from `id_range` (ids that are plain text tokens for every model built)."""
@@ -90,7 +107,7 @@ def check_model(
         return verdict
 
     try:
-        pristine = build().eval()
+        pristine = build().eval().to(target.device, resolve_dtype(target.dtype, torch.device(target.device)))
     except Exception as exc:  # an architecture that cannot be built tiny is reported, not hidden
         return done("skipped", f"no tiny model: {type(exc).__name__}: {exc}")
     prompts = prompts_for(id_range)
@@ -98,7 +115,7 @@ def check_model(
     reference = None
     for mode in modes:
         try:
-            engine_out, hits = _run_engine(copy.deepcopy(pristine), prompts, max_tokens, mode)
+            engine_out, hits = _run_engine(copy.deepcopy(pristine), prompts, max_tokens, mode, target)
         except UnsupportedModelError as exc:
             return done("refused", str(exc))
         except Exception as exc:
@@ -109,7 +126,7 @@ def check_model(
                 reference = _reference(pristine, prompts, max_tokens)
             except Exception as exc:
                 return done("skipped", f"transformers' generate failed: {type(exc).__name__}: {exc}")
-        verdict.modes[mode] = _compare(engine_out, reference, hits)
+        verdict.modes[mode] = _compare(engine_out, reference, hits, target.tie_tolerance)
     failed = [m for m in verdict.modes.values() if m.status != "exact"]
     if not failed:
         return done("exact", verdict=verdict)
@@ -130,13 +147,15 @@ def _backend(name: str):
             os.environ["ROSE_ATTENTION_BACKEND"] = old
 
 
-def _run_engine(model, prompts, max_tokens, mode) -> tuple[list[list[int]], int]:
-    kwargs: dict = dict(device="cpu", dtype="float32", max_model_len=128, max_num_seqs=len(prompts))
-    if mode == "chunked":
+def _run_engine(model, prompts, max_tokens, mode, target: Target) -> tuple[list[list[int]], int]:
+    kwargs: dict = dict(
+        device=target.device, dtype=target.dtype, max_model_len=128, max_num_seqs=len(prompts)
+    )
+    if mode.startswith("chunked"):
         kwargs.update(
             max_num_seqs=2, max_num_batched_tokens=8, enable_prefix_caching=True, prefix_block_size=4
         )
-    with _backend("sdpa" if mode == "sdpa" else "auto"):
+    with _backend("sdpa" if mode.endswith("sdpa") else "auto"):
         engine = Engine(model, None, **kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for i, ids in enumerate(prompts):
@@ -163,24 +182,26 @@ def _reference(model, prompts, max_tokens) -> list[tuple[list[int], torch.Tensor
     results = []
     with torch.inference_mode():
         for ids in prompts:
-            input_ids = torch.tensor([ids])
+            input_ids = torch.tensor([ids], device=model.device)
             out = model.generate(
                 input_ids,
                 attention_mask=torch.ones_like(input_ids),
                 generation_config=config,
             )
-            results.append((out.sequences[0, len(ids) :].tolist(), torch.stack(out.logits)[:, 0]))
+            results.append(
+                (out.sequences[0, len(ids) :].tolist(), torch.stack(out.logits)[:, 0].float().cpu())
+            )
     return results
 
 
-def _compare(engine_out, reference, hits: int) -> ModeResult:
+def _compare(engine_out, reference, hits: int, tie_tolerance: float) -> ModeResult:
     ties = 0
     for i, (got, (want, logits)) in enumerate(zip(engine_out, reference, strict=True)):
         for step, (a, b) in enumerate(zip(got, want, strict=True)):
             if a == b:
                 continue
             gap = float(logits[step, b] - logits[step, a])
-            if gap <= TIE_TOLERANCE:
+            if gap <= tie_tolerance * max(1.0, abs(float(logits[step, b]))):
                 ties += 1
                 break
             return ModeResult(

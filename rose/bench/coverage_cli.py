@@ -20,8 +20,17 @@ from collections.abc import Sequence
 
 import torch
 
-from rose.bench.coverage import MODES, Verdict, check_model
+from rose.bench.cli_args import parse_device, parse_dtype
+from rose.bench.coverage import (
+    LOW_PRECISION_TIE_TOLERANCE,
+    MODES,
+    TIE_TOLERANCE,
+    Target,
+    Verdict,
+    check_model,
+)
 from rose.bench.report import markdown_table, print_table, write_json
+from rose.engine.loader import resolve_dtype
 
 DEFAULT_JSON = "benchmarks/results/coverage.json"
 
@@ -33,6 +42,19 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         "--modes", default=",".join(MODES), help=f"comma-separated engine modes ({', '.join(MODES)})"
     )
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    p.add_argument(
+        "--device", type=parse_device, default="cpu", help="cpu, cuda or cuda:N: the engine and generate"
+    )
+    p.add_argument(
+        "--dtype", type=parse_dtype, default="float32", help="float32 (exact), bfloat16 or float16"
+    )
+    p.add_argument(
+        "--tie-tolerance",
+        type=float,
+        default=None,
+        help="a first difference whose logit gap is under this times the best logit is a tie "
+        f"(default {TIE_TOLERANCE:g} in float32, {LOW_PRECISION_TIE_TOLERANCE:g} in bf16 / fp16)",
+    )
     p.add_argument("--markdown", action="store_true", help="print the table as markdown")
     p.add_argument("--json-out", default=DEFAULT_JSON)
     p.add_argument("--verbose", action="store_true", help="show transformers' warnings and rose's logs")
@@ -50,11 +72,15 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     if not args.verbose:
         _quiet()
     types = args.types or causal_lm_types()
+    tolerance = args.tie_tolerance
+    if tolerance is None:
+        low = resolve_dtype(args.dtype, torch.device("cpu")) != torch.float32
+        tolerance = LOW_PRECISION_TIE_TOLERANCE if low else TIE_TOLERANCE
+    target = Target(args.device, args.dtype, tolerance)
     verdicts = []
     for i, model_type in enumerate(types, 1):
-        verdict = check_model(
-            model_type, lambda t=model_type: tiny_model(t), modes, id_range=prompt_id_range()
-        )
+        build = lambda t=model_type: tiny_model(t)  # noqa: E731
+        verdict = check_model(model_type, build, modes, id_range=prompt_id_range(), target=target)
         verdicts.append(verdict)
         print(f"[{i}/{len(types)}] {_line(verdict, modes)}", file=sys.stderr, flush=True)
     headers = ["model type", "verdict", *modes, "s", "detail"]
@@ -65,7 +91,8 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
         print_table("rose vs transformers generate (greedy, tiny random-weight models)", headers, rows)
     counts = Counter(v.status for v in verdicts)
     print(", ".join(f"{counts[s]} {s}" for s in ("exact", "refused", "wrong", "crash", "skipped")))
-    write_json(args.json_out, {"modes": modes, "verdicts": [_json(v) for v in verdicts], "counts": counts})
+    payload = {"modes": modes, "target": vars(args) | {"tie_tolerance": tolerance}, "counts": counts}
+    write_json(args.json_out, payload | {"verdicts": [_json(v) for v in verdicts]})
     return 1 if counts["wrong"] or counts["crash"] else 0
 
 

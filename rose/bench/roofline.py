@@ -7,8 +7,9 @@ memory-bound at small B) and every cached K/V position of every sequence once. W
   tensor, read whole by the LM head), except embedding tables (`nn.Embedding`) that are not the LM head: a step only
   gathers B of their rows (B × hidden elements, < 0.1 % of the total here), so they are left out. The buffers are
   the rotary frequency tables (a few hundred bytes).
-- KV: B × mean context × layers × 2 (K and V) × KV heads × head_dim × element size, the context being the positions
-  each sequence attends to, averaged over the timed steps.
+- KV: B × mean context × the K and V bytes of one position over every attention layer as the engine stores them
+  (each layer's KV heads × (K + V head dims) × element size, read off the model by rose.engine.model_probe), the
+  context being the positions each sequence attends to, averaged over the timed steps.
 - Not counted: activations, logits (B × vocab), the new token's K/V write, the sampler's reads.
 
 floor = bytes / bandwidth, where bandwidth is the best of a few copies of one large buffer (bytes read + bytes
@@ -26,7 +27,8 @@ from typing import Any
 import torch
 
 from rose.bench.common import sync
-from rose.engine.model_runner import model_geometry
+from rose.engine.kv_cache import KVCache
+from rose.engine.model_probe import probe
 
 DEFAULT_COPY_BYTES = {"cpu": 256 * 2**20, "cuda": 2**30}
 
@@ -70,10 +72,10 @@ def decode_weight_bytes(model: torch.nn.Module) -> WeightBytes:
     return WeightBytes(params + buffers, params, buffers, lm_head, skipped, tied)
 
 
-def kv_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
-    """K and V of one position across all layers, as the engine stores them (its own geometry helper)."""
-    layers, kv_heads, head_dim, _ = model_geometry(config)
-    return layers * 2 * kv_heads * head_dim * dtype.itemsize
+def kv_bytes_per_token(model: torch.nn.Module, dtype: torch.dtype) -> int:
+    """K and V of one position across all attention layers, as the engine stores them. Probes the model (on a real
+    device), so a model rose cannot serve raises rose.engine.model_probe.UnsupportedModelError here already."""
+    return KVCache.bytes_per_token(probe(model).specs, dtype)
 
 
 def measure_copy_bandwidth(
@@ -117,9 +119,7 @@ class Roofline:
     ) -> Roofline:
         dtype = next(model.parameters()).dtype
         copy = measure_copy_bandwidth(device, copy_bytes)
-        return cls(
-            copy["bytes_per_s"], decode_weight_bytes(model), kv_bytes_per_token(model.config, dtype), copy
-        )
+        return cls(copy["bytes_per_s"], decode_weight_bytes(model), kv_bytes_per_token(model, dtype), copy)
 
     def kv_bytes(self, batch: int, mean_context: float) -> float:
         return batch * mean_context * self.kv_bytes_per_token

@@ -266,7 +266,8 @@ def _add_floor(point: StepPoint, roofline: Roofline, timed_steps: int) -> None:
 def run_step_bench(cfg: StepBenchConfig, progress: Any = None) -> StepBenchReport:
     threads = set_threads(cfg.num_threads)
     device, dtype = resolve_target(cfg.device, cfg.dtype)
-    model, tokenizer = load_model(cfg.model, seed=0, device=device, dtype=dtype)
+    # rose sets its own attention: no baseline here needs SDPA (which state-space models refuse to switch to)
+    model, tokenizer = load_model(cfg.model, seed=0, attn_implementation=None, device=device, dtype=dtype)
     max_batch = max([*cfg.batch_sizes, cfg.context_sweep_batch, cfg.profile_batch if cfg.profile else 1])
     max_ctx = max([*cfg.context_lens, cfg.batch_sweep_context, cfg.profile_context if cfg.profile else 1])
     model_context = getattr(model.config.get_text_config(), "max_position_embeddings", None) or 2048

@@ -3,10 +3,14 @@
 The step's tokens come flattened into one row: first one token per decoding sequence, then the prefill segments
 (rose.engine.kv_cache.AttentionMetadata). Decode tokens attend through the CPU kernels (exact spans, float32 on CPU)
 or through SDPA over row ranges; prefill segments through SDPA over their own row. Layers with soft-capping or sinks,
-which SDPA cannot compute, take `eager_attention` instead: transformers' eager math, on the same views and masks.
+which SDPA cannot compute, take an `Eager` function on the same views and masks instead: the model's own eager
+attention where its modeling module has one (rose.engine.model_binding), so that bf16 / fp16 round as transformers
+does, else `eager_attention`.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -14,6 +18,10 @@ import torch.nn.functional as F
 from rose.engine import cpu_attention
 from rose.engine.kv_cache import AttentionMetadata, KVCache
 from rose.engine.layer_spec import LayerSpec
+
+# (q [B, heads, L, D], k [B, kv_heads, S, D], v [B, kv_heads, S, Dv], visible bool [B or 1, 1, L, S]) ->
+# [B, L, heads, Dv]: one non-plain layer's attention over given views
+Eager = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def eager_attention(
@@ -26,7 +34,8 @@ def eager_attention(
     sinks: torch.Tensor | None,
 ) -> torch.Tensor:
     """Grouped attention as transformers' eager functions compute it (scores, soft-cap, mask, softmax in float32
-    with the sinks' logits, values). q: [B, kv_heads, groups, L, D]; k: [B, kv_heads, S, D]; v: [B, kv_heads, S, Dv];
+    with the sinks' logits, values; gpt-oss's own eager function takes its softmax in the model's dtype, which
+    differs from this only by bf16 / fp16 rounding). q: [B, kv_heads, groups, L, D]; k: [B, kv_heads, S, D]; v: [B, kv_heads, S, Dv];
     visible: bool, broadcastable to [B, 1, 1, L, S], or None for plain causal (L == S). Returns [B, kv_heads,
     groups, L, Dv]."""
     scores = torch.matmul(q, k.unsqueeze(2).transpose(-1, -2)) * scale
@@ -45,6 +54,18 @@ def eager_attention(
     return torch.matmul(probs, v.unsqueeze(2))
 
 
+def spec_eager(spec: LayerSpec, scale: float, sinks: torch.Tensor | None) -> Eager:
+    """`eager_attention` as an Eager function, for layers whose model has no eager function of its own."""
+
+    def eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        b, _, length, _ = q.shape
+        qg = q.reshape(b, spec.num_kv_heads, spec.groups, length, spec.head_dim)
+        out = eager_attention(qg, k, v, visible[:, :, None], scale, spec, sinks)
+        return out.reshape(b, spec.num_heads, length, spec.v_head_dim).transpose(1, 2)
+
+    return eager
+
+
 def attend_layer(
     cache: KVCache,
     layer: int,
@@ -54,17 +75,21 @@ def attend_layer(
     value: torch.Tensor,
     scale: float,
     sinks: torch.Tensor | None,
+    eager: Eager | None = None,
 ) -> torch.Tensor:
     """query [1, heads, num_tokens, D], key [1, kv_heads, num_tokens, D], value [1, kv_heads, num_tokens, Dv] ->
-    [num_tokens, heads, Dv], the step's K/V stored on the way."""
+    [num_tokens, heads, Dv], the step's K/V stored on the way. `eager` computes the layers SDPA cannot (soft-capping,
+    sinks) outside the CPU kernels; by default `spec_eager`."""
     spec = cache.specs[layer]
+    if not spec.plain and eager is None:
+        eager = spec_eager(spec, scale, sinks)
     kernels = cache.use_cpu_kernels and meta.num_decode > 0
     cache.write(layer, meta, key, value, first=meta.num_decode if kernels else 0)
     q = query[0].transpose(0, 1)  # [num_tokens, heads, D]
     parts = []
     if kernels:
         n = meta.num_decode
-        rows, starts, ends = meta.decode_spans(spec.visibility)
+        rows, starts, ends = meta.decode_spans(spec.visibility, cache.max_num_seqs, cache.max_model_len)
         out = cpu_attention.decode_attention(
             q[:n].reshape(n, spec.num_kv_heads, spec.groups, spec.head_dim),
             key[0, :, :n].transpose(0, 1),
@@ -77,13 +102,14 @@ def attend_layer(
             scale,
             softcap=spec.softcap,
             sinks=sinks,
+            spans_checked=True,
         )
         parts.append(out.reshape(n, spec.num_heads, spec.v_head_dim))
     elif meta.num_decode:
-        parts.append(_attend_decode(cache, layer, meta, q[: meta.num_decode], scale, sinks))
+        parts.append(_attend_decode(cache, layer, meta, q[: meta.num_decode], scale, eager))
     for i, seg in enumerate(meta.prefills):
         q_seg = q[seg.offset : seg.offset + seg.length].transpose(0, 1)
-        parts.append(_attend_prefill(cache, layer, meta, i, q_seg, scale, sinks))
+        parts.append(_attend_prefill(cache, layer, meta, i, q_seg, scale, eager))
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
 
 
@@ -93,7 +119,7 @@ def _attend_decode(
     meta: AttentionMetadata,
     q: torch.Tensor,
     scale: float,
-    sinks: torch.Tensor | None,
+    eager: Eager | None,
 ) -> torch.Tensor:
     """q: [num_decode, heads, D] -> [num_decode, heads, Dv], attending over each row's own slot."""
     spec = cache.specs[layer]
@@ -112,9 +138,9 @@ def _attend_decode(
         mask = meta.decode_mask(i, spec.visibility)
         if spec.plain:
             parts.append(F.scaled_dot_product_attention(qg[start:end], k, v, attn_mask=mask, scale=scale))
-        else:
-            out = eager_attention(qg[start:end, :, :, None], k, v, mask[:, :, :, None], scale, spec, sinks)
-            parts.append(out[:, :, :, 0])
+        else:  # one query position per row: [rows, heads, 1, D] -> [rows, 1, heads, Dv]
+            out = eager(q[start:end, :, None], k, v, mask)
+            parts.append(out.reshape(end - start, spec.num_kv_heads, spec.groups, spec.v_head_dim))
     out = parts[0] if len(parts) == 1 else torch.cat(parts)
     out = out.reshape(span, spec.num_heads, spec.v_head_dim)
     if meta.decode_slots is not None:
@@ -129,7 +155,7 @@ def _attend_prefill(
     index: int,
     q: torch.Tensor,
     scale: float,
-    sinks: torch.Tensor | None,
+    eager: Eager | None,
 ) -> torch.Tensor:
     """q: [heads, length, D] of one segment -> [length, heads, Dv]."""
     spec = cache.specs[layer]
@@ -143,6 +169,6 @@ def _attend_prefill(
             q[None], k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
         )
         return out[0].transpose(0, 1)
-    qg = q.reshape(1, spec.num_kv_heads, spec.groups, seg.length, spec.head_dim)
-    out = eager_attention(qg, k, v, None if mask is None else mask[:, :, None], scale, spec, sinks)
-    return out.reshape(spec.num_heads, seg.length, spec.v_head_dim).transpose(0, 1)
+    if mask is None:  # plain causal over the segment's own tokens
+        mask = torch.ones(seg.length, seg.length, dtype=torch.bool, device=q.device).tril()[None, None]
+    return eager(q[None], k, v, mask)[0]

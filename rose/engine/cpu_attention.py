@@ -118,14 +118,19 @@ def decode_attention(
     scale: float,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    spans_checked: bool = False,
 ) -> torch.Tensor:
     """One decode step's attention, the new tokens' K/V written into the store on the way.
 
     q: [n, kv_heads, groups, head_dim]; k_new: [n, kv_heads, head_dim], v_new: [n, kv_heads, v_head_dim], token i's
     K/V, stored at position lengths[i] - 1 of row slots[i]; k, v: the layer's store [rows, kv_heads, max_len, head_dim
     / v_head_dim]. Token i attends over positions [starts[i], lengths[i]) of its row; scores are soft-capped when
-    `softcap` is given; `sinks` ([kv_heads * groups]) join each softmax. Returns [n, kv_heads, groups, v_head_dim]."""
-    _check_shapes(q, k_new, v_new, k, v, slots, starts, lengths)
+    `softcap` is given; `sinks` ([kv_heads * groups]) join each softmax. Returns [n, kv_heads, groups, v_head_dim].
+    `spans_checked`: the caller already ran `check_spans` on these arrays against this store's rows and length
+    (once per step for all layers); the shapes are checked at every call."""
+    _check_shapes(q, k_new, v_new, k, v)
+    if not spans_checked:
+        check_spans(slots, starts, lengths, n=q.shape[0], rows=k.shape[0], max_len=k.shape[2])
     threads = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
     if numba.get_num_threads() != threads:
         numba.set_num_threads(threads)
@@ -152,8 +157,27 @@ def decode_attention(
     return out
 
 
-def _check_shapes(q, k_new, v_new, k, v, slots, starts, lengths) -> None:
-    """The kernels index without bounds checks: every shape they read must agree with the store's."""
+def check_spans(
+    slots: np.ndarray, starts: np.ndarray, lengths: np.ndarray, n: int, rows: int, max_len: int
+) -> None:
+    """The kernels index without bounds checks: each of the n tokens' row and span must lie inside the store."""
+    if not (len(slots) == len(starts) == len(lengths) == n):
+        raise ValueError(
+            f"CPU decode attention: {n} queries but {len(slots)} rows / {len(starts)} starts / {len(lengths)} lengths"
+        )
+    if n and (
+        slots.min() < 0
+        or slots.max() >= rows
+        or lengths.min() < 1
+        or lengths.max() > max_len
+        or (starts < 0).any()
+        or (starts >= lengths).any()
+    ):
+        raise ValueError("CPU decode attention: a row, start or length is out of the store's bounds")
+
+
+def _check_shapes(q, k_new, v_new, k, v) -> None:
+    """Every shape the kernels read must agree with the store's (they index without bounds checks)."""
     n, kv_heads, _, head_dim = q.shape
     rows, store_heads, max_len, store_dim = k.shape
     v_dim = v.shape[3]
@@ -168,17 +192,6 @@ def _check_shapes(q, k_new, v_new, k, v, slots, starts, lengths) -> None:
         problems.append(f"new K/V {tuple(k_new.shape)} / {tuple(v_new.shape)} do not fit the store")
     if v.shape[0] != rows or v.shape[2] != max_len:
         problems.append(f"K store {tuple(k.shape)} and V store {tuple(v.shape)} differ in rows or positions")
-    if not (len(slots) == len(starts) == len(lengths) == n):
-        problems.append(f"{n} queries but {len(slots)} rows / {len(starts)} starts / {len(lengths)} lengths")
-    elif n and (
-        slots.min() < 0
-        or slots.max() >= rows
-        or lengths.min() < 1
-        or lengths.max() > max_len
-        or (starts < 0).any()
-        or (starts >= lengths).any()
-    ):
-        problems.append("a row, start or length is out of the store's bounds")
     if k.dtype != torch.float32 or v.dtype != torch.float32 or q.dtype != torch.float32:
         problems.append("the kernels read float32 only")
     if problems:

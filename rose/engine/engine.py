@@ -13,6 +13,7 @@ from transformers import PreTrainedModel
 from rose.engine import loader, model_probe
 from rose.engine.detokenizer import IncrementalDetokenizer
 from rose.engine.host_malloc import tune_malloc
+from rose.engine.kv_budget import default_kv_budget, resolve_max_model_len
 from rose.engine.kv_cache import KVCache
 from rose.engine.model_runner import ModelRunner, model_context
 from rose.engine.outputs import RequestMetrics, RequestOutput, StepOutput, TokenLogprob
@@ -23,8 +24,6 @@ from rose.engine.scheduler import Scheduler
 from rose.engine.sequence import Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
-
-_MIN_MODEL_LEN = 128
 
 
 class Engine:
@@ -73,9 +72,8 @@ class Engine:
             if spare < 0 or prefix_block_size < 1:
                 raise ValueError("prefix_cache_slots must be >= 0 and prefix_block_size >= 1")
         rows = max_num_seqs + spare
-        self.max_model_len = self._resolve_max_model_len(
-            max_model_len, context, rows * bytes_per_token, max_kv_cache_bytes
-        )
+        budget = max_kv_cache_bytes if max_kv_cache_bytes is not None else default_kv_budget(self.device)
+        self.max_model_len = resolve_max_model_len(max_model_len, context, rows * bytes_per_token, budget)
         self.cache = KVCache(layers.specs, rows, self.max_model_len, self.dtype, self.device)
         logger.info(
             "KV store: %d slots x %d tokens, %.1f MiB",
@@ -84,7 +82,8 @@ class Engine:
             self.cache.nbytes / 2**20,
         )
         self.runner = ModelRunner(self.model, layers, self.cache)
-        self.scheduler = Scheduler(max_num_seqs, max_num_batched_tokens or max(2048, max_num_seqs))
+        budget = layers.exact_step_tokens(max_num_batched_tokens, max(2048, max_num_seqs))
+        self.scheduler = Scheduler(max_num_seqs, budget)
         self.scheduler.sort_rows = not self.cache.use_cpu_kernels
         self.prefix_cache: PrefixCache | None = None
         if enable_prefix_caching:
@@ -96,43 +95,15 @@ class Engine:
 
         config_vocab = self.model.config.get_text_config().vocab_size
         vocab = config_vocab
+        # ids past the tokenizer are padding rows of the embedding: never sample them
         if self.tokenizer is not None and 0 < len(self.tokenizer) < config_vocab:
-            vocab = len(
-                self.tokenizer
-            )  # ids past the tokenizer are padding rows of the embedding: never sample them
+            vocab = len(self.tokenizer)
         self.vocab_size = vocab
         self.eos_token_ids = self._eos_ids()
         self.sampler = Sampler(vocab, self.device, self.eos_token_ids, seed=seed)
         self._seqs: dict[str, Sequence] = {}
 
     # ----------------------------------------------------------------- configuration
-
-    def _resolve_max_model_len(
-        self, requested: int | None, context: int, bytes_per_position: int, budget: int | None
-    ) -> int:
-        if budget is None:
-            budget = _default_kv_budget(self.device)
-        if requested is not None:
-            if requested < 1 or requested > context:
-                raise ValueError(
-                    f"max_model_len must be in [1, {context}] (the model's context), got {requested}"
-                )
-            if requested * bytes_per_position > budget:
-                raise ValueError(
-                    f"max_model_len {requested} x max_num_seqs needs a {requested * bytes_per_position / 2**30:.2f} "
-                    f"GiB KV store, over the {budget / 2**30:.2f} GiB budget: lower max_model_len or max_num_seqs, "
-                    "or raise max_kv_cache_bytes"
-                )
-            return requested
-        fit = budget // bytes_per_position
-        if fit < min(context, _MIN_MODEL_LEN):
-            raise ValueError(
-                f"a KV store of max_num_seqs slots fits only {fit} tokens per slot in {budget / 2**30:.2f} GiB: "
-                "lower max_num_seqs or raise max_kv_cache_bytes"
-            )
-        if fit < context:
-            logger.warning("max_model_len capped at %d (model context %d) to fit the KV budget", fit, context)
-        return int(min(context, fit))
 
     def _eos_ids(self) -> set[int]:
         ids: set[int] = set()
@@ -394,14 +365,3 @@ class Engine:
     def get_request(self, request_id: str) -> Sequence | None:
         seq = self._seqs.get(request_id)
         return seq if seq is not None and seq.status is not SequenceStatus.FINISHED else None
-
-
-def _default_kv_budget(device: torch.device) -> int:
-    """CUDA: 85% of free device memory (weights are loaded by then); CPU: a quarter of physical memory."""
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free * 0.85)
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
-    except (ValueError, OSError):
-        return 4 * 2**30

@@ -71,13 +71,18 @@ class AttentionMetadata:
             self._masks[key] = mask[:, None, None, :]
         return self._masks[key]
 
-    def decode_spans(self, visibility: Visibility) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(rows, starts, ends) as int64 arrays: decoding token i attends over positions [starts[i], ends[i])."""
+    def decode_spans(
+        self, visibility: Visibility, rows: int, max_len: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(rows, starts, ends) as int64 arrays: decoding token i attends over positions [starts[i], ends[i]),
+        checked once per step against a store of `rows` rows of `max_len` positions (cpu_attention.check_spans)."""
         key = ("spans", visibility)
         if key not in self._masks:
             ends = np.asarray(self.decode_row_lengths, dtype=np.int64)
             starts = first_visible(ends - 1, *visibility)
-            self._masks[key] = (np.asarray(self.decode_rows, dtype=np.int64), starts, ends)
+            slots = np.asarray(self.decode_rows, dtype=np.int64)
+            cpu_attention.check_spans(slots, starts, ends, n=self.num_decode, rows=rows, max_len=max_len)
+            self._masks[key] = (slots, starts, ends)
         return self._masks[key]
 
     def prefill_mask(

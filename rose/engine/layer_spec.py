@@ -51,6 +51,7 @@ class LayerSpec:
         return self.softcap is None and not self.sinks
 
     def describe(self) -> str:
+        """One line for logs: heads, dims and the features that apply."""
         parts = [f"{self.num_heads} heads / {self.num_kv_heads} KV heads, head dim {self.head_dim}"]
         if self.v_head_dim != self.head_dim:
             parts.append(f"V head dim {self.v_head_dim}")

@@ -9,12 +9,14 @@ served too. The two modules are everything rose knows about transformers' attent
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from transformers import AttentionInterface, PreTrainedModel
 
-from rose.engine.attention import attend_layer
+from rose.engine.attention import Eager, attend_layer
 from rose.engine.kv_cache import AttentionMetadata, KVCache
 from rose.engine.model_probe import AttentionLayers, UnsupportedModelError
 
@@ -26,9 +28,8 @@ class ForwardContext:
     """The step being run: set by the ModelRunner around each forward (`begin` / `end`), read by every bound layer."""
 
     meta: AttentionMetadata | None = None
-    calls: dict[int, int] = field(
-        default_factory=dict
-    )  # module id -> calls so far (modules that attend twice)
+    # module id -> its calls so far in this forward (modules that attend twice)
+    calls: dict[int, int] = field(default_factory=dict)
 
     def begin(self, meta: AttentionMetadata) -> None:
         self.meta = meta
@@ -43,8 +44,10 @@ class _Binding:
     layers: tuple[int, ...]  # the store index of each of the module's calls in a forward
     cache: KVCache
     context: ForwardContext
+    eager: Callable | None  # the model's own `eager_attention_forward`, for layers SDPA cannot compute
 
     def next_layer(self, module: torch.nn.Module) -> int:
+        """The store layer of this call of `module` (its nth call in the running forward)."""
         if len(self.layers) == 1:
             return self.layers[0]
         calls = self.context.calls
@@ -60,7 +63,8 @@ def attach(model: PreTrainedModel, layers: AttentionLayers, cache: KVCache, cont
     for index, module in enumerate(layers.modules):
         indices.setdefault(id(module), []).append(index)
     for module in layers.modules:
-        module._rose_binding = _Binding(tuple(indices[id(module)]), cache, context)
+        eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+        module._rose_binding = _Binding(tuple(indices[id(module)]), cache, context, eager)
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     for module in layers.modules:  # the switch reached every layer the probe bound (their configs say so)
         config = getattr(module, "config", None)
@@ -96,8 +100,25 @@ def slot_attention_forward(
     layer = binding.next_layer(module)
     spec = binding.cache.specs[layer]
     scale = scaling if scaling is not None else spec.head_dim**-0.5
-    out = attend_layer(binding.cache, layer, meta, query, key, value, scale, kwargs.get("s_aux"))
+    sinks = kwargs.get("s_aux") if spec.sinks else None  # the spec, read by the probe, decides
+    eager = None
+    if not spec.plain and binding.eager is not None:
+        eager = _model_eager(binding.eager, module, scale, kwargs)
+    out = attend_layer(binding.cache, layer, meta, query, key, value, scale, sinks, eager)
     return out[None].contiguous(), None  # models may .view() it
+
+
+def _model_eager(function: Callable, module: torch.nn.Module, scale: float, kwargs: dict) -> Eager:
+    """The model's eager attention over rose's views, with an additive mask as transformers builds it: the same
+    operations in the same precision as `generate`'s (in bf16 the families differ, e.g. in the softmax's dtype)."""
+
+    def eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        mask = torch.zeros(visible.shape, dtype=q.dtype, device=q.device)
+        mask.masked_fill_(~visible, torch.finfo(q.dtype).min)
+        out, _ = function(module, q, k, v, mask, scaling=scale, dropout=0.0, **kwargs)
+        return out
+
+    return eager
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, slot_attention_forward)

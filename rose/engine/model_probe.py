@@ -13,20 +13,23 @@ cannot serve exactly (the first half of rose's binding to transformers; rose.eng
    rose does not implement (a position bias, a bidirectional or data-dependent mask, K/V of another length than
    its queries, unknown arguments), a sub-model that kept another attention implementation, or a forward that fails
    refuses the model with the reason. A module that attends twice per forward (diffllama) gets two store layers;
-3. caps the context where transformers' cache keeps fewer tokens of a layer than its mask sees (`exact_context`).
+3. records the lengths below which rose is exact where transformers computes from more than each token's position
+   (rose.engine.model_limits).
 """
 
 from __future__ import annotations
 
 import inspect
 import logging
+import threading
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
 from transformers import AttentionInterface, PreTrainedModel
-from transformers.cache_utils import get_layer_types_and_kwargs
 from transformers.masking_utils import AttentionMaskInterface
 
+from rose.engine import model_limits
 from rose.engine.attention import eager_attention
 from rose.engine.layer_spec import LayerSpec, first_visible
 
@@ -75,6 +78,9 @@ class AttentionLayers:
     specs: list[LayerSpec] = field(default_factory=list)
     context_limit: int | None = None
     limit_reason: str = ""
+    step_limit: int | None = (
+        None  # the most tokens one forward may flatten, where a token's index in it matters
+    )
 
     def exact_context(self, context: int, requested: int | None) -> int:
         """The model's `context`, capped at `context_limit`; a longer `requested` max_model_len is refused."""
@@ -89,50 +95,36 @@ class AttentionLayers:
         logger.warning("%s: max_model_len capped at %d: %s", self.model_type, limit, self.limit_reason)
         return limit
 
+    def exact_step_tokens(self, requested: int | None, default: int) -> int:
+        """The step's token budget: `requested`, else `default`, capped at `step_limit` (a larger `requested` is
+        refused)."""
+        budget = requested or default
+        if self.step_limit is None or budget <= self.step_limit:
+            return budget
+        if requested is not None:
+            raise UnsupportedModelError(
+                f"{self.model_type}: exact only for steps of up to {self.step_limit} tokens ({self.limit_reason}); "
+                f"max_num_batched_tokens {requested} is more"
+            )
+        return self.step_limit
+
 
 def model_type(model: PreTrainedModel) -> str:
+    """The name refusals give: the config's model_type (the text config's, for a composite model's text decoder)."""
     return getattr(model.config, "model_type", "") or type(model).__name__
 
 
 def probe(model: PreTrainedModel) -> AttentionLayers:
-    """The attention layers of `model` in call order, with what each computes; raises UnsupportedModelError."""
+    """The attention calls of `model` in forward order, with what each computes; raises UnsupportedModelError."""
     name = model_type(model)
     _check_architecture(model, name)
     recorder = _Recorder(name)
-    previous = model.config._attn_implementation
-    model.set_attn_implementation(PROBE_IMPLEMENTATION)
-    vocab = model.config.get_text_config().vocab_size
-    ids = (torch.arange(PROBE_TOKENS) * 7 + 3) % vocab
-    device = next(model.parameters()).device
-    failure = None
-    ran: list[PreTrainedModel] = []  # the (sub-)models the forward went through, to check they all switched
-    hooks = [
-        m.register_forward_pre_hook(lambda m, _: ran.append(m))
-        for m in model.modules()
-        if isinstance(m, PreTrainedModel)
-    ]
-    try:
-        _Recorder.active = recorder
-        with torch.inference_mode():
-            model(
-                input_ids=ids[None].to(device),
-                position_ids=torch.arange(PROBE_TOKENS, device=device)[None],
-                use_cache=False,
-            )
-    except Exception as exc:  # reported below, after what the layers themselves told the recorder
-        failure = exc
-    finally:
-        _Recorder.active = None
-        for hook in hooks:
-            hook.remove()
-    stuck = [m for m in ran if m.config._attn_implementation != PROBE_IMPLEMENTATION]
-    model.set_attn_implementation(previous)
-    if (
-        stuck
-    ):  # transformers only warns when a sub-model cannot switch: its layers would run without rose's store
+    stuck, failure = _probe_forward(model, recorder)
+    # transformers only warns when a sub-model cannot switch: its layers would run without rose's store
+    if stuck:
         raise UnsupportedModelError(
-            f"{name}: its sub-model {type(stuck[0]).__name__} keeps transformers' "
-            f"{stuck[0].config._attn_implementation!r} attention, so rose cannot attach its KV cache to every layer"
+            f"{name}: its sub-model {stuck[0][0]} keeps transformers' {stuck[0][1]!r} attention, so rose cannot "
+            "attach its KV cache to every layer"
         )
     if recorder.problems:
         raise UnsupportedModelError(f"{name}: {recorder.problems[0]}") from failure
@@ -141,33 +133,53 @@ def probe(model: PreTrainedModel) -> AttentionLayers:
             f"{name}: its forward fails under rose's attention ({type(failure).__name__}: {failure}): it does "
             "something with its attention that rose does not implement"
         ) from failure
-    if not recorder.layers.specs:
+    calls, expected = len(recorder.layers.specs), model_limits.attention_layer_count(model.config)
+    if calls < max(expected, 1):
         raise UnsupportedModelError(
-            f"{name}: no layer of this model attends through transformers' AttentionInterface, so rose cannot attach "
-            "its KV cache"
+            f"{name}: only {calls} of its {expected} attention layers attend through transformers' "
+            "AttentionInterface, so rose cannot attach its KV cache to the others"
         )
-    _limit_context(recorder.layers, model.config)
+    model_limits.limit_lengths(recorder.layers, model)
+    if logger.isEnabledFor(logging.INFO):
+        kinds = Counter(spec.describe() for spec in recorder.layers.specs)
+        logger.info("%s attention: %s", name, "; ".join(f"{n} x {kind}" for kind, n in kinds.items()))
     return recorder.layers
 
 
-def _limit_context(layers: AttentionLayers, config) -> None:
-    """generate keeps only the last `window - 1` tokens of a layer transformers' cache calls sliding (or chunked);
-    where that is fewer than the layer's mask lets it see, rose is exact only while contexts fit that window."""
-    windows = _cache_windows(config)
-    limits = []
-    for module, spec in zip(layers.modules, layers.specs, strict=True):
-        index = getattr(module, "layer_idx", None)
-        kept = windows[index] if isinstance(index, int) and index < len(windows) else None
-        span = spec.window or spec.chunk
-        if kept is not None and (span is None or kept < span):
-            limits.append((kept, index, span))
-    if limits:
-        kept, index, span = min(limits)
-        layers.context_limit = kept
-        layers.limit_reason = (
-            f"transformers' cache keeps only the last {kept} tokens of attention layer {index}, whose mask sees "
-            f"{'every token' if span is None else f'{span} tokens'}"
-        )
+def _probe_forward(
+    model: PreTrainedModel, recorder: _Recorder
+) -> tuple[list[tuple[str, str]], Exception | None]:
+    """One forward of PROBE_TOKENS tokens under the probe attention: the (class, attention implementation) of each
+    (sub-)model it went through that did not switch to the probe, and the exception it raised, if any. The model's
+    attention implementation is restored."""
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(PROBE_IMPLEMENTATION)
+    ids = (torch.arange(PROBE_TOKENS) * 7 + 3) % model.config.get_text_config().vocab_size
+    device = next(model.parameters()).device
+    ran: list[PreTrainedModel] = []
+    hooks = [
+        m.register_forward_pre_hook(lambda m, _: ran.append(m))
+        for m in model.modules()
+        if isinstance(m, PreTrainedModel)
+    ]
+    failure = None
+    _ACTIVE.recorder = recorder
+    try:
+        with torch.inference_mode():
+            model(
+                input_ids=ids[None].to(device),
+                position_ids=torch.arange(PROBE_TOKENS, device=device)[None],
+                use_cache=False,
+            )
+    except Exception as exc:  # reported by the caller, after what the layers themselves told the recorder
+        failure = exc
+    finally:
+        _ACTIVE.recorder = None
+        for hook in hooks:
+            hook.remove()
+    seen = [(type(m).__name__, m.config._attn_implementation) for m in ran]
+    model.set_attn_implementation(previous)
+    return [(cls, impl) for cls, impl in seen if impl != PROBE_IMPLEMENTATION], failure
 
 
 def _check_architecture(model: PreTrainedModel, name: str) -> None:
@@ -176,7 +188,7 @@ def _check_architecture(model: PreTrainedModel, name: str) -> None:
         raise UnsupportedModelError(
             f"{name}: encoder-decoder models are not supported (rose serves decoder-only)"
         )
-    stateful = {t: why for t, why in _STATEFUL_LAYERS.items() if t in _layer_types(config)}
+    stateful = {t: why for t, why in _STATEFUL_LAYERS.items() if t in model_limits.layer_types(config)}
     if stateful or _has_state_space_config(config):
         reason = "; ".join(dict.fromkeys(stateful.values())) or "state-space / recurrent layers keep a state"
         raise UnsupportedModelError(f"{name}: {reason}: they have no KV cache rose can hold")
@@ -189,23 +201,6 @@ def _check_architecture(model: PreTrainedModel, name: str) -> None:
         raise UnsupportedModelError(
             f"{name}: its forward takes no position_ids, so rose cannot give each batched sequence its own positions"
         )
-
-
-def _cache_layers(config) -> tuple[list[str], list[dict]]:
-    """transformers' own view of each decoder layer: its cache layer type and that layer's arguments."""
-    try:
-        return get_layer_types_and_kwargs(config.get_text_config(decoder=True))
-    except Exception:  # configs without per-layer structure (state-space models): judged by their fields
-        return list(getattr(config, "layer_types", None) or ()), []
-
-
-def _layer_types(config) -> list[str]:
-    return list(_cache_layers(config)[0])
-
-
-def _cache_windows(config) -> list[int | None]:
-    """Per decoder layer, the window transformers' cache keeps (sliding and chunked layers), else None."""
-    return [kwargs.get("sliding_window") for kwargs in _cache_layers(config)[1]]
 
 
 def _has_state_space_config(config) -> bool:
@@ -228,7 +223,7 @@ class _Mask:
     unknown: str | None = None
 
 
-def _probe_mask(*, mask_function, local_size: int | None = None, **_) -> _Mask:
+def _probe_mask(*, mask_function, local_size: int | None = None, device=None, **_) -> _Mask:
     """Mask interface of the probe: evaluate transformers' mask function and name the pattern it draws."""
     size = int(local_size or 0)
     top = max(3 * size + 3, 4 * PROBE_TOKENS)
@@ -239,9 +234,10 @@ def _probe_mask(*, mask_function, local_size: int | None = None, **_) -> _Mask:
             if 0 <= p < top
         }
     )
-    q = torch.tensor(rows)[:, None]
-    kv = torch.arange(top)[None, :]
-    zero = torch.zeros((), dtype=torch.long)
+    # on the model's device: overlays index tensors transformers made there (chunked attention's left padding)
+    q = torch.tensor(rows, device=device)[:, None]
+    kv = torch.arange(top, device=device)[None, :]
+    zero = torch.zeros((), dtype=torch.long, device=device)
     try:
         got = torch.as_tensor(mask_function(zero, zero, q, kv)).expand(len(rows), top)
     except IndexError:  # an overlay indexed by the probe's own tokens (multimodal block ids)
@@ -255,10 +251,12 @@ def _probe_mask(*, mask_function, local_size: int | None = None, **_) -> _Mask:
     return _Mask(unknown="its attention mask is neither causal, a sliding window nor chunked attention")
 
 
+# the recorder of the probe running in this thread (engines may be built in several threads at once)
+_ACTIVE = threading.local()
+
+
 class _Recorder:
     """Collects, during the probe forward, each attention layer's spec in call order."""
-
-    active: _Recorder | None = None
 
     def __init__(self, model_type: str) -> None:
         self.layers = AttentionLayers(model_type)
@@ -317,7 +315,7 @@ def _spec_problem(query, key, value, attention_mask, kwargs) -> str | None:
 
 def _probe_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
     """Attention function of the probe: record the layer, then attend as transformers' eager attention would."""
-    recorder = _Recorder.active
+    recorder = getattr(_ACTIVE, "recorder", None)
     spec = (
         recorder.record(module, query, key, value, attention_mask, kwargs) if recorder is not None else None
     )

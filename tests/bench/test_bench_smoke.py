@@ -179,20 +179,42 @@ def test_engine_bench_takes_a_config_or_a_checkpoint(tmp_path, capsys):
         assert load_model(str(source))[0].config.model_type == arch
 
 
-def test_rose_bench_refuses_a_model_rose_cannot_serve(tmp_path, capsys):
-    """`rose bench` builds rose's engine through the same check as the worker and the LLM API."""
+@pytest.mark.parametrize(
+    ("kind", "model_type", "fields", "reason"),
+    [
+        ("engine", "falcon", {"num_attention_heads": 4}, "falcon: its attention does not use transformers'"),
+        (
+            "step",
+            "mamba",
+            {"state_size": 4},
+            "mamba: linear-attention / state-space layers keep a recurrent state",
+        ),
+    ],
+)
+def test_rose_bench_refuses_a_model_rose_cannot_serve(kind, model_type, fields, reason, tmp_path, capsys):
+    """`rose bench` checks the model through the same probe as the worker and the LLM API, before measuring."""
     from transformers import AutoConfig
 
     from rose.cli import main
 
-    config = tmp_path / "falcon" / "config.json"
+    config = tmp_path / model_type / "config.json"
     config.parent.mkdir()
     AutoConfig.for_model(
-        "falcon", hidden_size=32, num_attention_heads=4, num_hidden_layers=1, vocab_size=64
+        model_type, hidden_size=32, num_hidden_layers=1, vocab_size=64, **fields
     ).to_json_file(config)
-    argv = _engine_argv(tmp_path, "--model", str(config))
-    assert main(["bench", "engine", *argv]) == 2
-    assert "falcon: its attention does not use transformers' AttentionInterface" in capsys.readouterr().err
+    step_argv = [
+        "--model",
+        str(config),
+        "--batch-sizes",
+        "1",
+        "--context-lens",
+        "16",
+        "--batch-sweep-context",
+        "8",
+    ]
+    argv = _engine_argv(tmp_path, "--model", str(config)) if kind == "engine" else step_argv
+    assert main(["bench", kind, *argv]) == 2
+    assert reason in capsys.readouterr().err
 
 
 def test_step_bench_structure(tmp_path, capsys):

@@ -65,7 +65,7 @@ def test_weight_bytes_of_untied_tiny_llama_by_hand():
     assert w.embeddings_not_counted == 8192 * 256 * F32 and not w.tied_embeddings
     assert w.lm_head == lm_head * F32
     assert w.buffers == rotary and w.total == w.parameters + rotary
-    assert kv_bytes_per_token(model.config, torch.float32) == 4 * 2 * 4 * 32 * F32
+    assert kv_bytes_per_token(build_preset("tiny-llama")[0], torch.float32) == 4 * 2 * 4 * 32 * F32
     half = decode_weight_bytes(model.to(torch.bfloat16))
     assert half.parameters == w.parameters // 2
 
@@ -77,7 +77,7 @@ def test_weight_bytes_of_tied_tiny_qwen2_count_the_shared_table_once():
     assert w.tied_embeddings and w.embeddings_not_counted == 0
     assert w.parameters == (layers + 256 + 8192 * 256) * F32  # the tied table once, as the LM head
     assert w.lm_head == 8192 * 256 * F32
-    assert kv_bytes_per_token(model.config, torch.bfloat16) == 4 * 2 * 2 * 32 * 2
+    assert kv_bytes_per_token(build_preset("tiny-qwen2")[0], torch.bfloat16) == 4 * 2 * 2 * 32 * 2
 
 
 def test_gpt2_position_table_is_not_counted_but_its_tied_lm_head_is():
@@ -120,7 +120,7 @@ def test_gpu_command_sizes_the_store_sanely():
     cfg = StepBenchConfig(model=args.model, batch_sizes=args.batch_sizes)
     max_len = _max_model_len(cfg, preset_config("qwen2.5-0.5b").max_position_embeddings)
     assert max(cfg.context_lens) + cfg.warmup_steps + cfg.timed_steps < max_len <= 4096
-    store = 256 * max_len * kv_bytes_per_token(preset_config("qwen2.5-0.5b"), torch.bfloat16)
+    store = 256 * max_len * 24 * 2 * 2 * 64 * 2  # 24 layers x K and V x 2 KV heads x head dim 64, bf16
     assert store < 8 * 2**30  # bf16 KV for 256 rows: well inside one GPU next to 1 GB of weights
 
 

@@ -147,9 +147,8 @@ def _eager_reference(q, k, v, rows, starts, ends, scale, softcap, sinks):
 def test_kernels_soft_cap_sinks_and_a_value_head_dim_of_its_own(softcap, with_sinks):
     gen = torch.Generator().manual_seed(5)
     kv_heads, groups, head_dim, v_dim, rows_total, max_len = 2, 3, 12, 5, 6, 30
-    k = (
-        torch.randn(rows_total, kv_heads, max_len, head_dim, generator=gen) * 2
-    )  # scores large enough to be capped
+    # scores large enough to be capped
+    k = torch.randn(rows_total, kv_heads, max_len, head_dim, generator=gen) * 2
     v = torch.randn(rows_total, kv_heads, max_len, v_dim, generator=gen)
     rows = np.array([4, 0, 2], dtype=np.int64)
     ends = np.array([7, 1, 30], dtype=np.int64)

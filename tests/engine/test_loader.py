@@ -240,9 +240,8 @@ def test_an_unreachable_hub_fails_fast_with_no_retries(tmp_path, monkeypatch):
 def test_a_hub_that_does_not_answer_fails_after_the_etag_timeout(monkeypatch):
     go_online(monkeypatch)
     monkeypatch.setenv("HF_HUB_ETAG_TIMEOUT", "1")
-    monkeypatch.setattr(
-        hf_constants, "ENDPOINT", closed_port_url()
-    )  # huggingface_hub's side requests: refused
+    # huggingface_hub's side requests: refused
+    monkeypatch.setattr(hf_constants, "ENDPOINT", closed_port_url())
     with socket.create_server(("127.0.0.1", 0)) as silent, real_http_client():  # accepts, never replies
         endpoint = f"http://127.0.0.1:{silent.getsockname()[1]}"
         monkeypatch.setenv("HF_ENDPOINT", endpoint)

@@ -1,6 +1,6 @@
 """Every causal-LM architecture of the installed transformers, built tiny (rose.bench.architectures): rose gives
 exactly `generate`'s greedy tokens in every engine mode (all prompts batched; chunked prefill in two reused slots
-with prefix caching; the other decode backend), or refuses the model at construction with its type and the reason
+with prefix caching; each with either decode backend), or refuses the model at construction with its type and the reason
 (rose.bench.coverage; `rose bench coverage` prints the same sweep as a table).
 """
 
@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
+from pathlib import Path
 
 import pytest
 import torch
 
 from rose.bench.architectures import build_failure, causal_lm_types, prompt_id_range, tiny_model
-from rose.bench.coverage import MODES, Verdict, check_model
+from rose.bench.coverage import LOW_PRECISION_TIE_TOLERANCE, MODES, Target, Verdict, check_model
 from rose.engine import model_probe
 
 TYPES = causal_lm_types()
@@ -88,7 +90,9 @@ def test_exact_in_every_mode_or_refused_with_the_reason(model_type):
         return
     assert set(v.modes) == set(MODES)
     assert all(m.status == "exact" and m.ties == 0 for m in v.modes.values()), v.modes
-    assert v.modes["chunked"].prefix_hits > 0, "the chunked mode reused no cached prefix"
+    assert v.modes["chunked"].prefix_hits > 0 and v.modes["chunked_sdpa"].prefix_hits > 0, (
+        "no cached prefix reused"
+    )
 
 
 def test_the_named_families():
@@ -126,3 +130,31 @@ def test_the_sweep_catches_a_feature_the_engine_would_ignore(model_type, strip, 
     monkeypatch.setattr(model_probe, "probe", ignoring)
     v = check_model(model_type, lambda: tiny_model(model_type), ("batched",), id_range=prompt_id_range())
     assert v.status == "wrong", v.detail
+
+
+def test_the_readme_lists_each_family_under_its_verdict():
+    """README's "Supported models" is the sweep's table: each type under the verdict it gets."""
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = text.split("### Supported models")[1].split("\n### ")[0]
+    bullets = section.split("\n- ")[1:]
+    listed: dict[str, set[str]] = {"exact": set(), "refused": set(), "skipped": set()}
+    for bullet in bullets:
+        kind = (
+            "exact"
+            if bullet.startswith("**Exact**")
+            else "skipped"
+            if bullet.startswith("Not buildable")
+            else "refused"
+        )
+        listed[kind] |= set(re.findall(r"`([\w.-]+)`", bullet)) & set(TYPES)
+    for kind, names in listed.items():
+        assert names == {t for t in TYPES if verdict(t).status == kind}, kind
+
+
+@pytest.mark.parametrize("model_type", ["gpt_oss", "granite_swa", "flint", "gemma2", "vaultgemma"])
+def test_soft_capping_and_sinks_round_as_transformers_does_in_bfloat16(model_type):
+    """Layers SDPA cannot compute run the model's own eager attention, so bf16 rounds as `generate`'s does (each of
+    these families takes its softmax in its own precision)."""
+    target = Target("cpu", "bfloat16", LOW_PRECISION_TIE_TOLERANCE)
+    v = check_model(model_type, lambda: tiny_model(model_type), id_range=prompt_id_range(), target=target)
+    assert v.status == "exact", v.detail

@@ -31,8 +31,9 @@ SMALL = dict(
 
 def tiny(model_type: str, **fields) -> torch.nn.Module:
     torch.manual_seed(0)
-    config = AutoConfig.for_model(model_type, **fields)
-    for name, value in {**SMALL, "num_hidden_layers": 2}.items():
+    # the layer count at construction, so that fields derived from it (layer_types) agree
+    config = AutoConfig.for_model(model_type, **{"num_hidden_layers": 2, **fields})
+    for name, value in SMALL.items():
         if name not in fields:
             with contextlib.suppress(AttributeError):  # derived fields (falcon's head_dim) cannot be set
                 setattr(config, name, value)
@@ -160,5 +161,7 @@ def test_a_sub_model_that_keeps_its_attention_is_refused(monkeypatch):
     model = tiny_model("gemma3")  # a multimodal model: vision tower + text model
     text_model = type(model.model.language_model)
     monkeypatch.setattr(text_model, "_can_set_attn_implementation", classmethod(lambda cls: False))
-    with pytest.raises(UnsupportedModelError, match="^gemma3: its sub-model Gemma3TextModel keeps transformers'"):
+    with pytest.raises(
+        UnsupportedModelError, match="^gemma3: its sub-model Gemma3TextModel keeps transformers'"
+    ):
         Engine(model, None, device="cpu", max_num_seqs=2, max_model_len=64)
