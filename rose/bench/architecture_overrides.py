@@ -105,6 +105,8 @@ FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {
 
 # Parent type -> sub-config key -> kwargs, for composite configs (applied after the sub-config type's own).
 SUBCONFIG_OVERRIDES: dict[str, dict[str, dict[str, Any]]] = {
+    # a cross-attention layer among the tiny text layers (the default indices start at 3): text-only forwards skip it
+    "mllama": {"text_config": {"num_hidden_layers": 3, "cross_attention_layers": [1]}},
     # DbrxAttention reads rope_theta, which its config does not declare, and clamps with clip_qkv unguarded;
     # a clip of 1 (q/k/v here have std ~0.8) keeps the clipping active
     "dbrx": {"attn_config": {"rope_theta": 10_000.0, "clip_qkv": 1.0}},

@@ -136,7 +136,7 @@ def _attend_decode(
         k = cache.k[layer][start:end, :, :longest]
         v = cache.v[layer][start:end, :, :longest]
         mask = meta.decode_mask(i, spec.visibility)
-        if spec.plain:
+        if eager is None:  # plain: SDPA (attend_layer gives an eager function to the others)
             parts.append(F.scaled_dot_product_attention(qg[start:end], k, v, attn_mask=mask, scale=scale))
         else:  # one query position per row: [rows, heads, 1, D] -> [rows, 1, heads, Dv]
             out = eager(q[start:end, :, None], k, v, mask)
@@ -164,7 +164,7 @@ def _attend_prefill(
     end = seg.start + seg.length
     k = cache.k[layer][seg.slot : seg.slot + 1, :, first:end]
     v = cache.v[layer][seg.slot : seg.slot + 1, :, first:end]
-    if spec.plain:
+    if eager is None:
         out = F.scaled_dot_product_attention(
             q[None], k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
         )

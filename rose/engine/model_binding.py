@@ -9,7 +9,7 @@ served too. The two modules are everything rose knows about transformers' attent
 
 from __future__ import annotations
 
-import sys
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -44,7 +44,8 @@ class _Binding:
     layers: tuple[int, ...]  # the store index of each of the module's calls in a forward
     cache: KVCache
     context: ForwardContext
-    eager: Callable | None  # the model's own `eager_attention_forward`, for layers SDPA cannot compute
+    eager: Callable | None  # the model's own `eager_attention_forward`
+    eager_always: bool  # the model came with eager attention: every layer runs it (bf16 rounds as generate's)
 
     def next_layer(self, module: torch.nn.Module) -> int:
         """The store layer of this call of `module` (its nth call in the running forward)."""
@@ -62,9 +63,10 @@ def attach(model: PreTrainedModel, layers: AttentionLayers, cache: KVCache, cont
     indices: dict[int, list[int]] = {}
     for index, module in enumerate(layers.modules):
         indices.setdefault(id(module), []).append(index)
+    always = layers.reference_implementation == "eager"
     for module in layers.modules:
-        eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
-        module._rose_binding = _Binding(tuple(indices[id(module)]), cache, context, eager)
+        binding = _Binding(tuple(indices[id(module)]), cache, context, _eager_function(module), always)
+        module._rose_binding = binding
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     for module in layers.modules:  # the switch reached every layer the probe bound (their configs say so)
         config = getattr(module, "config", None)
@@ -102,10 +104,24 @@ def slot_attention_forward(
     scale = scaling if scaling is not None else spec.head_dim**-0.5
     sinks = kwargs.get("s_aux") if spec.sinks else None  # the spec, read by the probe, decides
     eager = None
-    if not spec.plain and binding.eager is not None:
+    if binding.eager is not None and (binding.eager_always or not spec.plain):
         eager = _model_eager(binding.eager, module, scale, kwargs)
     out = attend_layer(binding.cache, layer, meta, query, key, value, scale, sinks, eager)
     return out[None].contiguous(), None  # models may .view() it
+
+
+def _eager_function(module: torch.nn.Module) -> Callable | None:
+    """The `eager_attention_forward` the module's own forward falls back to (the one its code names), if it takes
+    transformers' usual arguments."""
+    forward_globals = getattr(inspect.unwrap(type(module).forward), "__globals__", {})
+    function = forward_globals.get("eager_attention_forward")
+    if function is None:
+        return None
+    params = inspect.signature(function).parameters
+    wanted = ["module", "query", "key", "value", "attention_mask"]
+    if list(params)[:5] != wanted or not {"scaling", "dropout"} <= set(params):
+        return None
+    return function
 
 
 def _model_eager(function: Callable, module: torch.nn.Module, scale: float, kwargs: dict) -> Eager:

@@ -48,10 +48,10 @@ def limit_lengths(layers: AttentionLayers, model: PreTrainedModel) -> None:
     tuned = [m for m in layers.modules if getattr(m, "attn_temperature_tuning", False) and not m.use_rope]
     if tuned:
         layers.step_limit = int(tuned[0].floor_scale) - 1
-        reason = (
+        layers.step_reason = (
             f"its NoPE layers scale queries by the token's index in the forward from {layers.step_limit} on"
         )
-        limits.append((layers.step_limit, reason))
+        limits.append((layers.step_limit, layers.step_reason))
     if limits:
         layers.context_limit, layers.limit_reason = min(limits)
 
@@ -78,11 +78,18 @@ def _cache_window_limits(layers: AttentionLayers, config) -> list[tuple[int, str
 
 def _rope_limits(model: PreTrainedModel) -> list[tuple[int, str]]:
     """longrope and dynamic RoPE pick their frequencies from the longest position in the whole forward, which in a
-    batched step belongs to another sequence: exact only while no position reaches the length where they switch."""
+    batched step belongs to another sequence: exact only while no position reaches the length where they switch.
+    (dynamic RoPE only grows past `max_position_embeddings`, the model's own context: it never caps in practice.)
+    The text decoder's rotary modules only: a vision tower's never sees the text's positions."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
     limits = []
-    for module in model.modules():
+    for module in decoder.modules():
         kinds = getattr(module, "rope_type", None)
-        if kinds is None or not hasattr(module, "original_inv_freq"):
+        # rotary modules keep their original frequencies, per layer type (`<type>_original_inv_freq`) where the
+        # type decides the RoPE
+        if not isinstance(kinds, str | dict) or not any(
+            "original_inv_freq" in name for name, _ in module.named_buffers()
+        ):
             continue
         for layer_type, kind in kinds.items() if isinstance(kinds, dict) else [(None, kinds)]:
             if kind == "longrope":
@@ -98,8 +105,3 @@ def _rope_limits(model: PreTrainedModel) -> list[tuple[int, str]]:
                 (limit, f"its {kind} RoPE changes frequencies once a forward holds position {limit}")
             )
     return limits
-
-
-def attention_layer_count(config) -> int:
-    """How many decoder layers transformers' cache treats as attention layers (each must attend through rose)."""
-    return sum(t in ("full_attention", "sliding_attention", "chunked_attention") for t in layer_types(config))

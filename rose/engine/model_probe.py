@@ -70,17 +70,18 @@ class AttentionLayers:
     """A probed model's attention calls in the order of one forward (= their index in the KV store), each with its
     module (a module that attends twice per forward, as diffllama's, has two entries) and its spec.
 
-    `context_limit`: the longest context rose serves exactly, where transformers' cache keeps fewer tokens for a
-    layer than that layer's mask lets it see (a `sliding_window` applied by the cache alone); None when unbounded."""
+    `context_limit` / `step_limit`: the longest context and the most tokens per forward rose serves exactly, where
+    transformers computes from more than each token's position (rose.engine.model_limits); None when unbounded.
+    `reference_implementation`: the attention implementation the model came with, the one `generate` runs."""
 
     model_type: str
     modules: list[torch.nn.Module] = field(default_factory=list)
     specs: list[LayerSpec] = field(default_factory=list)
     context_limit: int | None = None
     limit_reason: str = ""
-    step_limit: int | None = (
-        None  # the most tokens one forward may flatten, where a token's index in it matters
-    )
+    step_limit: int | None = None
+    step_reason: str = ""
+    reference_implementation: str = "sdpa"
 
     def exact_context(self, context: int, requested: int | None) -> int:
         """The model's `context`, capped at `context_limit`; a longer `requested` max_model_len is refused."""
@@ -103,7 +104,7 @@ class AttentionLayers:
             return budget
         if requested is not None:
             raise UnsupportedModelError(
-                f"{self.model_type}: exact only for steps of up to {self.step_limit} tokens ({self.limit_reason}); "
+                f"{self.model_type}: exact only for steps of up to {self.step_limit} tokens ({self.step_reason}); "
                 f"max_num_batched_tokens {requested} is more"
             )
         return self.step_limit
@@ -119,7 +120,7 @@ def probe(model: PreTrainedModel) -> AttentionLayers:
     name = model_type(model)
     _check_architecture(model, name)
     recorder = _Recorder(name)
-    stuck, failure = _probe_forward(model, recorder)
+    stuck, attention_ran, failure = _probe_forward(model, recorder)
     # transformers only warns when a sub-model cannot switch: its layers would run without rose's store
     if stuck:
         raise UnsupportedModelError(
@@ -133,11 +134,11 @@ def probe(model: PreTrainedModel) -> AttentionLayers:
             f"{name}: its forward fails under rose's attention ({type(failure).__name__}: {failure}): it does "
             "something with its attention that rose does not implement"
         ) from failure
-    calls, expected = len(recorder.layers.specs), model_limits.attention_layer_count(model.config)
-    if calls < max(expected, 1):
+    recorded = {id(m) for m in recorder.layers.modules}
+    if skipped := [m for m in attention_ran if id(m) not in recorded]:
         raise UnsupportedModelError(
-            f"{name}: only {calls} of its {expected} attention layers attend through transformers' "
-            "AttentionInterface, so rose cannot attach its KV cache to the others"
+            f"{name}: attention layer {skipped[0].layer_idx} ({type(skipped[0]).__name__}) ran without going "
+            "through transformers' AttentionInterface, so rose cannot attach its KV cache to it"
         )
     model_limits.limit_lengths(recorder.layers, model)
     if logger.isEnabledFor(logging.INFO):
@@ -148,20 +149,24 @@ def probe(model: PreTrainedModel) -> AttentionLayers:
 
 def _probe_forward(
     model: PreTrainedModel, recorder: _Recorder
-) -> tuple[list[tuple[str, str]], Exception | None]:
+) -> tuple[list[tuple[str, str]], list[torch.nn.Module], Exception | None]:
     """One forward of PROBE_TOKENS tokens under the probe attention: the (class, attention implementation) of each
-    (sub-)model it went through that did not switch to the probe, and the exception it raised, if any. The model's
-    attention implementation is restored."""
+    (sub-)model it went through that did not switch to the probe, the attention modules (`*Attention` classes with a
+    `layer_idx`) that ran, each of which must have called the probe, and the exception the forward raised, if any.
+    The model's attention implementation is restored."""
     previous = model.config._attn_implementation
+    recorder.layers.reference_implementation = previous
     model.set_attn_implementation(PROBE_IMPLEMENTATION)
     ids = (torch.arange(PROBE_TOKENS) * 7 + 3) % model.config.get_text_config().vocab_size
     device = next(model.parameters()).device
     ran: list[PreTrainedModel] = []
-    hooks = [
-        m.register_forward_pre_hook(lambda m, _: ran.append(m))
-        for m in model.modules()
-        if isinstance(m, PreTrainedModel)
-    ]
+    attention_ran: list[torch.nn.Module] = []
+    hooks = []
+    for m in model.modules():
+        if isinstance(m, PreTrainedModel):
+            hooks.append(m.register_forward_pre_hook(lambda m, _: ran.append(m)))
+        elif type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx"):
+            hooks.append(m.register_forward_pre_hook(lambda m, _: attention_ran.append(m)))
     failure = None
     _ACTIVE.recorder = recorder
     try:
@@ -179,7 +184,7 @@ def _probe_forward(
             hook.remove()
     seen = [(type(m).__name__, m.config._attn_implementation) for m in ran]
     model.set_attn_implementation(previous)
-    return [(cls, impl) for cls, impl in seen if impl != PROBE_IMPLEMENTATION], failure
+    return [(cls, impl) for cls, impl in seen if impl != PROBE_IMPLEMENTATION], attention_ran, failure
 
 
 def _check_architecture(model: PreTrainedModel, name: str) -> None:

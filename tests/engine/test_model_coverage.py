@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from rose.bench.architectures import build_failure, causal_lm_types, prompt_id_range, tiny_model
-from rose.bench.coverage import LOW_PRECISION_TIE_TOLERANCE, MODES, Target, Verdict, check_model
+from rose.bench.coverage import MODES, Target, Verdict, check_model
 from rose.engine import model_probe
 
 TYPES = causal_lm_types()
@@ -39,6 +39,7 @@ MUST_BE_EXACT = {
     "gemma4_text": "per-layer head dims and KV heads",
     "stablelm": "decoder layers that drop **kwargs",
     "diffllama": "two attention calls per layer",
+    "mllama": "a cross-attention layer that text-only forwards skip",
     "llama": "the plain case",
     "gpt2": "learned positions",
 }
@@ -151,10 +152,13 @@ def test_the_readme_lists_each_family_under_its_verdict():
         assert names == {t for t in TYPES if verdict(t).status == kind}, kind
 
 
-@pytest.mark.parametrize("model_type", ["gpt_oss", "granite_swa", "flint", "gemma2", "vaultgemma"])
-def test_soft_capping_and_sinks_round_as_transformers_does_in_bfloat16(model_type):
-    """Layers SDPA cannot compute run the model's own eager attention, so bf16 rounds as `generate`'s does (each of
-    these families takes its softmax in its own precision)."""
-    target = Target("cpu", "bfloat16", LOW_PRECISION_TIE_TOLERANCE)
+@pytest.mark.parametrize(
+    "model_type", ["gpt_oss", "granite_swa", "flint", "gemma2", "vaultgemma", "mimo_v2_flash"]
+)
+def test_eager_families_round_as_transformers_does_in_bfloat16(model_type):
+    """Layers SDPA cannot compute (soft-capping, sinks), and every layer of a model that came with eager attention,
+    run the model's own eager function: bf16 rounds exactly as `generate`'s does (each of these families takes its
+    softmax in its own precision), with no tie allowed."""
+    target = Target("cpu", "bfloat16", 0.0)
     v = check_model(model_type, lambda: tiny_model(model_type), id_range=prompt_id_range(), target=target)
     assert v.status == "exact", v.detail

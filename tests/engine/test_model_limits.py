@@ -59,6 +59,22 @@ def longrope_phi3(original: int = 12):
     return model
 
 
+def test_longrope_per_layer_type_caps_the_context_too():
+    """gemma3's rotary module keeps one RoPE per layer type (`<type>_original_inv_freq`)."""
+    config = tiny_config("gemma3_text")
+    half = config.head_dim // 2
+    longrope = {
+        "rope_type": "longrope",
+        "rope_theta": 10000.0,
+        "original_max_position_embeddings": 16,
+        "short_factor": [1.0] * half,
+        "long_factor": [4.0] * half,
+    }
+    config.rope_parameters = {"full_attention": longrope, "sliding_attention": dict(longrope)}
+    engine = Engine(model_from_config(config).eval(), None, device="cpu", max_num_seqs=2)
+    assert engine.max_model_len == 16
+
+
 def test_longrope_caps_the_context_at_its_original_length():
     """longrope switches every position's frequencies once any position of a forward passes the original length:
     in a batched step, another sequence's."""
@@ -106,7 +122,7 @@ def test_an_attention_layer_that_skips_rose_is_refused():
     )  # its own config, which the switch to rose's attention never reaches
     layer.config._attn_implementation_internal = "test_own_attention"
     with pytest.raises(
-        UnsupportedModelError, match=r"^llama: only 1 of its 2 attention layers attend through"
+        UnsupportedModelError, match=r"^llama: attention layer 1 \(LlamaAttention\) ran without going"
     ):
         Engine(model, None, device="cpu", max_num_seqs=2, max_model_len=64)
 
