@@ -31,6 +31,7 @@ from rose.bench.roofline import Roofline
 from rose.bench.rose_runner import RoseConfig, build_llm, greedy_params
 from rose.bench.step_profile import profile_step
 from rose.bench.workload import RESERVED_IDS
+from rose.engine.model_runner import model_context
 
 logger = logging.getLogger(__name__)
 
@@ -270,8 +271,7 @@ def run_step_bench(cfg: StepBenchConfig, progress: Any = None) -> StepBenchRepor
     model, tokenizer = load_model(cfg.model, seed=0, attn_implementation=None, device=device, dtype=dtype)
     max_batch = max([*cfg.batch_sizes, cfg.context_sweep_batch, cfg.profile_batch if cfg.profile else 1])
     max_ctx = max([*cfg.context_lens, cfg.batch_sweep_context, cfg.profile_context if cfg.profile else 1])
-    model_context = getattr(model.config.get_text_config(), "max_position_embeddings", None) or 2048
-    max_model_len = _max_model_len(cfg, model_context)
+    max_model_len = _max_model_len(cfg, model_context(model.config))
     # before the engine exists, so the probe's buffers never compete with its KV store for memory
     roofline = Roofline.measure(model, device, cfg.copy_bytes)
     logger.info(

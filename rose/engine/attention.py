@@ -19,8 +19,8 @@ from rose.engine import cpu_attention
 from rose.engine.kv_cache import AttentionMetadata, KVCache
 from rose.engine.layer_spec import LayerSpec
 
-# (q [B, heads, L, D], k [B, kv_heads, S, D], v [B, kv_heads, S, Dv], visible bool [B or 1, 1, L, S]) ->
-# [B, L, heads, Dv]: one non-plain layer's attention over given views
+# (q [B, heads, L, D], k [B, kv_heads, S, D], v [B, kv_heads, S, Dv], visible bool [B or 1, 1, L, S], one of the
+# step's cached masks) -> [B, L, heads, Dv]: one non-plain layer's attention over given views
 Eager = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -170,5 +170,5 @@ def _attend_prefill(
         )
         return out[0].transpose(0, 1)
     if mask is None:  # plain causal over the segment's own tokens
-        mask = torch.ones(seg.length, seg.length, dtype=torch.bool, device=q.device).tril()[None, None]
+        mask = meta.causal_mask(seg.length, q.device)
     return eager(q[None], k, v, mask)[0]

@@ -85,6 +85,23 @@ class AttentionMetadata:
             self._masks[key] = (slots, starts, ends)
         return self._masks[key]
 
+    def causal_mask(self, length: int, device: torch.device) -> torch.Tensor:
+        """[1, 1, length, length] plain causal mask, built once per step (eager layers need it materialized)."""
+        key = ("causal", length)
+        if key not in self._masks:
+            self._masks[key] = torch.ones(length, length, dtype=torch.bool, device=device).tril()[None, None]
+        return self._masks[key]
+
+    def additive_mask(self, visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """`visible` (one of this step's masks) as transformers' additive mask: 0 where visible, dtype's min
+        elsewhere; built once per step and mask for every layer."""
+        key = ("additive", id(visible), dtype)
+        if key not in self._masks:
+            mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
+            mask.masked_fill_(~visible, torch.finfo(dtype).min)
+            self._masks[key] = (visible, mask)  # holds `visible`, so its id cannot be reused within the step
+        return self._masks[key][1]
+
     def prefill_mask(
         self, index: int, visibility: Visibility, device: torch.device
     ) -> tuple[int, torch.Tensor | None]:

@@ -105,7 +105,7 @@ def slot_attention_forward(
     sinks = kwargs.get("s_aux") if spec.sinks else None  # the spec, read by the probe, decides
     eager = None
     if binding.eager is not None and (binding.eager_always or not spec.plain):
-        eager = _model_eager(binding.eager, module, scale, kwargs)
+        eager = _model_eager(binding.eager, module, meta, scale, kwargs)
     out = attend_layer(binding.cache, layer, meta, query, key, value, scale, sinks, eager)
     return out[None].contiguous(), None  # models may .view() it
 
@@ -124,13 +124,15 @@ def _eager_function(module: torch.nn.Module) -> Callable | None:
     return function
 
 
-def _model_eager(function: Callable, module: torch.nn.Module, scale: float, kwargs: dict) -> Eager:
-    """The model's eager attention over rose's views, with an additive mask as transformers builds it: the same
-    operations in the same precision as `generate`'s (in bf16 the families differ, e.g. in the softmax's dtype)."""
+def _model_eager(
+    function: Callable, module: torch.nn.Module, meta: AttentionMetadata, scale: float, kwargs: dict
+) -> Eager:
+    """The model's eager attention over rose's views, with an additive mask as transformers builds it (once per
+    step, AttentionMetadata.additive_mask): the same operations in the same precision as `generate`'s (in bf16 the
+    families differ, e.g. in the softmax's dtype)."""
 
     def eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-        mask = torch.zeros(visible.shape, dtype=q.dtype, device=q.device)
-        mask.masked_fill_(~visible, torch.finfo(q.dtype).min)
+        mask = meta.additive_mask(visible, q.dtype)
         out, _ = function(module, q, k, v, mask, scaling=scale, dropout=0.0, **kwargs)
         return out
 

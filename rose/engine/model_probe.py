@@ -30,7 +30,7 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface
 
 from rose.engine import model_limits
-from rose.engine.attention import eager_attention
+from rose.engine.attention import spec_eager
 from rose.engine.layer_spec import LayerSpec, first_visible
 
 logger = logging.getLogger(__name__)
@@ -326,13 +326,11 @@ def _probe_attention(module, query, key, value, attention_mask, scaling=None, **
     )
     if spec is None:  # the forward goes on with zeros; the recorded problem refuses the model afterwards
         return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[3]), None
-    n = query.shape[2]
-    pos = torch.arange(n, device=query.device)
+    pos = torch.arange(query.shape[2], device=query.device)
     visible = (pos[None, :] <= pos[:, None]) & (pos[None, :] >= first_visible(pos[:, None], *spec.visibility))
-    qg = query.reshape(1, spec.num_kv_heads, spec.groups, n, spec.head_dim)
     scale = scaling if scaling is not None else spec.head_dim**-0.5
-    out = eager_attention(qg, key, value, visible, scale, spec, kwargs.get("s_aux"))
-    return out.reshape(1, spec.num_heads, n, spec.v_head_dim).transpose(1, 2).contiguous(), None
+    out = spec_eager(spec, scale, kwargs.get("s_aux"))(query, key, value, visible[None, None])
+    return out.contiguous(), None
 
 
 AttentionInterface.register(PROBE_IMPLEMENTATION, _probe_attention)

@@ -14,20 +14,9 @@ from rose.engine.scheduler import ScheduledBatch
 from rose.engine.slot_order import decode_groups
 
 
-def model_geometry(config) -> tuple[int, int, int, int]:
-    """(num_layers, num_kv_heads, head_dim, context length) from a transformers config (an estimate for models whose
-    layers differ: the engine reads each layer's geometry off the model itself, rose.engine.model_probe)."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    layers = getattr(text, "num_hidden_layers", None) or text.n_layer
-    heads = getattr(text, "num_attention_heads", None) or text.n_head
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    hidden = getattr(text, "hidden_size", None) or text.n_embd
-    head_dim = getattr(text, "head_dim", None) or hidden // heads
-    return layers, kv_heads, head_dim, model_context(config)
-
-
 def model_context(config) -> int:
-    """The context length a transformers config declares (2048 when it declares none)."""
+    """The context length a transformers config declares (2048 when it declares none). Everything else about the
+    model's attention is read off the model itself (rose.engine.model_probe)."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     return getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None) or 2048
 
