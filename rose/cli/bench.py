@@ -1,4 +1,4 @@
-"""`rose bench engine|step|worker`: the benchmarks in `rose.bench`, as subcommands."""
+"""`rose bench engine|step|worker|coverage`: the benchmarks in `rose.bench`, as subcommands."""
 
 from __future__ import annotations
 
