@@ -41,9 +41,17 @@ _TYPES: dict[str, Any] = {
 }
 
 
+# fields with flags of their own elsewhere (a constraint is given as --json-schema, --regex, ...)
+_NOT_FLAGS = ("structured_outputs",)
+
+
+def _flag_fields() -> list[str]:
+    return [n for n in SamplingParams.field_names() if n not in _NOT_FLAGS]
+
+
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("sampling (vLLM SamplingParams; unset flags keep their defaults)")
-    for name in SamplingParams.field_names():
+    for name in _flag_fields():
         flag = "--" + name.replace("_", "-")
         if name in ("stop", "stop_token_ids"):
             group.add_argument(
@@ -64,4 +72,4 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
 
 def sampling_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The sampling fields the user set on the command line."""
-    return {n: getattr(args, n) for n in SamplingParams.field_names() if getattr(args, n, None) is not None}
+    return {n: getattr(args, n) for n in _flag_fields() if getattr(args, n, None) is not None}

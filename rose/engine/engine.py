@@ -120,13 +120,18 @@ class Engine:
     def add_request(
         self,
         request_id: str,
-        prompt: str | list[int],
+        prompt: str | list[int] | dict[str, Any],
         params: SamplingParams | None = None,
         *,
         priority: int = 0,
         arrival_time: float | None = None,
     ) -> None:
-        """Queue a request. Raises ValueError (naming the problem) for one that can never run."""
+        """Queue a request. Raises ValueError (naming the problem) for one that can never run.
+
+        `prompt`: text (encoded with the tokenizer's special tokens), token ids, or vLLM's TokensPrompt
+        `{"prompt_token_ids": [...], "prompt": text}` (ids used as they are; the text, e.g. a rendered chat, is
+        only echoed in the output).
+        """
         if request_id in self._seqs:
             raise ValueError(f"request id {request_id!r} is already in the engine")
         params = params if params is not None else SamplingParams()
@@ -137,6 +142,8 @@ class Engine:
                 f"SamplingParams.logprobs must be <= {self.max_logprobs} (the engine's max_logprobs), "
                 f"got {params.logprobs}"
             )
+        if params.structured_outputs is not None:  # TODO(issue 13): the grammar engine lands next
+            raise ValueError("structured outputs are not supported by this engine yet")
         text, ids = self._tokenize(prompt)
         if ids and params.max_tokens is None and len(ids) >= self.max_model_len:
             raise ValueError(
@@ -181,7 +188,15 @@ class Engine:
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
 
-    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+    def _tokenize(self, prompt: str | list[int] | dict[str, Any]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            unknown = set(prompt) - {"prompt", "prompt_token_ids"}
+            if unknown or "prompt_token_ids" not in prompt:
+                raise ValueError("a prompt dict takes 'prompt_token_ids' and an optional 'prompt' (its text)")
+            text = prompt.get("prompt")
+            if text is not None and not isinstance(text, str):
+                raise TypeError(f"prompt['prompt'] must be a str, got {type(text).__name__}")
+            return text, self._tokenize(list(prompt["prompt_token_ids"]))[1]
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError(

@@ -81,7 +81,9 @@ class LLM:
             self._release(ids)
         return results
 
-    def _add(self, rid: str, prompt: str | list[int], params: SamplingParams, priority: int = 0) -> None:
+    def _add(
+        self, rid: str, prompt: str | list[int] | dict[str, Any], params: SamplingParams, priority: int = 0
+    ) -> None:
         self.engine.add_request(rid, prompt, params, priority=priority)
         self._inbox[rid] = []
 
@@ -145,16 +147,16 @@ class LLM:
             self._release([rid])
 
 
-def _normalize_prompts(prompts: PromptType | Sequence[PromptType]) -> list[str | list[int]]:
+def _normalize_prompts(prompts: PromptType | Sequence[PromptType]) -> list[str | list[int] | dict[str, Any]]:
     if isinstance(prompts, str | dict):
         prompts = [prompts]
     elif isinstance(prompts, list | tuple) and prompts and all(isinstance(t, int) for t in prompts):
         prompts = [list(prompts)]
-    out: list[str | list[int]] = []
+    out: list[str | list[int] | dict[str, Any]] = []
     for p in prompts:
         if isinstance(p, dict):
             if "prompt_token_ids" in p:
-                out.append(list(p["prompt_token_ids"]))
+                out.append(dict(p))  # TokensPrompt: ids, and optionally the text they came from
             elif "prompt" in p:
                 out.append(p["prompt"])
             else:

@@ -68,14 +68,29 @@ def _tokenizer_json(vocab_size: int = VOCAB_SIZE) -> str:
     return tok.to_str()
 
 
+# A small chat template in the usual shape (BOS once, a header per turn, EOS after each finished turn), so demos and
+# tests render chat messages for real. It writes plain-text headers: the presets' vocabulary has no role tokens.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>\n' + message['content'] }}"
+    "{% if not (loop.last and continue_final_message) %}{{ eos_token + '\n' }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
+)
+
+
 def build_tokenizer(vocab_size: int = VOCAB_SIZE) -> PreTrainedTokenizerFast:
-    """A byte-level BPE tokenizer built in memory (deterministic; about 0.2 s the first time, cached after)."""
-    return PreTrainedTokenizerFast(
+    """A byte-level BPE tokenizer built in memory (deterministic; about 0.2 s the first time, cached after), with
+    the presets' chat template."""
+    tok = PreTrainedTokenizerFast(
         tokenizer_object=Tokenizer.from_str(_tokenizer_json(vocab_size)),
         eos_token=EOS,
         bos_token=BOS,
         pad_token=PAD,
     )
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
 
 
 def _special_ids() -> dict:

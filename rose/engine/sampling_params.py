@@ -6,6 +6,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from rose.engine.structured_outputs import StructuredOutputsParams
+
 _GREEDY_EPS = 1e-5  # vLLM treats temperatures below this as greedy
 
 
@@ -16,6 +18,9 @@ class SamplingParams:
     `max_tokens=None` means "until the context limit". `top_k` of 0 or -1 disables top-k.
     `logprobs=N` returns, for each generated token, its log-probability and the top-N alternatives.
     `detokenize=False` returns token ids only (empty text): no incremental detokenization, so no stop strings.
+    `structured_outputs` constrains the output to a JSON schema, regex, choice or grammar (a dict such as
+    `{"json": schema}` is accepted); EOS is then allowed only where the grammar can end, and the request ends when
+    the grammar does (min_tokens and ignore_eos do not reopen a finished grammar).
     """
 
     max_tokens: int | None = 16
@@ -35,8 +40,11 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logprobs: int | None = None
     detokenize: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
+        if self.structured_outputs is not None:
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         for name in ("stop", "stop_token_ids"):
@@ -103,7 +111,10 @@ class SamplingParams:
         return [f.name for f in dataclasses.fields(cls)]
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        if self.structured_outputs is not None:
+            out["structured_outputs"] = self.structured_outputs.to_dict()
+        return out
 
 
 def _is_int(value: Any) -> bool:

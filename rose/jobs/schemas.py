@@ -6,21 +6,43 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from rose.engine.chat import ChatOptions, normalize_messages, render_chat
 from rose.engine.sampling_params import SamplingParams
+from rose.engine.structured_outputs import StructuredOutputsParams
 
 __all__ = ["GenerateRequest", "ValidationError", "format_validation_error"]
 
 
 class GenerateRequest(BaseModel):
-    """One generation job: a prompt (text or token ids, exactly one), SamplingParams fields, optional metadata.
+    """One generation job: a prompt (text, token ids or chat messages: exactly one), SamplingParams fields, an
+    optional output constraint, optional metadata.
 
-    Field names and meanings are vLLM's. Unknown fields are rejected (a typo must not silently do nothing).
+    Field names and meanings are vLLM's (and OpenAI's for `messages` and `response_format`). Unknown fields are
+    rejected (a typo must not silently do nothing).
     """
 
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
     prompt: str | None = Field(None, description="Text prompt (needs a tokenizer on the worker).")
     prompt_token_ids: list[int] | None = Field(None, description="Prompt as token ids.")
+    messages: list[dict[str, Any]] | None = Field(
+        None, description="OpenAI-format chat messages, rendered with the model's chat template."
+    )
+    # chat rendering (only with `messages`)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = Field(
+        None, description="A Jinja chat template (only where the worker allows it)."
+    )
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="Extra template variables.")
+    # output constraint (at most one of the two)
+    structured_outputs: dict[str, Any] | None = Field(
+        None, description="vLLM's constraint: {json | regex | choice | grammar | json_object: ...}."
+    )
+    response_format: dict[str, Any] | None = Field(
+        None,
+        description="OpenAI's: {'type': 'json_object'} or {'type': 'json_schema', 'json_schema': {...}}.",
+    )
     metadata: dict[str, Any] | None = Field(None, description="Any JSON object, echoed into the result.")
     priority: int = Field(0, description="Engine scheduling priority among waiting jobs (lower runs first).")
 
@@ -45,8 +67,12 @@ class GenerateRequest(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> GenerateRequest:
-        if (self.prompt is None) == (self.prompt_token_ids is None):
-            raise ValueError("give exactly one of 'prompt' (text) or 'prompt_token_ids' (list of int)")
+        given = [n for n in ("prompt", "prompt_token_ids", "messages") if getattr(self, n) is not None]
+        if len(given) != 1:
+            raise ValueError(
+                "give exactly one of 'prompt' (text), 'prompt_token_ids' (list of int) or 'messages' (chat)"
+                + (f", got {' and '.join(given)}" if given else "")
+            )
         if self.prompt is not None and self.prompt == "":
             raise ValueError("'prompt' is empty")
         if self.prompt_token_ids is not None:
@@ -54,6 +80,15 @@ class GenerateRequest(BaseModel):
                 raise ValueError("'prompt_token_ids' is empty")
             if any(t < 0 for t in self.prompt_token_ids):
                 raise ValueError("'prompt_token_ids' must hold non-negative integers")
+        if self.messages is not None:
+            normalize_messages(self.messages)
+            self.chat_options()
+        else:
+            chat_set = [n for n in _CHAT_FIELDS if n in self.model_fields_set]
+            if chat_set:
+                raise ValueError(f"{', '.join(chat_set)} only apply to 'messages' jobs")
+        if self.structured_outputs is not None and self.response_format is not None:
+            raise ValueError("give at most one of 'structured_outputs' and 'response_format'")
         # SamplingParams owns the range checks; its ValueError names the field.
         self.to_sampling_params()
         return self
@@ -62,12 +97,36 @@ class GenerateRequest(BaseModel):
     def sampling_field_names(cls) -> list[str]:
         return SamplingParams.field_names()
 
-    def to_sampling_params(self) -> SamplingParams:
-        return SamplingParams(**{name: getattr(self, name) for name in SamplingParams.field_names()})
+    def constraint(self) -> StructuredOutputsParams | None:
+        if self.response_format is not None:
+            return StructuredOutputsParams.from_response_format(self.response_format)
+        if self.structured_outputs is not None:
+            return StructuredOutputsParams.from_dict(self.structured_outputs)
+        return None
 
-    @property
-    def engine_prompt(self) -> str | list[int]:
+    def to_sampling_params(self) -> SamplingParams:
+        fields = {name: getattr(self, name) for name in SamplingParams.field_names()}
+        fields["structured_outputs"] = self.constraint()
+        return SamplingParams(**fields)
+
+    def chat_options(self) -> ChatOptions:
+        return ChatOptions(
+            add_generation_prompt=self.add_generation_prompt,
+            continue_final_message=self.continue_final_message,
+            chat_template=self.chat_template,
+            chat_template_kwargs=dict(self.chat_template_kwargs or {}),
+        )
+
+    def engine_prompt(self, tokenizer: Any = None) -> str | list[int] | dict[str, Any]:
+        """What `Engine.add_request` takes: the text, the ids, or the messages rendered with `tokenizer`'s chat
+        template (raises rose.engine.chat.ChatTemplateError, a ValueError, when they cannot be)."""
+        if self.messages is not None:
+            rendered = render_chat(tokenizer, self.messages, self.chat_options())
+            return {"prompt": rendered.prompt, "prompt_token_ids": rendered.prompt_token_ids}
         return self.prompt if self.prompt is not None else list(self.prompt_token_ids or [])
+
+
+_CHAT_FIELDS = ("add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs")
 
 
 def format_validation_error(exc: ValidationError) -> str:

@@ -311,7 +311,10 @@ class RoseWorker(Lifecycle, Checks, Outcomes, BaseWorker):
         assert request is not None
         try:
             self.engine.add_request(
-                run.id, request.engine_prompt, request.to_sampling_params(), priority=request.priority
+                run.id,
+                request.engine_prompt(self.engine.tokenizer),
+                request.to_sampling_params(),
+                priority=request.priority,
             )
         except ValueError as exc:  # prompt too long for the context, text prompt without tokenizer, ...
             self._fail(run, str(exc), retry=False)

@@ -31,6 +31,7 @@ INVALID = {
     "skip_special_tokens": ["false"],
     "logprobs": [-1, 2.5, "3"],
     "detokenize": ["no", 0],
+    "structured_outputs": [{}, {"regex": "a", "choice": ["a"]}, {"choice": []}, {"json": "{not json"}, "x"],
 }
 
 

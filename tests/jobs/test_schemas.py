@@ -70,7 +70,7 @@ def test_types_are_strict():
 
 def test_metadata_and_token_prompt():
     req = GenerateRequest(prompt_token_ids=[1, 2, 3], metadata={"user": "u1", "n": [1]})
-    assert req.engine_prompt == [1, 2, 3]
+    assert req.engine_prompt() == [1, 2, 3]
     assert req.metadata == {"user": "u1", "n": [1]}
 
 
