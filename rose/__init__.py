@@ -23,7 +23,7 @@ _EXPORTS = {
     "StepOutput": "rose.engine.outputs",
     "UnsupportedModelError": "rose.engine.model_probe",
     "Client": "rose.jobs.client",
-    "AsyncClient": "rose.jobs.client",
+    "AsyncClient": "rose.jobs.async_client",
     "JobFailed": "rose.jobs.client",
     "JobCanceled": "rose.jobs.client",
 }
@@ -48,7 +48,8 @@ if TYPE_CHECKING:
     from rose.engine.model_probe import UnsupportedModelError
     from rose.engine.outputs import RequestOutput, StepOutput
     from rose.engine.sampling_params import SamplingParams
-    from rose.jobs.client import AsyncClient, Client, JobCanceled, JobFailed
+    from rose.jobs.async_client import AsyncClient
+    from rose.jobs.client import Client, JobCanceled, JobFailed
 
 
 def __getattr__(name: str) -> Any:

@@ -10,11 +10,13 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
+from rose.engine.chat import ChatOptions, ChatTemplateError, render_chat
 from rose.engine.engine import Engine
 from rose.engine.outputs import RequestOutput, StepOutput
 from rose.engine.sampling_params import SamplingParams
 
 PromptType = str | list[int] | dict[str, Any]
+Conversation = list[dict[str, Any]]
 
 
 class LLM:
@@ -81,6 +83,49 @@ class LLM:
             self._release(ids)
         return results
 
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = False,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """vLLM's `LLM.chat`: render each conversation with the tokenizer's chat template (or `chat_template`) and
+        generate for all of them at once; outputs come back in input order, each with the rendered text as its
+        `prompt`.
+
+        `messages` is one conversation (a list of OpenAI-format message dicts) or a list of conversations.
+        Every conversation is rendered before any is queued, so a bad one (malformed message, no chat template,
+        a template that raises) raises `rose.engine.chat.ChatTemplateError` (a ValueError) naming the
+        conversation and runs nothing.
+        """
+        conversations = _normalize_conversations(messages)
+        options = ChatOptions(
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            chat_template=chat_template,
+            chat_template_kwargs=dict(chat_template_kwargs or {}),
+        )
+        per_request = not (sampling_params is None or isinstance(sampling_params, SamplingParams))
+        if per_request and len(sampling_params) != len(conversations):  # type: ignore[arg-type]
+            raise ValueError(
+                f"got {len(sampling_params)} sampling_params for {len(conversations)} conversations: pass "
+                "one, or one per conversation"
+            )
+        prompts: list[PromptType] = []
+        for i, conversation in enumerate(conversations):
+            try:
+                rendered = render_chat(self.engine.tokenizer, conversation, options)
+            except ChatTemplateError as exc:
+                where = f"conversation {i}: " if len(conversations) > 1 else ""
+                raise ChatTemplateError(f"{where}{exc}") from None
+            prompts.append({"prompt": rendered.prompt, "prompt_token_ids": rendered.prompt_token_ids})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
     def _add(
         self, rid: str, prompt: str | list[int] | dict[str, Any], params: SamplingParams, priority: int = 0
     ) -> None:
@@ -145,6 +190,22 @@ class LLM:
                 self._step()
         finally:
             self._release([rid])
+
+
+def _normalize_conversations(messages: Any) -> list[Conversation]:
+    """One conversation (a list of message dicts) or a list of them -> a list of conversations."""
+    if not isinstance(messages, list | tuple) or not messages:
+        raise ChatTemplateError(
+            "messages must be a conversation (a non-empty list of {'role': ..., 'content': ...} dicts) or a "
+            "non-empty list of conversations"
+        )
+    if all(isinstance(m, list | tuple) for m in messages):
+        return [list(c) for c in messages]
+    if any(isinstance(m, list | tuple) for m in messages):
+        raise ChatTemplateError(
+            "messages mixes message dicts and conversations (lists): give one or the other"
+        )
+    return [list(messages)]
 
 
 def _normalize_prompts(prompts: PromptType | Sequence[PromptType]) -> list[str | list[int] | dict[str, Any]]:

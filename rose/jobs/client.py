@@ -1,18 +1,17 @@
 """Producer API: submit generation jobs, stream their tokens, wait for their results, cancel them.
 
 Jobs are plain RQ jobs (JSONSerializer, function path `rose.jobs.generate`); this module only adds convenience.
+The asyncio twins (`AsyncClient`, `AsyncJob`) live in rose.jobs.async_client and can be imported from here too.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
-from typing import Any
+from collections.abc import Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
 
 import redis
-import redis.asyncio as aioredis
 from rq import Queue
 from rq.exceptions import NoSuchJobError
 from rq.job import Job as RQJob
@@ -23,6 +22,9 @@ from rq.serializers import JSONSerializer
 from rose.jobs import gather, keys
 from rose.jobs.events import TERMINAL_TYPES, CanceledEvent, parse_event
 from rose.jobs.schemas import GenerateRequest
+
+if TYPE_CHECKING:
+    from rose.jobs.async_client import AsyncClient, AsyncJob
 
 __all__ = ["AsyncClient", "AsyncJob", "Client", "Job", "JobCanceled", "JobFailed", "StreamReset"]
 
@@ -76,7 +78,12 @@ class StreamReset(Exception):
 
 
 def _request_kwargs(prompt: str | list[int] | None, fields: dict[str, Any]) -> dict[str, Any]:
-    """Validate locally (fail at submit time, not in the worker) and keep only what the caller set."""
+    """Validate locally (fail at submit time, not in the worker) and keep only what the caller set.
+
+    The job's kwargs are the fields as given (a `messages` job carries its messages, not a rendered prompt: the
+    worker renders them with its model's chat template), so they stay what a plain RQ producer would enqueue.
+    Raises pydantic's ValidationError naming every bad field.
+    """
     if prompt is not None:
         fields["prompt_token_ids" if isinstance(prompt, list) else "prompt"] = prompt
     return GenerateRequest(**fields).model_dump(exclude_unset=True)
@@ -230,6 +237,14 @@ class Client:
         rq_job = self.queue.enqueue(keys.FUNC_PATH, kwargs=_request_kwargs(prompt, fields), **rq_opts)
         return Job(self, rq_job.id)
 
+    def chat(self, messages: list[dict[str, Any]], **options: Any) -> Job:
+        """Enqueue one chat job: `submit(messages=messages, **options)`. `messages` are OpenAI-format dicts, rendered
+        by the worker with its model's chat template; `options` add the chat fields (add_generation_prompt,
+        continue_final_message, chat_template_kwargs, chat_template where the worker trusts it), sampling fields,
+        `structured_outputs` / `response_format`, and RQ's enqueue options. Malformed messages raise
+        ValidationError here, before anything is enqueued."""
+        return self.submit(messages=messages, **options)
+
     def submit_many(
         self, requests: Iterable[str | list[int] | Mapping[str, Any]], **common: Any
     ) -> list[Job]:
@@ -307,96 +322,10 @@ def publish_event(r: redis.Redis, event: Any, ttl: int) -> None:
         pipe.execute()
 
 
-class AsyncJob:
-    """asyncio twin of `Job`."""
+def __getattr__(name: str) -> Any:
+    # The asyncio client imports this module, so it is re-exported lazily (PEP 562) rather than imported above.
+    if name in ("AsyncClient", "AsyncJob"):
+        from rose.jobs import async_client
 
-    def __init__(self, client: AsyncClient, job_id: str):
-        self.client = client
-        self.id = job_id
-        self._sync = Job(client._sync, job_id)
-
-    async def events(self, timeout: float | None = None) -> AsyncIterator[Any]:
-        r = self.client.redis
-        stream = keys.stream_key(self.id)
-        stored = await r.xrange(stream)
-        last_id: Any = stored[-1][0] if stored else "0"
-        pending = stored[_reset_point(stored) :]
-        quiet_since = time.monotonic()
-        quiet_polls = 0
-        while True:
-            for _, fields in pending:
-                event = parse_event(fields[keys.STREAM_FIELD.encode()])
-                yield event
-                if event.type in TERMINAL_TYPES:
-                    return
-            if pending:
-                quiet_since = time.monotonic()
-                quiet_polls = 0
-            reply = await r.xread({stream: last_id}, block=int(_POLL_S * 1000), count=1000)
-            pending = reply[0][1] if reply else []
-            if pending:
-                last_id = pending[-1][0]
-                continue
-            quiet_polls += 1
-            await asyncio.to_thread(self._sync._raise_if_ended_silently, quiet_polls)
-            if timeout is not None and time.monotonic() - quiet_since > timeout:
-                raise TimeoutError(f"no event from job {self.id} for {timeout} s")
-
-    async def stream(self, timeout: float | None = None) -> AsyncIterator[str]:
-        text: list[str] = []
-        async for event in self.events(timeout=timeout):
-            if event.type == "token":
-                text.append(event.text)
-                yield event.text
-            elif event.type == "reset":
-                if text:
-                    raise StreamReset(self.id, "".join(text))
-            elif event.type == "error":
-                raise JobFailed(self.id, event.message)
-            elif event.type == "canceled":
-                raise JobCanceled(self.id, event.reason)
-
-    async def result(self, timeout: float | None = None) -> dict[str, Any]:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        delay = 0.05
-        while True:
-            raw = await self.client.redis.hget(RQJob.key_for(self.id), "status")
-            if raw is None:
-                raise JobFailed(self.id, "job does not exist (expired or deleted)")
-            if raw.decode() in ("finished", "failed", "canceled", "stopped"):
-                # Decoding results is RQ's business; it is quick once the job has ended.
-                return await asyncio.to_thread(self._sync.result, 0)
-            if deadline is not None and time.monotonic() >= deadline:
-                raise TimeoutError(f"job {self.id} still {raw.decode()} after {timeout} s")
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 0.5)
-
-    async def cancel(self) -> bool:
-        return await self.client.cancel(self.id)
-
-
-class AsyncClient:
-    """asyncio twin of `Client` for web applications (streams and waits use redis.asyncio)."""
-
-    def __init__(self, redis_url: str = "redis://localhost:6379/0", queue: str = keys.DEFAULT_QUEUE):
-        self.redis = aioredis.Redis.from_url(redis_url)
-        # RQ is synchronous: enqueue/cancel (short, one round trip) run in a thread with their own connection.
-        self._sync = Client(redis_url, queue=queue)
-
-    async def submit(self, prompt: str | list[int] | None = None, **options: Any) -> AsyncJob:
-        job = await asyncio.to_thread(self._sync.submit, prompt, **options)
-        return AsyncJob(self, job.id)
-
-    async def submit_many(self, requests: Iterable[Any], **common: Any) -> list[AsyncJob]:
-        jobs = await asyncio.to_thread(self._sync.submit_many, list(requests), **common)
-        return [AsyncJob(self, j.id) for j in jobs]
-
-    def job(self, job_id: str) -> AsyncJob:
-        return AsyncJob(self, job_id)
-
-    async def cancel(self, job_id: str) -> bool:
-        return await asyncio.to_thread(self._sync.cancel, job_id)
-
-    async def aclose(self) -> None:
-        await self.redis.aclose()
-        self._sync.redis.close()
+        return getattr(async_client, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

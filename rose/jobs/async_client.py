@@ -1,0 +1,120 @@
+"""asyncio twins of `Client` and `Job` for web applications: streams and waits use redis.asyncio; enqueue and
+cancel (one short round trip each) run RQ's synchronous code in a thread.
+
+Also importable from rose.jobs.client (and `rose.AsyncClient`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Iterable
+from typing import Any
+
+import redis.asyncio as aioredis
+from rq.job import Job as RQJob
+
+from rose.jobs import keys
+from rose.jobs.client import _POLL_S, Client, Job, JobCanceled, JobFailed, StreamReset, _reset_point
+from rose.jobs.events import TERMINAL_TYPES, parse_event
+
+__all__ = ["AsyncClient", "AsyncJob"]
+
+
+class AsyncJob:
+    """asyncio twin of `Job`."""
+
+    def __init__(self, client: AsyncClient, job_id: str):
+        self.client = client
+        self.id = job_id
+        self._sync = Job(client._sync, job_id)
+
+    async def events(self, timeout: float | None = None) -> AsyncIterator[Any]:
+        r = self.client.redis
+        stream = keys.stream_key(self.id)
+        stored = await r.xrange(stream)
+        last_id: Any = stored[-1][0] if stored else "0"
+        pending = stored[_reset_point(stored) :]
+        quiet_since = time.monotonic()
+        quiet_polls = 0
+        while True:
+            for _, fields in pending:
+                event = parse_event(fields[keys.STREAM_FIELD.encode()])
+                yield event
+                if event.type in TERMINAL_TYPES:
+                    return
+            if pending:
+                quiet_since = time.monotonic()
+                quiet_polls = 0
+            reply = await r.xread({stream: last_id}, block=int(_POLL_S * 1000), count=1000)
+            pending = reply[0][1] if reply else []
+            if pending:
+                last_id = pending[-1][0]
+                continue
+            quiet_polls += 1
+            await asyncio.to_thread(self._sync._raise_if_ended_silently, quiet_polls)
+            if timeout is not None and time.monotonic() - quiet_since > timeout:
+                raise TimeoutError(f"no event from job {self.id} for {timeout} s")
+
+    async def stream(self, timeout: float | None = None) -> AsyncIterator[str]:
+        text: list[str] = []
+        async for event in self.events(timeout=timeout):
+            if event.type == "token":
+                text.append(event.text)
+                yield event.text
+            elif event.type == "reset":
+                if text:
+                    raise StreamReset(self.id, "".join(text))
+            elif event.type == "error":
+                raise JobFailed(self.id, event.message)
+            elif event.type == "canceled":
+                raise JobCanceled(self.id, event.reason)
+
+    async def result(self, timeout: float | None = None) -> dict[str, Any]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        delay = 0.05
+        while True:
+            raw = await self.client.redis.hget(RQJob.key_for(self.id), "status")
+            if raw is None:
+                raise JobFailed(self.id, "job does not exist (expired or deleted)")
+            if raw.decode() in ("finished", "failed", "canceled", "stopped"):
+                # Decoding results is RQ's business; it is quick once the job has ended.
+                return await asyncio.to_thread(self._sync.result, 0)
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"job {self.id} still {raw.decode()} after {timeout} s")
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.5)
+
+    async def cancel(self) -> bool:
+        return await self.client.cancel(self.id)
+
+
+class AsyncClient:
+    """asyncio twin of `Client` for web applications (streams and waits use redis.asyncio)."""
+
+    def __init__(self, redis_url: str = "redis://localhost:6379/0", queue: str = keys.DEFAULT_QUEUE):
+        self.redis = aioredis.Redis.from_url(redis_url)
+        # RQ is synchronous: enqueue/cancel (short, one round trip) run in a thread with their own connection.
+        self._sync = Client(redis_url, queue=queue)
+
+    async def submit(self, prompt: str | list[int] | None = None, **options: Any) -> AsyncJob:
+        job = await asyncio.to_thread(self._sync.submit, prompt, **options)
+        return AsyncJob(self, job.id)
+
+    async def submit_many(self, requests: Iterable[Any], **common: Any) -> list[AsyncJob]:
+        jobs = await asyncio.to_thread(self._sync.submit_many, list(requests), **common)
+        return [AsyncJob(self, j.id) for j in jobs]
+
+    async def chat(self, messages: list[dict[str, Any]], **options: Any) -> AsyncJob:
+        """Enqueue one chat job (see `Client.chat`)."""
+        return await self.submit(messages=messages, **options)
+
+    def job(self, job_id: str) -> AsyncJob:
+        return AsyncJob(self, job_id)
+
+    async def cancel(self, job_id: str) -> bool:
+        return await asyncio.to_thread(self._sync.cancel, job_id)
+
+    async def aclose(self) -> None:
+        await self.redis.aclose()
+        self._sync.redis.close()
