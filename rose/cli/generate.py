@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
+from rose.cli.request_args import add_request_args, chat_kwargs, constraint_kwargs
 from rose.cli.sampling_args import add_sampling_args, sampling_kwargs
 
 
@@ -12,7 +14,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "generate",
         help="generate text for prompts on this machine (no Redis)",
-        description="Generate text for one or more prompts with the offline engine.",
+        description="Generate text for one or more prompts with the offline engine. With --chat, each PROMPT is "
+        "the user message of a conversation of its own, rendered with the model's chat template.",
     )
     p.add_argument("prompts", nargs="+", metavar="PROMPT", help="prompt text (one or more)")
     p.add_argument(
@@ -28,14 +31,35 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--stream", action="store_true", help="print tokens as they are generated (one prompt at a time)"
     )
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help="each PROMPT is one user message of its own conversation, rendered with the chat template; the "
+        "output is the assistant's reply",
+    )
+    p.add_argument("--system", default=None, metavar="TEXT", help="with --chat: a system message first")
     add_sampling_args(p)
+    add_request_args(p)
     p.set_defaults(func=run)
+
+
+def _conversations(args: argparse.Namespace) -> list[list[dict[str, Any]]]:
+    system = [{"role": "system", "content": args.system}] if args.system is not None else []
+    return [[*system, {"role": "user", "content": prompt}] for prompt in args.prompts]
 
 
 def run(args: argparse.Namespace) -> int:
     from rose import LLM, SamplingParams
+    from rose.engine.chat import ChatOptions, render_chat
 
-    params = SamplingParams(**sampling_kwargs(args))
+    chat = chat_kwargs(args)
+    if not args.chat and (chat or args.system is not None):
+        given = ["--system"] if args.system is not None else []
+        given += ["--" + name.replace("_", "-") for name in chat if name != "add_generation_prompt"]
+        given += ["--no-add-generation-prompt"] if chat.get("add_generation_prompt") is False else []
+        raise ValueError(f"{', '.join(given)}: needs --chat (chat options apply to chat messages only)")
+    params = SamplingParams(**sampling_kwargs(args), **constraint_kwargs(args))
+    options = ChatOptions(**chat) if args.chat else None  # checked before the model loads
     llm = LLM(
         args.model,
         args.tokenizer,
@@ -44,17 +68,24 @@ def run(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
     )
+    prompts: list[Any] = list(args.prompts)
+    if options is not None:
+        # Rendered here (not by LLM.chat) so that --stream and the batch path take the same prompts.
+        rendered = [render_chat(llm.get_tokenizer(), conv, options) for conv in _conversations(args)]
+        prompts = [{"prompt": r.prompt, "prompt_token_ids": r.prompt_token_ids} for r in rendered]
     out = sys.stdout
     if args.stream:
-        for prompt in args.prompts:
-            out.write(prompt)
+        for shown, prompt in zip(args.prompts, prompts, strict=True):
+            # a chat prints only the reply (its prompt is the rendered template); a plain prompt is echoed
+            if not args.chat:
+                out.write(shown)
             for delta in llm.stream(prompt, params):
                 out.write(delta)
                 out.flush()
             out.write("\n")
         return 0
-    for i, res in enumerate(llm.generate(args.prompts, params)):
+    for i, (shown, res) in enumerate(zip(args.prompts, llm.generate(prompts, params), strict=True)):
         if i:
             out.write("\n")
-        out.write(f"[{i}] {res.prompt!r} -> {res.finish_reason}, {len(res.token_ids)} tokens\n{res.text}\n")
+        out.write(f"[{i}] {shown!r} -> {res.finish_reason}, {len(res.token_ids)} tokens\n{res.text}\n")
     return 0

@@ -7,6 +7,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from rose.cli.common import EXIT_TIMEOUT, add_redis_args, ended_badly, error, make_client, usage_line
+from rose.cli.request_args import add_request_args, json_arg, request_kwargs
 from rose.cli.sampling_args import add_sampling_args, sampling_kwargs
 
 if TYPE_CHECKING:
@@ -16,14 +17,24 @@ if TYPE_CHECKING:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "submit",
-        help="submit one prompt to the workers and print its text",
+        help="submit one prompt (or chat) to the workers and print its text",
         description=(
-            "Enqueue one rose.jobs.generate job. Prints the job id, then the text (live with --stream), then "
+            "Enqueue one rose.jobs.generate job: a PROMPT, or chat messages (--messages) that the worker renders "
+            "with its model's chat template. Prints the job id, then the text (live with --stream), then "
             "the finish reason and token usage. Exit code: 0 done, 1 failed or canceled (message on stderr), "
             "124 --timeout passed (the job goes on: `rose result JOB_ID --wait S`), 130 Ctrl-C."
         ),
     )
-    p.add_argument("prompt", metavar="PROMPT", help="prompt text")
+    p.add_argument(
+        "prompt", metavar="PROMPT", nargs="?", default=None, help="prompt text (or give --messages)"
+    )
+    p.add_argument(
+        "--messages",
+        type=json_arg,
+        default=None,
+        metavar="JSON|@FILE",
+        help='chat messages instead of a PROMPT: a JSON list such as \'[{"role": "user", "content": "Hi"}]\'',
+    )
     add_redis_args(p)
     p.add_argument("--stream", action="store_true", help="print the tokens as the worker generates them")
     p.add_argument(
@@ -39,23 +50,32 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--job-timeout", type=int, default=None, metavar="S", help="RQ job_timeout (default 180)")
     p.add_argument("--result-ttl", type=int, default=None, metavar="S", help="RQ result_ttl (default 500)")
     add_sampling_args(p)
+    add_request_args(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from rose.jobs.client import JobCanceled, JobFailed
-    from rose.jobs.schemas import ValidationError, format_validation_error
+    from rose.jobs.schemas import GenerateRequest, ValidationError, format_validation_error
 
-    client = make_client(args)
-    options: dict[str, Any] = sampling_kwargs(args)
-    for name in ("priority", "job_timeout", "result_ttl"):
-        if getattr(args, name) is not None:
-            options[name] = getattr(args, name)
+    if (args.prompt is None) == (args.messages is None):
+        error(args, "error: give a PROMPT or --messages (one of the two)")
+        return 2
+    fields: dict[str, Any] = {**sampling_kwargs(args), **request_kwargs(args)}
+    if args.messages is not None:
+        fields["messages"] = args.messages
+    else:
+        fields["prompt"] = args.prompt
+    if args.priority is not None:
+        fields["priority"] = args.priority
+    rq_opts = {n: getattr(args, n) for n in ("job_timeout", "result_ttl") if getattr(args, n) is not None}
     try:
-        job = client.submit(args.prompt, **options)
+        # checked before connecting: bad messages, or a chat option without messages, fail at once
+        GenerateRequest(**fields)
     except ValidationError as exc:
         error(args, f"error: {format_validation_error(exc)}")
         return 2
+    job = make_client(args).submit(**fields, **rq_opts)
     out = sys.stdout
     print(job.id, file=out, flush=True)
     try:

@@ -47,6 +47,12 @@ class WorkerSettings(BaseSettings):
     enable_prefix_caching: bool = Field(
         False, description="Reuse the K/V of prompt prefixes shared with running or recently finished jobs."
     )
+    trust_request_chat_template: bool = Field(
+        False,
+        description="Let jobs bring their own Jinja chat template (the job field chat_template); off: such a job "
+        "fails. Templates run in transformers' sandboxed Jinja, but a template from producers can still render "
+        "any prompt, so only trust producers who may.",
+    )
     with_scheduler: bool = Field(
         False,
         description="Also run RQ's scheduler for these queues (as `rq worker --with-scheduler`): needed for "

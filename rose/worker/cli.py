@@ -31,6 +31,11 @@ _FLAGS: list[tuple[str, str, dict[str, Any]]] = [
     ("--max-num-batched-tokens", "max_num_batched_tokens", {"type": int, "metavar": "N"}),
     ("--enable-prefix-caching", "enable_prefix_caching", {"action": "store_const", "const": True}),
     ("--with-scheduler", "with_scheduler", {"action": "store_const", "const": True}),
+    (
+        "--trust-request-chat-template",
+        "trust_request_chat_template",
+        {"action": "store_const", "const": True},
+    ),
     ("--name", "name", {}),
     ("--drain-timeout", "drain_timeout", {"type": float, "metavar": "SECONDS"}),
     ("--log-level", "log_level", {"metavar": "LEVEL"}),

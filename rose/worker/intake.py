@@ -246,4 +246,10 @@ def validate(worker: RoseWorker, run: Running) -> str | None:
         return format_validation_error(exc)
     except TypeError as exc:  # e.g. non-string keys
         return f"invalid {keys.FUNC_PATH} arguments: {exc}"
+    if run.request.chat_template is not None and not worker.settings.trust_request_chat_template:
+        return (
+            "this job sets 'chat_template' but the worker does not accept per-job chat templates: start "
+            "rose-worker with --trust-request-chat-template (ROSE_TRUST_REQUEST_CHAT_TEMPLATE=1), or leave "
+            "'chat_template' out to use the model's own"
+        )
     return None

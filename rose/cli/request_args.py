@@ -1,0 +1,178 @@
+"""Command-line flags for the job fields beyond sampling: chat rendering options and output constraints.
+
+Shared by the subcommands that make requests (`rose generate`, `rose submit`, and `rose batch` for its defaults):
+`add_chat_args` / `chat_kwargs` (vLLM's and OpenAI's chat options), `add_constraint_args` / `constraint_kwargs`
+(the `structured_outputs` field: --json-schema, --regex, --choice, --grammar, --json-object), and `add_request_args`
+/ `request_kwargs` for both. Each `*_kwargs` function returns only the fields the user set, under the job's field
+names, so the result can be merged into a job (or into a batch file's defaults) as it is. Values that are JSON can
+also be given as `@path` (read from that file).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "add_chat_args",
+    "add_constraint_args",
+    "add_request_args",
+    "chat_kwargs",
+    "constraint_kwargs",
+    "json_arg",
+    "request_kwargs",
+    "text_arg",
+]
+
+
+def text_arg(value: str) -> str:
+    """A flag's value as given, or the contents of the file it names as `@path`."""
+    if value.startswith("@"):
+        path = Path(value[1:])
+        try:
+            return path.read_text(encoding="utf-8")
+        except OSError as exc:
+            raise argparse.ArgumentTypeError(f"cannot read {path}: {exc.strerror or exc}") from None
+    return value
+
+
+def json_arg(value: str) -> Any:
+    """A flag's JSON value, given inline or as `@path`."""
+    text = text_arg(value)
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        where = value if value.startswith("@") else "the value"
+        raise argparse.ArgumentTypeError(f"{where} is not valid JSON: {exc}") from None
+
+
+def _json_object_arg(value: str) -> dict[str, Any]:
+    obj = json_arg(value)
+    if not isinstance(obj, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object, e.g. '{\"enable_thinking\": false}'")
+    return obj
+
+
+def add_chat_args(parser: argparse.ArgumentParser) -> None:
+    """How chat messages are rendered (only for requests made of messages)."""
+    group = parser.add_argument_group("chat rendering (with chat messages only)")
+    group.add_argument(
+        "--chat-template",
+        type=text_arg,
+        default=None,
+        metavar="JINJA|@FILE",
+        help="a Jinja chat template to use instead of the model's (a worker accepts it only when started with "
+        "--trust-request-chat-template)",
+    )
+    group.add_argument(
+        "--chat-template-kwargs",
+        type=_json_object_arg,
+        default=None,
+        metavar="JSON|@FILE",
+        help="extra variables for the chat template, e.g. '{\"enable_thinking\": false}'",
+    )
+    group.add_argument(
+        "--no-add-generation-prompt",
+        dest="add_generation_prompt",
+        action="store_const",
+        const=False,
+        default=None,
+        help="do not open an assistant turn after the messages",
+    )
+    group.add_argument(
+        "--continue-final-message",
+        action="store_const",
+        const=True,
+        default=None,
+        help="continue the last (assistant) message instead of starting a new one (implies "
+        "--no-add-generation-prompt)",
+    )
+
+
+def chat_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The chat fields the user set (job field names). They are valid on `messages` jobs only."""
+    out: dict[str, Any] = {}
+    for name in ("chat_template", "chat_template_kwargs", "add_generation_prompt", "continue_final_message"):
+        value = getattr(args, name, None)
+        if value is not None:
+            out[name] = value
+    if out.get("continue_final_message"):
+        out.setdefault("add_generation_prompt", False)
+    return out
+
+
+def add_constraint_args(parser: argparse.ArgumentParser) -> None:
+    """One output constraint (vLLM's structured outputs); the flags exclude each other."""
+    group = parser.add_argument_group(
+        "output constraint (vLLM structured outputs; at most one)"
+    ).add_mutually_exclusive_group()
+    group.add_argument(
+        "--json-schema",
+        type=json_arg,
+        default=None,
+        metavar="JSON|@FILE",
+        help="the output is JSON valid under this JSON schema",
+    )
+    group.add_argument("--regex", default=None, help="the output matches this regular expression")
+    group.add_argument(
+        "--choice",
+        action="append",
+        default=None,
+        metavar="TEXT",
+        help="the output is exactly one of these strings (repeat the flag for each)",
+    )
+    group.add_argument(
+        "--grammar",
+        type=text_arg,
+        default=None,
+        metavar="EBNF|@FILE",
+        help="the output follows this EBNF grammar (GBNF style: root ::= ...)",
+    )
+    group.add_argument(
+        "--json-object", action="store_true", default=None, help="the output is a JSON object (any)"
+    )
+
+
+def constraint_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """`{"structured_outputs": {kind: value}}` for the constraint flag the user gave, else {}.
+
+    Raises ValueError naming the problem when the constraint is malformed (an empty choice, a schema that is not an
+    object); whether a schema, regex or grammar compiles is decided where the request is added.
+    """
+    from rose.engine.structured_outputs import StructuredOutputsParams
+
+    given = {
+        "json": getattr(args, "json_schema", None),
+        "regex": getattr(args, "regex", None),
+        "choice": getattr(args, "choice", None),
+        "grammar": getattr(args, "grammar", None),
+        "json_object": getattr(args, "json_object", None) or None,
+    }
+    given = {kind: value for kind, value in given.items() if value is not None}
+    if not given:
+        return {}
+    try:
+        params = StructuredOutputsParams.from_dict(given)
+    except ValueError as exc:
+        flag = {"json": "--json-schema", "json_object": "--json-object"}.get(
+            next(iter(given)), "--" + next(iter(given))
+        )
+        raise ValueError(f"{flag}: {exc}") from None
+    return {"structured_outputs": params.to_dict()}
+
+
+def add_request_args(parser: argparse.ArgumentParser) -> None:
+    """Both groups: chat rendering options and an output constraint."""
+    add_chat_args(parser)
+    add_constraint_args(parser)
+
+
+def request_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """Every field the flags of `add_request_args` set: the chat options and `structured_outputs`.
+
+    For defaults shared by many requests (a batch file), note that the chat options are only valid on requests
+    made of `messages`: apply `chat_kwargs(args)` to those alone and `constraint_kwargs(args)` to all.
+    """
+    return {**chat_kwargs(args), **constraint_kwargs(args)}
