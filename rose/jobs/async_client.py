@@ -1,7 +1,7 @@
 """asyncio twins of `Client` and `Job` for web applications: streams and waits use redis.asyncio; enqueue and
 cancel (one short round trip each) run RQ's synchronous code in a thread.
 
-Also importable from rose.jobs.client (and `rose.AsyncClient`).
+Also importable as `rose.AsyncClient`.
 """
 
 from __future__ import annotations

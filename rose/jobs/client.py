@@ -1,7 +1,7 @@
 """Producer API: submit generation jobs, stream their tokens, wait for their results, cancel them.
 
 Jobs are plain RQ jobs (JSONSerializer, function path `rose.jobs.generate`); this module only adds convenience.
-The asyncio twins (`AsyncClient`, `AsyncJob`) live in rose.jobs.async_client and can be imported from here too.
+The asyncio twins (`AsyncClient`, `AsyncJob`) live in rose.jobs.async_client.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import redis
 from rq import Queue
@@ -23,10 +23,7 @@ from rose.jobs import gather, keys
 from rose.jobs.events import TERMINAL_TYPES, CanceledEvent, parse_event
 from rose.jobs.schemas import GenerateRequest
 
-if TYPE_CHECKING:
-    from rose.jobs.async_client import AsyncClient, AsyncJob
-
-__all__ = ["AsyncClient", "AsyncJob", "Client", "Job", "JobCanceled", "JobFailed", "StreamReset"]
+__all__ = ["Client", "Job", "JobCanceled", "JobFailed", "StreamReset"]
 
 # Enqueue options RQ takes for itself; everything else is a generation field.
 _RQ_OPTIONS = (
@@ -320,12 +317,3 @@ def publish_event(r: redis.Redis, event: Any, ttl: int) -> None:
         if ttl > 0:
             pipe.expire(keys.stream_key(event.job_id), ttl)
         pipe.execute()
-
-
-def __getattr__(name: str) -> Any:
-    # The asyncio client imports this module, so it is re-exported lazily (PEP 562) rather than imported above.
-    if name in ("AsyncClient", "AsyncJob"):
-        from rose.jobs import async_client
-
-        return getattr(async_client, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

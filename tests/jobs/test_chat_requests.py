@@ -11,7 +11,8 @@ from rq.serializers import JSONSerializer
 
 from rose.engine.chat import ChatTemplateError
 from rose.engine.presets import build_tokenizer
-from rose.jobs.client import AsyncClient, Client
+from rose.jobs.async_client import AsyncClient
+from rose.jobs.client import Client
 from rose.jobs.schemas import GenerateRequest, ValidationError, format_validation_error
 
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]

@@ -7,7 +7,8 @@ import asyncio
 import pytest
 from worker_helpers import FakeEngine, wait_for
 
-from rose.jobs.client import AsyncClient, Client, JobCanceled, JobFailed
+from rose.jobs.async_client import AsyncClient
+from rose.jobs.client import Client, JobCanceled, JobFailed
 
 pytestmark = pytest.mark.timeout(60)
 
