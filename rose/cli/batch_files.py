@@ -9,6 +9,7 @@ into an `Entry` (the job's fields, or why the line cannot run) and a job's outco
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -115,10 +116,15 @@ def validate(fields: dict[str, Any]) -> tuple[str, str | None] | None:
     except ValidationError as exc:
         locs = [err["loc"] for err in exc.errors() if err["loc"]]
         message = format_validation_error(exc).removeprefix("invalid rose.jobs.generate arguments: ")
-        return message, str(locs[0][0]) if locs else None
+        return message, str(locs[0][0]) if locs else _named_field(message)
     except (TypeError, ValueError) as exc:
-        return str(exc), None
+        return str(exc), _named_field(str(exc))
     return None
+
+
+def _named_field(message: str) -> str | None:
+    named = re.search(r"\bSamplingParams\.(\w+)", message)  # SamplingParams' range checks name the field
+    return named.group(1) if named else None
 
 
 @dataclass

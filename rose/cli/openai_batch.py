@@ -263,15 +263,19 @@ class OpenAIFormat:
         # OpenAI knows stop / length (and tool or filter reasons rose never has)
         finish_reason = "length" if result.get("finish_reason") == "length" else "stop"
         text = result.get("text") or ""
-        body: dict[str, Any] = {"created": int(time.time()), "model": entry.context["model"]}
-        if entry.context["url"] == CHAT_URL:
-            body.update(id=f"chatcmpl-{job_id}", object="chat.completion")
+        chat = entry.context["url"] == CHAT_URL
+        body: dict[str, Any] = {
+            "id": f"{'chatcmpl' if chat else 'cmpl'}-{job_id}",
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": entry.context["model"],
+        }
+        if chat:
             message = {"role": "assistant", "content": text, "refusal": None}
             body["choices"] = [
                 {"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": None}
             ]
         else:
-            body.update(id=f"cmpl-{job_id}", object="text_completion")
             body["choices"] = [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}]
         body["usage"] = {
             "prompt_tokens": prompt_tokens,
