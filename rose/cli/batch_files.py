@@ -151,20 +151,25 @@ def survey(path: Path, fmt: LineFormat, previous: dict[str, bool], most: int = 1
     that cannot be named and repeated ids, which refuse the file before anything is submitted."""
     found = Survey()
     seen: dict[str, int] = {}
+    problems = 0
     for lineno, key, problem, _ in first_pass(path, fmt):
         found.total += 1
         if key is None:
-            found.problems.append(f"line {lineno}: {problem}")
+            problem = f"line {lineno}: {problem}"
+        elif fmt.unique_ids and key in seen:
+            problem = f"line {lineno}: duplicate custom_id {key} (first on line {seen[key]})"
+        elif fmt.unique_ids:
+            seen[key] = lineno
+        if problem is not None:
+            problems += 1
+            if problems <= most:
+                found.problems.append(problem)
             continue
-        if fmt.unique_ids:
-            if key in seen:
-                found.problems.append(f"line {lineno}: duplicate custom_id {key} (first on line {seen[key]})")
-            else:
-                seen[key] = lineno
         if key in previous:
             found.skipped += 1
             found.prev_failed += previous[key]
-    del found.problems[most:]
+    if problems > most:
+        found.problems.append(f"... and {problems - most} more")
     return found
 
 

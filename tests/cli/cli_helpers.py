@@ -16,7 +16,7 @@ __all__ = ["SERVED", "WORKER_NAME", "CliWorker", "checkout_env", "rose_cmd", "wa
 CHECKOUT = Path(__file__).resolve().parents[2]
 
 # Queues the shared worker serves; tests that need a queue nobody serves use any other name.
-SERVED = ("rose", "cli-status")
+SERVED = ("rose", "cli-status", "cli-routed")  # cli-routed: rose batch --queue-for
 WORKER_NAME = f"cli-{os.getpid()}"
 
 

@@ -19,7 +19,7 @@ from openai.types import completion_create_params as completion_params
 from openai.types.chat import ChatCompletion
 from openai.types.chat import completion_create_params as chat_params
 
-from rose.cli.batch_files import Entry, PlainFormat
+from rose.cli.batch_files import Entry, PlainFormat, survey
 from rose.cli.openai_batch import (
     CHAT_URL,
     COMPLETIONS_URL,
@@ -291,6 +291,15 @@ def test_the_format_is_detected_per_file(tmp_path: Path) -> None:
     assert isinstance(Entry(1, "x").context, dict)
 
 
+def test_survey_lists_the_first_problems(tmp_path: Path) -> None:
+    inp = tmp_path / "in.jsonl"
+    write_lines(inp, [chat("a")] * 13)
+    found = survey(inp, OpenAIFormat(), {})
+    assert found.total == 13 and len(found.problems) == 11
+    assert found.problems[0] == 'line 2: duplicate custom_id "a" (first on line 1)'
+    assert found.problems[-1] == "... and 2 more"
+
+
 # ------------------------------------------------------------------------------------ the command, end to end
 
 
@@ -358,7 +367,7 @@ def test_mixed_chat_and_completions_file_with_error_file_and_queue_routing(
     ]
     write_lines(inp, lines)
     args = ("batch", str(inp), "-o", str(out), "--error-file", str(errors), "--ignore-eos", "--no-progress")
-    res = rose(*args, "--queue-for", "tiny-b=cli-status")
+    res = rose(*args, "--queue-for", "tiny-b=cli-routed")
     assert res.returncode == 1, res.stderr  # four lines failed
     assert "9 lines: 5 done, 4 failed" in res.stderr
     assert f"{inp}:6: not supported by rose: tools" in res.stderr
@@ -381,11 +390,11 @@ def test_mixed_chat_and_completions_file_with_error_file_and_queue_routing(
     chat_1 = ChatCompletion.model_validate(by_id["chat-1"]["response"]["body"])
     assert chat_1.usage is not None and chat_1.usage.prompt_tokens > 8
 
-    # --queue-for: tiny-b's lines were enqueued on cli-status, the others on the default queue
+    # --queue-for: tiny-b's lines were enqueued on cli-routed, the others on the default queue
     conn = cli_redis.client()
     for custom_id, line in by_id.items():
         origin = conn.hget(f"rq:job:{line['response']['request_id']}", "origin").decode()
-        assert origin == ("cli-status" if custom_id in ("chat-2", "text-2") else "rose"), custom_id
+        assert origin == ("cli-routed" if custom_id in ("chat-2", "text-2") else "rose"), custom_id
 
     failed = {line["custom_id"]: line for line in bad}
     for custom_id, param in (("bad-tools", "tools"), ("bad-url", "url"), ("bad-value", "temperature")):
@@ -397,7 +406,7 @@ def test_mixed_chat_and_completions_file_with_error_file_and_queue_routing(
     assert failed["too-long"]["error"]["code"] == "job_failed"
     assert "max_model_len" in failed["too-long"]["error"]["message"]
 
-    again = rose(*args, "--queue-for", "tiny-b=cli-status")  # nothing left to do
+    again = rose(*args, "--queue-for", "tiny-b=cli-routed")  # nothing left to do
     assert again.returncode == 1 and "9 of 9 lines already in" in again.stderr
     assert (len(read(out)), len(read(errors))) == (5, 4)
 
@@ -451,3 +460,15 @@ def test_interrupted_then_resumed_without_duplicates(tmp_path, rose, cli_worker)
         if line["custom_id"] in left:  # picked up, not submitted again
             assert line["response"]["request_id"] == left[line["custom_id"]]
     assert not (tmp_path / "out.jsonl.jobs").exists()
+
+
+def test_error_file_with_rose_own_format(tmp_path, rose, cli_worker) -> None:
+    inp, out, errors = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "errors.jsonl"
+    inp.write_text('{"id": "ok", "prompt": "x"}\n{"id": "bad", "prompt": "x", "temprature": 1}\n')
+    args = ("batch", str(inp), "-o", str(out), "--error-file", str(errors), "--max-tokens", "2")
+    assert rose(*args).returncode == 1
+    assert [line["id"] for line in read(out)] == ["ok"] and "text" in read(out)[0]
+    assert [line["id"] for line in read(errors)] == ["bad"] and "error" in read(errors)[0]
+    again = rose(*args)
+    assert again.returncode == 1 and "2 of 2 lines already in" in again.stderr
+    assert "2 lines: 1 done, 1 failed" in again.stderr
