@@ -1,9 +1,10 @@
 """`rose batch`: run a JSONL file of prompts through the workers, writing one result line per input line.
 
-Streaming and bounded: input is read lazily, at most --max-in-flight jobs are queued or running at once, each result
-line is written (and flushed) as its job ends, and nothing else is kept per line but its id. Resumable: ids already
-in the output are skipped, and jobs a previous run left queued or running (listed in `<output>.jobs`) are picked
-up rather than submitted again.
+Two file formats, told apart per file: rose's own (rose.cli.batch_files.PlainFormat) and OpenAI's Batch API
+format (rose.cli.openai_batch). Streaming and bounded: input is read lazily, at most --max-in-flight jobs are queued
+or running at once, each result line is written (and flushed) as its job ends, and nothing else is kept per line but
+its id. Resumable: ids already in the output (and error) file are skipped, and jobs a previous run left queued or
+running (listed in `<output>.jobs`) are picked up rather than submitted again.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from rose.cli.batch_files import Entry, LineFormat, first_pass, key_of, read_jobs_file, scan_output, survey
 from rose.cli.common import EXIT_FAILED, add_redis_args, connect, error
+from rose.cli.openai_batch import detect_format, parse_queue_for
 from rose.cli.sampling_args import add_sampling_args, sampling_kwargs
 
 _POLL_S = 0.2
@@ -36,14 +39,24 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             "Each input line is a JSON object with `prompt` or `prompt_token_ids`, an optional `id` (default: "
             "the line number) and optional job fields (sampling fields, metadata, priority) that override the "
             "command-line defaults. Each output line is {id, job_id, text, finish_reason, usage[, metadata]} or "
-            "{id, error}, written in completion order. Running the same command again skips the ids already in "
-            "the output and picks up the jobs a previous run left running. Exit code 1 if any line failed, 130 "
-            "on Ctrl-C."
+            "{id, error}, written in completion order. A file in OpenAI's Batch API format ({custom_id, method, "
+            "url, body} lines for /v1/chat/completions or /v1/completions) gets OpenAI's batch output lines. "
+            "Running the same command again skips the ids already in the output and picks up the jobs a previous "
+            "run left running. Exit code 1 if any line failed, 130 on Ctrl-C."
         ),
     )
     p.add_argument("input", type=Path, metavar="PROMPTS.jsonl", help="input file, one JSON object per line")
     p.add_argument("-o", "--output", type=Path, required=True, metavar="RESULTS.jsonl", help="output file")
+    p.add_argument(
+        "--error-file", type=Path, metavar="ERRORS.jsonl", help="write failed lines here, not in the output"
+    )
     add_redis_args(p)
+    p.add_argument(
+        "--queue-for",
+        action="append",
+        metavar="MODEL=QUEUE",
+        help="OpenAI format: lines whose body.model is MODEL go to QUEUE (repeatable; others: --queue)",
+    )
     p.add_argument(
         "--max-in-flight", type=int, default=512, help="most jobs queued or running at once (default 512)"
     )
@@ -61,103 +74,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def _key(line_id: Any) -> str:
-    return json.dumps(line_id, sort_keys=True)
-
-
-@dataclass
-class Entry:
-    lineno: int
-    id: Any
-    request: dict[str, Any] | None = None
-    error: str | None = None
-    duplicate: bool = False  # an id seen on an earlier line: reported, not run, no output line
-
-
-def _parse(lineno: int, text: str, defaults: dict[str, Any]) -> Entry:
-    from rose.jobs.schemas import GenerateRequest, ValidationError, format_validation_error
-
-    try:
-        obj = json.loads(text)
-    except ValueError as exc:
-        return Entry(lineno, lineno, error=f"invalid JSON: {exc}")
-    if not isinstance(obj, dict):
-        return Entry(lineno, lineno, error=f"expected a JSON object, got {type(obj).__name__}")
-    line_id = obj.pop("id", lineno)
-    if not isinstance(line_id, str | int) or isinstance(line_id, bool):
-        return Entry(lineno, lineno, error="'id' must be a string or an integer")
-    try:
-        GenerateRequest(**{**defaults, **obj})
-    except ValidationError as exc:
-        return Entry(
-            lineno,
-            line_id,
-            error=format_validation_error(exc).removeprefix("invalid rose.jobs.generate arguments: "),
-        )
-    except (TypeError, ValueError) as exc:
-        return Entry(lineno, line_id, error=str(exc))
-    return Entry(lineno, line_id, request=obj)
-
-
-def _first_pass(path: Path) -> Iterator[tuple[int, str, str]]:
-    """(line number, key, text) of each non-blank line; the key is the line's id as far as it can be read."""
-    with path.open(encoding="utf-8", errors="replace") as f:
-        for lineno, text in enumerate(f, 1):
-            if not text.strip():
-                continue
-            line_id: Any = lineno
-            try:
-                obj = json.loads(text)
-                if isinstance(obj, dict) and type(obj.get("id")) in (str, int):
-                    line_id = obj["id"]
-            except ValueError:
-                pass
-            yield lineno, _key(line_id), text
-
-
-def _scan_output(path: Path) -> dict[str, bool]:
-    """key -> failed, for the lines already written; drops a torn last line (a crash mid-write)."""
-    done: dict[str, bool] = {}
-    if not path.exists():
-        return done
-    good_end = 0
-    with path.open("rb") as f:
-        for raw in f:
-            if not raw.endswith(b"\n"):
-                break
-            try:
-                obj = json.loads(raw)
-                done[_key(obj["id"])] = "error" in obj
-            except (ValueError, KeyError, TypeError):
-                pass  # a line we cannot read is kept, not counted
-            good_end += len(raw)
-    if good_end < path.stat().st_size:
-        with path.open("r+b") as f:
-            f.truncate(good_end)
-    return done
-
-
-def _read_jobs_file(path: Path, done: dict[str, bool]) -> dict[str, str]:
-    jobs: dict[str, str] = {}
-    if path.exists():
-        with path.open() as f:
-            for line in f:
-                try:
-                    obj = json.loads(line)
-                    key = _key(obj["id"])
-                except (ValueError, KeyError, TypeError):
-                    continue
-                if key not in done:
-                    jobs[key] = obj["job_id"]
-    return jobs
-
-
 @dataclass
 class Batch:
     args: argparse.Namespace
+    fmt: LineFormat
     out: TextIO
+    err: TextIO | None  # --error-file, else failed lines go to `out` too
     jobs_out: TextIO
-    inflight: dict[str, Any] = field(default_factory=dict)  # job id -> line id
+    inflight: dict[str, Entry] = field(default_factory=dict)  # job id -> its line
     done: int = 0
     failed: int = 0
     duplicates: int = 0
@@ -166,10 +90,11 @@ class Batch:
     stop: bool = False
     last_refresh: float = 0.0
 
-    def write(self, line: dict[str, Any]) -> None:
-        self.out.write(json.dumps(line, ensure_ascii=False) + "\n")
-        self.out.flush()
-        if "error" in line:
+    def write(self, line: dict[str, Any], failed: bool) -> None:
+        out = self.err if failed and self.err is not None else self.out
+        out.write(json.dumps(line, ensure_ascii=False) + "\n")
+        out.flush()
+        if failed:
             self.failed += 1
         else:
             self.done += 1
@@ -187,26 +112,37 @@ def run(args: argparse.Namespace) -> int:
     if not args.input.is_file():
         error(args, f"error: no such file: {args.input}")
         return 2
+    try:
+        fmt = detect_format(args.input, parse_queue_for(args.queue_for))
+    except ValueError as exc:
+        error(args, f"error: {exc}")
+        return 2
+    if args.queue_for and not fmt.unique_ids:
+        error(args, "error: --queue-for routes by body.model: only for files in OpenAI's batch format")
+        return 2
+    previous = scan_output(args.output, fmt) | scan_output(args.error_file, fmt)
+    found = survey(args.input, fmt, previous)
+    if found.problems:  # nothing submitted yet: fix the file and run again
+        error(args, f"error: {args.input} refused, nothing was run:\n  " + "\n  ".join(found.problems))
+        return 2
     conn = connect(args)
-    client = Client(conn, queue=args.queue)
-    defaults = sampling_kwargs(args)
     jobs_path = args.output.with_name(args.output.name + ".jobs")
-    previous = _scan_output(args.output)
-    prev_jobs = _read_jobs_file(jobs_path, previous)
-    total = skipped = prev_failed = 0
-    for _, key, _ in _first_pass(args.input):
-        total += 1
-        if key in previous:
-            skipped += 1
-            prev_failed += previous[key]
+    prev_jobs = read_jobs_file(jobs_path, set(previous))
     done_keys = set(previous)  # only the keys are needed from here on
     del previous
+    total, skipped = found.total, found.skipped
     if skipped:
-        print(f"resuming: {skipped} of {total} lines already in {args.output}", file=sys.stderr)
+        print(f"resuming: {skipped} of {total} lines already in {_files(args)}", file=sys.stderr)
 
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    with args.output.open("a", encoding="utf-8") as out, jobs_path.open("a", encoding="utf-8") as jobs_out:
-        batch = Batch(args, out, jobs_out)
+    if args.error_file is not None:
+        args.error_file.parent.mkdir(parents=True, exist_ok=True)
+    with (
+        args.output.open("a", encoding="utf-8") as out,
+        (args.error_file or args.output).open("a", encoding="utf-8") as err,
+        jobs_path.open("a", encoding="utf-8") as jobs_out,
+    ):
+        batch = Batch(args, fmt, out, err if args.error_file is not None else None, jobs_out)
         progress = tqdm(
             total=total,
             initial=skipped,
@@ -222,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
 
         old_handler = signal.signal(signal.SIGINT, on_sigint)
         try:
-            _loop(batch, client, conn, defaults, done_keys, prev_jobs, progress)
+            _loop(batch, Client(conn, queue=args.queue), conn, done_keys, prev_jobs, progress)
         except redis.RedisError as exc:
             progress.close()
             error(args, f"error: lost Redis ({exc}); what is written is kept: run the same command to resume")
@@ -230,12 +166,12 @@ def run(args: argparse.Namespace) -> int:
         finally:
             signal.signal(signal.SIGINT, old_handler)
             progress.close()
-    failed = prev_failed + batch.failed
+    failed = found.prev_failed + batch.failed
     duplicates = f", {batch.duplicates} duplicate ids not run" if batch.duplicates else ""
     if batch.stop:
         command = shlex.join(["rose", *sys.argv[1:]])
         print(
-            f"interrupted: {batch.done + batch.failed} lines written this run to {args.output}; "
+            f"interrupted: {batch.done + batch.failed} lines written this run to {_files(args)}; "
             f"{len(batch.inflight)} jobs still queued or running (listed in {jobs_path}).\n"
             f"  resume (picks those jobs' results up, submits the rest): {command}\n"
             f"  cancel them: rose cancel --redis-url {shlex.quote(args.redis_url)} --jobs-file "
@@ -246,24 +182,27 @@ def run(args: argparse.Namespace) -> int:
     jobs_path.unlink(missing_ok=True)
     print(
         f"{total} lines: {total - failed - batch.duplicates} done, {failed} failed{duplicates}"
-        + (f" ({skipped} were already in {args.output})" if skipped else "")
-        + f"; results in {args.output}",
+        + (f" ({skipped} were already in {_files(args)})" if skipped else "")
+        + f"; results in {_files(args)}",
         file=sys.stderr,
     )
     return EXIT_FAILED if failed or batch.duplicates else 0
+
+
+def _files(args: argparse.Namespace) -> str:
+    return str(args.output) + (f" and {args.error_file}" if args.error_file is not None else "")
 
 
 def _loop(
     batch: Batch,
     client: Any,
     conn: Any,
-    defaults: dict[str, Any],
     done_keys: set[str],
     prev_jobs: dict[str, str],
     progress: Any,
 ) -> None:
     args = batch.args
-    entries = _entries(args.input, defaults, done_keys)
+    entries = _entries(args.input, batch.fmt, sampling_kwargs(args), done_keys)
     exhausted = False
     while not batch.stop and (not exhausted or batch.inflight):
         # fill the window
@@ -276,14 +215,14 @@ def _loop(
                     if entry.duplicate:
                         batch.duplicates += 1
                     else:
-                        batch.write({"id": entry.id, "error": f"line {entry.lineno}: {entry.error}"})
+                        batch.write(batch.fmt.invalid_line(entry), failed=True)
                     progress.update()
                     continue
-                old = prev_jobs.pop(_key(entry.id), None)
+                old = prev_jobs.pop(key_of(entry.id), None)
                 if old is not None:
                     status = conn.hget(f"rq:job:{old}", "status")
                     if status is not None and status.decode() not in _RESUBMIT:
-                        batch.inflight[old] = entry.id  # a previous run's job: wait for it
+                        batch.inflight[old] = entry  # a previous run's job: wait for it
                     else:
                         chunk.append(entry)  # gone (expired) or canceled since: run the line again
                 else:
@@ -301,35 +240,39 @@ def _loop(
             time.sleep(_POLL_S)
 
 
-def _entries(path: Path, defaults: dict[str, Any], done_keys: set[str]) -> Iterator[Entry]:
+def _entries(path: Path, fmt: LineFormat, defaults: dict[str, Any], done_keys: set[str]) -> Iterator[Entry]:
     seen: set[str] = set()
-    for lineno, key, text in _first_pass(path):
+    for lineno, key, _, text in first_pass(path, fmt):
         if key in done_keys:
             continue
-        if key in seen:
+        if key in seen:  # only in the plain format: the OpenAI one refuses such a file up front
             yield Entry(lineno, key, error=f"duplicate id {key}: only its first line is run", duplicate=True)
             continue
         seen.add(key)
-        yield _parse(lineno, text, defaults)
+        yield fmt.parse(lineno, text, defaults)
 
 
 def _submit(batch: Batch, client: Any, chunk: list[Entry]) -> None:
+    from rose.jobs.client import Client
+
     if not chunk:
         return
     args = batch.args
     rq_opts: dict[str, Any] = {"result_ttl": args.result_ttl}
     if args.job_timeout is not None:
         rq_opts["job_timeout"] = args.job_timeout
-    requests = []
+    by_queue: dict[str | None, list[tuple[Entry, dict[str, Any]]]] = {}
     for entry in chunk:
         job_id = uuid.uuid4().hex
         # recorded before enqueueing: an interrupted run never leaves a job the next run cannot find
         batch.jobs_out.write(json.dumps({"id": entry.id, "job_id": job_id}) + "\n")
-        requests.append({**entry.request, **rq_opts, "job_id": job_id})
+        by_queue.setdefault(entry.queue, []).append((entry, {**entry.request, **rq_opts, "job_id": job_id}))
     batch.jobs_out.flush()
-    jobs = client.submit_many(requests, **sampling_kwargs(args))
-    for entry, job in zip(chunk, jobs, strict=True):
-        batch.inflight[job.id] = entry.id
+    for queue, group in by_queue.items():  # one round trip per queue (--queue-for)
+        to = client if queue is None else Client(client.redis, queue=queue)
+        jobs = to.submit_many([request for _, request in group], **sampling_kwargs(args))
+        for (entry, _), job in zip(group, jobs, strict=True):
+            batch.inflight[job.id] = entry
 
 
 def _poll(batch: Batch, client: Any, conn: Any) -> int:
@@ -344,25 +287,22 @@ def _poll(batch: Batch, client: Any, conn: Any) -> int:
             pipe.hget(f"rq:job:{job_id}", "status")
         statuses = pipe.execute()
     ended = 0
+    fmt = batch.fmt
     for job_id, status in zip(ids, statuses, strict=True):
         if status is not None and status.decode() not in _ENDED:
             continue
-        line_id = batch.inflight.pop(job_id)
+        entry = batch.inflight.pop(job_id)
         try:
             result = client.job(job_id).result(timeout=0)
         except JobFailed as exc:
-            batch.write({"id": line_id, "job_id": job_id, "error": exc.message})
+            batch.write(fmt.failed_line(entry, job_id, exc.message, "job_failed"), failed=True)
         except JobCanceled as exc:
-            batch.write({"id": line_id, "job_id": job_id, "error": f"job {exc.reason}"})
+            batch.write(fmt.failed_line(entry, job_id, f"job {exc.reason}", f"job_{exc.reason}"), failed=True)
         except TimeoutError:  # status moved back (requeued) between the two reads: keep waiting
-            batch.inflight[job_id] = line_id
+            batch.inflight[job_id] = entry
             continue
         else:
-            line = {"id": line_id, "job_id": job_id}
-            line.update({k: result.get(k) for k in ("text", "finish_reason", "usage")})
-            if result.get("metadata") is not None:
-                line["metadata"] = result["metadata"]
-            batch.write(line)
+            batch.write(fmt.result_line(entry, job_id, result), failed=False)
             batch.tokens += int((result.get("usage") or {}).get("completion_tokens", 0))
         ended += 1
     return ended

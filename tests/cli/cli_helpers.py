@@ -9,10 +9,14 @@ from pathlib import Path
 
 from rose.worker.process import WorkerProcess, wait_for
 
-__all__ = ["SERVED", "WORKER_NAME", "CliWorker", "rose_cmd", "wait_for"]
+__all__ = ["SERVED", "WORKER_NAME", "CliWorker", "checkout_env", "rose_cmd", "wait_for"]
+
+# The checkout these tests belong to: the `rose` / `rose-worker` scripts import `rose` from wherever the package
+# was installed (another checkout, maybe), so the children get this one first on PYTHONPATH.
+CHECKOUT = Path(__file__).resolve().parents[2]
 
 # Queues the shared worker serves; tests that need a queue nobody serves use any other name.
-SERVED = ("rose", "cli-status")
+SERVED = ("rose", "cli-status", "cli-routed")  # cli-routed: rose batch --queue-for
 WORKER_NAME = f"cli-{os.getpid()}"
 
 
@@ -24,8 +28,14 @@ class CliWorker(WorkerProcess):
         args += ["--drain-timeout", "1"]
         for q in SERVED:
             args += ["--queue", q]
-        super().__init__(server.url, WORKER_NAME, args, log_path=log_path)
+        super().__init__(server.url, WORKER_NAME, args, log_path=log_path, env=checkout_env())
         self.wait_ready(180)
+
+
+def checkout_env(**extra: str) -> dict[str, str]:
+    """os.environ with this checkout first on PYTHONPATH (and `extra`), for the `rose` processes tests start."""
+    path = os.pathsep.join(p for p in (str(CHECKOUT), os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "PYTHONPATH": path, **extra}
 
 
 def rose_cmd(*args: str) -> list[str]:

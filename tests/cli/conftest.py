@@ -3,12 +3,11 @@ process (tiny-llama on CPU) shared by the whole session, and `rose(...)` running
 
 from __future__ import annotations
 
-import os
 import subprocess
 from collections.abc import Iterator
 
 import pytest
-from cli_helpers import CliWorker, rose_cmd
+from cli_helpers import CliWorker, checkout_env, rose_cmd
 
 
 @pytest.fixture(scope="session")
@@ -30,7 +29,7 @@ def cli_worker(cli_redis, tmp_path_factory) -> Iterator[CliWorker]:
 @pytest.fixture
 def rose(cli_redis):
     """rose(*args) -> CompletedProcess, with ROSE_REDIS_URL pointing at the test Redis."""
-    env = {**os.environ, "ROSE_REDIS_URL": cli_redis.url}
+    env = checkout_env(ROSE_REDIS_URL=cli_redis.url)
 
     def run(*args: str, timeout: float = 180, **kwargs) -> subprocess.CompletedProcess:
         return subprocess.run(

@@ -9,7 +9,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from cli_helpers import rose_cmd, wait_for
+from cli_helpers import checkout_env, rose_cmd, wait_for
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -170,6 +170,7 @@ def test_unreachable_redis_is_one_line(tmp_path, unused_port) -> None:
         text=True,
         timeout=60,
         check=False,
+        env=checkout_env(),
     )
     assert res.returncode != 0
     assert "cannot reach Redis" in res.stderr and "Traceback" not in res.stderr

@@ -6,7 +6,7 @@ import json
 import subprocess
 
 import pytest
-from cli_helpers import rose_cmd, wait_for
+from cli_helpers import SERVED, rose_cmd, wait_for
 from rq import Queue
 from rq.serializers import JSONSerializer
 
@@ -44,7 +44,7 @@ def test_status_counts_queues_and_lists_the_worker(rose, cli_redis, cli_worker) 
     assert worker["rose"] is True
     assert worker["model"] == "tiny-llama" and worker["device"] == "cpu"
     assert worker["max_num_seqs"] == 16
-    assert set(worker["queues"]) == {"rose", "cli-status"}
+    assert set(worker["queues"]) == set(SERVED)
     assert worker["uptime_s"] >= 0
     assert worker.get("num_running", 0) >= 0
 

@@ -1,0 +1,474 @@
+"""`rose batch` with files in OpenAI's Batch API format: the conversion of request lines (unit tests), and the
+command as a user runs it against a real redis-server and rose-worker, its output read with the openai package's
+own types."""
+
+from __future__ import annotations
+
+import collections
+import json
+import signal
+import subprocess
+import typing
+from pathlib import Path
+from typing import Any
+
+import pytest
+from cli_helpers import rose_cmd, wait_for
+from openai.types import Completion
+from openai.types import completion_create_params as completion_params
+from openai.types.chat import ChatCompletion
+from openai.types.chat import completion_create_params as chat_params
+
+from rose.cli.batch_files import Entry, PlainFormat, survey
+from rose.cli.openai_batch import (
+    CHAT_URL,
+    COMPLETIONS_URL,
+    OpenAIFormat,
+    RequestError,
+    detect_format,
+    parse_queue_for,
+    to_job_fields,
+)
+
+pytestmark = pytest.mark.timeout(400)
+
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+
+
+def chat(custom_id: str = "c1", **body: Any) -> dict[str, Any]:
+    return {
+        "custom_id": custom_id,
+        "method": "POST",
+        "url": CHAT_URL,
+        "body": {"model": "tiny", "messages": MESSAGES, **body},
+    }
+
+
+def completion(custom_id: str = "p1", prompt: Any = "Once upon a time", **body: Any) -> dict[str, Any]:
+    return {
+        "custom_id": custom_id,
+        "method": "POST",
+        "url": COMPLETIONS_URL,
+        "body": {"model": "tiny", "prompt": prompt, **body},
+    }
+
+
+# ---------------------------------------------------------------------------------------------------- conversion
+
+
+def test_every_supported_chat_field_maps_to_its_job_field() -> None:
+    schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
+    fields, model = to_job_fields(
+        chat(
+            max_completion_tokens=7,
+            temperature=0.5,
+            top_p=0.9,
+            stop=["\n", "END"],
+            seed=3,
+            n=1,
+            presence_penalty=0.1,
+            frequency_penalty=0.2,
+            logprobs=False,
+            response_format=schema,
+            metadata={"run": "a"},
+            user="u",
+            store=False,
+            stream=False,
+            top_logprobs=None,  # null = absent
+            parallel_tool_calls=True,
+            chat_template_kwargs={"x": 1},  # vLLM's extras
+            top_k=5,
+            ignore_eos=True,
+        )
+    )
+    assert model == "tiny"
+    assert fields == {
+        "messages": MESSAGES,
+        "max_tokens": 7,
+        "temperature": 0.5,
+        "top_p": 0.9,
+        "stop": ["\n", "END"],
+        "seed": 3,
+        "presence_penalty": 0.1,
+        "frequency_penalty": 0.2,
+        "response_format": schema,
+        "metadata": {"run": "a"},
+        "chat_template_kwargs": {"x": 1},
+        "top_k": 5,
+        "ignore_eos": True,
+    }
+
+
+@pytest.mark.parametrize(
+    ("prompt", "job_field"),
+    [
+        ("Hello", {"prompt": "Hello"}),
+        (["Hello"], {"prompt": "Hello"}),
+        ([5, 6, 7], {"prompt_token_ids": [5, 6, 7]}),
+        ([[5, 6, 7]], {"prompt_token_ids": [5, 6, 7]}),
+    ],
+)
+def test_completions_prompt_forms(prompt: Any, job_field: dict[str, Any]) -> None:
+    fields, _ = to_job_fields(completion(prompt=prompt, max_tokens=4, stop="x", best_of=1, echo=False))
+    assert fields == {**job_field, "max_tokens": 4, "stop": "x"}
+
+
+@pytest.mark.parametrize("prompt", [["a", "b"], [[1], [2]]])
+def test_several_prompts_in_one_request_are_refused(prompt: Any) -> None:
+    with pytest.raises(RequestError, match="2 prompts") as exc:
+        to_job_fields(completion(prompt=prompt))
+    assert exc.value.param == "prompt"
+
+
+def test_max_tokens_and_max_completion_tokens() -> None:
+    assert to_job_fields(chat(max_tokens=5))[0]["max_tokens"] == 5
+    assert to_job_fields(chat(max_completion_tokens=6))[0]["max_tokens"] == 6
+    assert to_job_fields(chat(max_tokens=6, max_completion_tokens=6))[0]["max_tokens"] == 6
+    with pytest.raises(RequestError, match="conflict"):
+        to_job_fields(chat(max_tokens=5, max_completion_tokens=6))
+    # neither: OpenAI's default (up to the context limit), unless the command line gives --max-tokens
+    assert to_job_fields(chat())[0]["max_tokens"] is None
+    assert "max_tokens" not in to_job_fields(chat(), {"max_tokens": 9})[0]
+
+
+@pytest.mark.parametrize(
+    ("line", "param"),
+    [
+        (chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
+        (chat(tool_choice="auto"), "tool_choice"),
+        (chat(functions=[{"name": "f"}]), "functions"),
+        (chat(function_call="auto"), "function_call"),
+        (chat(logit_bias={"1": 5}), "logit_bias"),
+        (chat(audio={"voice": "alloy", "format": "mp3"}), "audio"),
+        (chat(modalities=["text", "audio"]), "modalities"),
+        (chat(reasoning_effort="low"), "reasoning_effort"),
+        (chat(prediction={"type": "content", "content": "x"}), "prediction"),
+        (chat(web_search_options={}), "web_search_options"),
+        (chat(stream_options={"include_usage": True}), "stream_options"),
+        (chat(service_tier="flex"), "service_tier"),
+        (chat(logprobs=True), "logprobs"),
+        (chat(top_logprobs=2), "top_logprobs"),
+        (chat(n=2), "n"),
+        (chat(n=True), "n"),
+        (chat(stream=True), "stream"),
+        (chat(detokenize=False), "detokenize"),  # a job field, but no vLLM extra: output would be empty
+        (completion(logprobs=0), "logprobs"),
+        (completion(echo=True), "echo"),
+        (completion(best_of=2), "best_of"),
+        (completion(suffix="x"), "suffix"),
+        (completion(messages=MESSAGES), "messages"),  # wrong endpoint's field
+        (chat(prompt="x"), "prompt"),
+        (completion(chat_template_kwargs={}), "chat_template_kwargs"),
+    ],
+)
+def test_each_unsupported_field_is_reported(line: dict[str, Any], param: str) -> None:
+    with pytest.raises(RequestError) as exc:
+        to_job_fields(line)
+    assert exc.value.param == param and param in str(exc.value)
+
+
+# what rose takes from OpenAI's request types; every other field of theirs must be refused, never dropped
+ACCEPTED = {
+    "messages": MESSAGES,
+    "prompt": "x",
+    "model": "tiny",
+    "max_tokens": 3,
+    "max_completion_tokens": 3,
+    "temperature": 0.0,
+    "top_p": 0.5,
+    "stop": "x",
+    "seed": 1,
+    "n": 1,
+    "presence_penalty": 0.5,
+    "frequency_penalty": 0.5,
+    "response_format": {"type": "json_object"},
+    "metadata": {"k": "v"},
+    "user": "u",
+    "safety_identifier": "s",
+    "prompt_cache_key": "k",
+    "store": True,
+    "stream": False,
+    "logprobs": False,
+    "echo": False,
+    "best_of": 1,
+    "parallel_tool_calls": False,
+}
+
+
+@pytest.mark.parametrize(
+    ("url", "params"),
+    [
+        (CHAT_URL, chat_params.CompletionCreateParamsNonStreaming),
+        (COMPLETIONS_URL, completion_params.CompletionCreateParamsNonStreaming),
+    ],
+)
+def test_every_field_of_openais_request_types_is_taken_or_refused(url: str, params: type) -> None:
+    base = chat() if url == CHAT_URL else completion()
+    for name in typing.get_type_hints(params):
+        line = {**base, "body": {**base["body"], name: ACCEPTED.get(name, "some value")}}
+        if name in ACCEPTED:
+            fields, _ = to_job_fields(line)
+            assert fields, name
+        else:
+            with pytest.raises(RequestError) as exc:
+                to_job_fields(line)
+            assert exc.value.param == name
+
+
+@pytest.mark.parametrize(
+    ("change", "param"),
+    [
+        ({"method": "GET"}, "method"),
+        ({"url": "/v1/embeddings"}, "url"),
+        ({"url": "/v1/responses"}, "url"),
+        ({"body": "x"}, "body"),
+        ({"extra": 1}, "extra"),
+    ],
+)
+def test_bad_request_lines(change: dict[str, Any], param: str) -> None:
+    with pytest.raises(RequestError) as exc:
+        to_job_fields({**chat(), **change})
+    assert exc.value.param == param
+    line = chat()
+    del line["body"]["model"]
+    with pytest.raises(RequestError, match="'model' is required"):
+        to_job_fields(line)
+
+
+def test_a_bad_value_is_a_400_line_naming_the_field() -> None:
+    fmt = OpenAIFormat()
+    entry = fmt.parse(4, json.dumps(completion(prompt=[], temperature=-1.0)), {})
+    assert entry.request is None and entry.error
+    out = fmt.invalid_line(entry)
+    assert out["custom_id"] == "p1" and out["error"] is None and out["id"].startswith("batch_req_")
+    assert out["response"]["status_code"] == 400
+    error = out["response"]["body"]["error"]
+    assert error["type"] == "invalid_request_error" and error["message"] == entry.error
+
+
+def test_output_lines_parse_with_openais_types() -> None:
+    fmt = OpenAIFormat({"tiny": "q-tiny"})
+    result = {
+        "text": " blue",
+        "finish_reason": "length",
+        "usage": {"prompt_tokens": 9, "completion_tokens": 2},
+    }
+    chat_entry = fmt.parse(1, json.dumps(chat(max_tokens=2)), {})
+    assert chat_entry.queue == "q-tiny"
+    line = fmt.result_line(chat_entry, "job1", result)
+    assert line["id"] == "batch_req_job1" and line["custom_id"] == "c1" and line["error"] is None
+    assert line["response"]["status_code"] == 200 and line["response"]["request_id"] == "job1"
+    body = ChatCompletion.model_validate(line["response"]["body"])
+    assert body.model == "tiny" and body.choices[0].message.content == " blue"
+    assert body.choices[0].finish_reason == "length" and body.usage is not None
+    assert (body.usage.prompt_tokens, body.usage.completion_tokens, body.usage.total_tokens) == (9, 2, 11)
+
+    text_entry = fmt.parse(2, json.dumps(completion(max_tokens=2)), {})
+    assert text_entry.queue == "q-tiny"
+    done = Completion.model_validate(
+        fmt.result_line(text_entry, "job2", {**result, "finish_reason": "stop"})["response"]["body"]
+    )
+    assert done.object == "text_completion" and done.choices[0].text == " blue"
+    assert done.choices[0].finish_reason == "stop"
+
+    failed = fmt.failed_line(text_entry, "job3", "RoseJobError: too long", "job_failed")
+    assert failed["response"] is None and failed["error"] == {
+        "code": "job_failed",
+        "message": "RoseJobError: too long",
+    }
+    assert fmt.output_key(failed) == ('"p1"', True) and fmt.output_key(line) == ('"c1"', False)
+
+
+def test_the_format_is_detected_per_file(tmp_path: Path) -> None:
+    plain, oai = tmp_path / "plain.jsonl", tmp_path / "oai.jsonl"
+    plain.write_text('{"prompt": "x"}\n')
+    oai.write_text("{not json\n" + json.dumps(chat()) + "\n")
+    assert isinstance(detect_format(plain, {}), PlainFormat)
+    assert isinstance(detect_format(oai, {}), OpenAIFormat)
+    assert parse_queue_for(["a=q1", "org/m=x=q2"]) == {"a": "q1", "org/m=x": "q2"}
+    with pytest.raises(ValueError, match="MODEL=QUEUE"):
+        parse_queue_for(["no-queue"])
+    assert isinstance(Entry(1, "x").context, dict)
+
+
+def test_survey_lists_the_first_problems(tmp_path: Path) -> None:
+    inp = tmp_path / "in.jsonl"
+    write_lines(inp, [chat("a")] * 13)
+    found = survey(inp, OpenAIFormat(), {})
+    assert found.total == 13 and len(found.problems) == 11
+    assert found.problems[0] == 'line 2: duplicate custom_id "a" (first on line 1)'
+    assert found.problems[-1] == "... and 2 more"
+
+
+# ------------------------------------------------------------------------------------ the command, end to end
+
+
+def write_lines(path: Path, lines: list[Any]) -> None:
+    path.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines))
+
+
+def read(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_a_file_with_repeated_custom_ids_is_refused_before_anything_runs(tmp_path, rose, cli_redis) -> None:
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    write_lines(inp, [chat("a"), chat("b"), completion("a"), "{not json", {"method": "POST"}, chat("b")])
+    res = rose("batch", str(inp), "-o", str(out), "--queue", "obatch-refused")
+    assert res.returncode == 2, res.stderr
+    for problem in (
+        'line 3: duplicate custom_id "a" (first on line 1)',
+        "line 4: invalid JSON",
+        "line 5: 'custom_id' (a non-empty string) is required",
+        'line 6: duplicate custom_id "b" (first on line 2)',
+    ):
+        assert problem in res.stderr
+    assert "nothing was run" in res.stderr
+    assert not out.exists() and not (tmp_path / "out.jsonl.jobs").exists()
+    assert not cli_redis.client().exists("rq:queue:obatch-refused")
+
+    plain = tmp_path / "plain.jsonl"
+    plain.write_text('{"prompt": "x"}\n')
+    res = rose("batch", str(plain), "-o", str(out), "--queue-for", "m=q")
+    assert res.returncode == 2 and "only for files in OpenAI's batch format" in res.stderr
+
+
+def check_success(line: dict[str, Any], model: str, max_tokens: int) -> ChatCompletion | Completion:
+    assert line["error"] is None and line["id"] == f"batch_req_{line['response']['request_id']}"
+    assert line["response"]["status_code"] == 200
+    raw = line["response"]["body"]
+    body = (
+        ChatCompletion.model_validate(raw)
+        if raw["object"] == "chat.completion"
+        else Completion.model_validate(raw)
+    )
+    assert body.model == model and len(body.choices) == 1 and body.usage is not None
+    assert body.choices[0].finish_reason == "length"  # --ignore-eos
+    assert body.usage.completion_tokens == max_tokens
+    assert body.usage.total_tokens == body.usage.prompt_tokens + body.usage.completion_tokens
+    return body
+
+
+def test_mixed_chat_and_completions_file_with_error_file_and_queue_routing(
+    tmp_path, rose, cli_redis, cli_worker
+) -> None:
+    inp, out, errors = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "errors.jsonl"
+    lines = [
+        chat("chat-1", max_tokens=3, temperature=0),
+        chat("chat-2", model="tiny-b", max_completion_tokens=2, temperature=0),
+        completion("text-1", max_tokens=4, temperature=0),
+        completion("text-2", prompt=["Once upon a time"], max_tokens=4, temperature=0, model="tiny-b"),
+        completion("ids-1", prompt=[5, 6, 7], max_tokens=2),
+        chat("bad-tools", tools=[{"type": "function", "function": {"name": "f"}}]),
+        {**completion("bad-url"), "url": "/v1/embeddings"},
+        completion("bad-value", temperature=-1.0),
+        # runs, and fails in the worker: prompt + max_tokens exceed the worker's --max-model-len 4096
+        completion("too-long", max_tokens=5000),
+    ]
+    write_lines(inp, lines)
+    args = ("batch", str(inp), "-o", str(out), "--error-file", str(errors), "--ignore-eos", "--no-progress")
+    res = rose(*args, "--queue-for", "tiny-b=cli-routed")
+    assert res.returncode == 1, res.stderr  # four lines failed
+    assert "9 lines: 5 done, 4 failed" in res.stderr
+    assert f"{inp}:6: not supported by rose: tools" in res.stderr
+
+    good, bad = read(out), read(errors)
+    assert collections.Counter(line["custom_id"] for line in good + bad) == collections.Counter(
+        line["custom_id"] for line in lines
+    )
+    by_id = {line["custom_id"]: line for line in good}
+    assert set(by_id) == {"chat-1", "chat-2", "text-1", "text-2", "ids-1"}
+    assert isinstance(check_success(by_id["chat-1"], "tiny", 3), ChatCompletion)
+    assert isinstance(check_success(by_id["chat-2"], "tiny-b", 2), ChatCompletion)
+    text_1 = check_success(by_id["text-1"], "tiny", 4)
+    text_2 = check_success(by_id["text-2"], "tiny-b", 4)
+    assert isinstance(text_1, Completion) and isinstance(text_2, Completion)
+    assert text_1.choices[0].text == text_2.choices[0].text  # greedy, the same prompt in both forms
+    ids_1 = check_success(by_id["ids-1"], "tiny", 2)
+    assert ids_1.usage is not None and ids_1.usage.prompt_tokens == 3
+    # chat lines went through the chat template: more prompt tokens than the bare message text alone
+    chat_1 = ChatCompletion.model_validate(by_id["chat-1"]["response"]["body"])
+    assert chat_1.usage is not None and chat_1.usage.prompt_tokens > 8
+
+    # --queue-for: tiny-b's lines were enqueued on cli-routed, the others on the default queue
+    conn = cli_redis.client()
+    for custom_id, line in by_id.items():
+        origin = conn.hget(f"rq:job:{line['response']['request_id']}", "origin").decode()
+        assert origin == ("cli-routed" if custom_id in ("chat-2", "text-2") else "rose"), custom_id
+
+    failed = {line["custom_id"]: line for line in bad}
+    for custom_id, param in (("bad-tools", "tools"), ("bad-url", "url"), ("bad-value", "temperature")):
+        response = failed[custom_id]["response"]
+        assert response["status_code"] == 400 and failed[custom_id]["error"] is None
+        assert response["body"]["error"]["type"] == "invalid_request_error"
+        assert response["body"]["error"]["param"] == param
+    assert failed["too-long"]["response"] is None
+    assert failed["too-long"]["error"]["code"] == "job_failed"
+    assert "max_model_len" in failed["too-long"]["error"]["message"]
+
+    again = rose(*args, "--queue-for", "tiny-b=cli-routed")  # nothing left to do
+    assert again.returncode == 1 and "9 of 9 lines already in" in again.stderr
+    assert (len(read(out)), len(read(errors))) == (5, 4)
+
+
+def test_interrupted_then_resumed_without_duplicates(tmp_path, rose, cli_worker) -> None:
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    n = 80
+    lines = [
+        chat(f"c{i}", max_tokens=4) if i % 3 == 0 else completion(f"p{i}", prompt=f"Number {i}", max_tokens=4)
+        for i in range(n)
+    ]
+    write_lines(inp, lines)
+    args = ("batch", str(inp), "-o", str(out), "--ignore-eos", "--temperature", "0", "--chunk-size", "4")
+    proc = subprocess.Popen(
+        rose_cmd(*args, "--max-in-flight", "4"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=rose.env,
+    )
+    try:
+        wait_for(
+            lambda: proc.poll() is not None or len(read(out)) >= 12, 180, "12 result lines", interval=0.05
+        )
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    first = read(out)
+    left: dict[str, str] = {}  # custom_id -> job id of the jobs the first run left queued or running
+    if proc.returncode == 130:  # the usual case: stopped with jobs still running
+        assert "interrupted" in err and (tmp_path / "out.jsonl.jobs").exists()
+        assert len(first) < n
+        written = {line["custom_id"] for line in first}
+        left = {j["id"]: j["job_id"] for j in read(tmp_path / "out.jsonl.jobs") if j["id"] not in written}
+        assert left
+    else:  # the machine finished before the signal
+        assert proc.returncode == 0, err
+
+    res = rose(*args, "--max-in-flight", "16")
+    assert res.returncode == 0, res.stderr
+    assert f"{len(first)} of {n} lines already in" in res.stderr
+    output = read(out)
+    assert collections.Counter(line["custom_id"] for line in output) == collections.Counter(
+        line["custom_id"] for line in lines
+    )
+    for line in output:
+        check_success(line, "tiny", 4)
+        if line["custom_id"] in left:  # picked up, not submitted again
+            assert line["response"]["request_id"] == left[line["custom_id"]]
+    assert not (tmp_path / "out.jsonl.jobs").exists()
+
+
+def test_error_file_with_rose_own_format(tmp_path, rose, cli_worker) -> None:
+    inp, out, errors = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "errors.jsonl"
+    inp.write_text('{"id": "ok", "prompt": "x"}\n{"id": "bad", "prompt": "x", "temprature": 1}\n')
+    args = ("batch", str(inp), "-o", str(out), "--error-file", str(errors), "--max-tokens", "2")
+    assert rose(*args).returncode == 1
+    assert [line["id"] for line in read(out)] == ["ok"] and "text" in read(out)[0]
+    assert [line["id"] for line in read(errors)] == ["bad"] and "error" in read(errors)[0]
+    again = rose(*args)
+    assert again.returncode == 1 and "2 of 2 lines already in" in again.stderr
+    assert "2 lines: 1 done, 1 failed" in again.stderr
