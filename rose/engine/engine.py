@@ -18,6 +18,7 @@ from rose.engine.kv_cache import KVCache
 from rose.engine.model_runner import ModelRunner, model_context
 from rose.engine.outputs import RequestMetrics, RequestOutput, StepOutput, TokenLogprob
 from rose.engine.prefix_cache import PrefixCache, block_hashes
+from rose.engine.prompts import tokenize_prompt
 from rose.engine.sampler import Sampler
 from rose.engine.sampling_params import SamplingParams
 from rose.engine.scheduler import Scheduler
@@ -202,33 +203,7 @@ class Engine:
         self.scheduler.add(seq)
 
     def _tokenize(self, prompt: str | list[int] | dict[str, Any]) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, dict):
-            unknown = set(prompt) - {"prompt", "prompt_token_ids"}
-            if unknown or "prompt_token_ids" not in prompt:
-                raise ValueError("a prompt dict takes 'prompt_token_ids' and an optional 'prompt' (its text)")
-            text = prompt.get("prompt")
-            if text is not None and not isinstance(text, str):
-                raise TypeError(f"prompt['prompt'] must be a str, got {type(text).__name__}")
-            return text, self._tokenize(list(prompt["prompt_token_ids"]))[1]
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError(
-                    "a text prompt needs a tokenizer; this engine has none: pass token ids instead"
-                )
-            ids = list(self.tokenizer.encode(prompt))
-            text = prompt
-        elif isinstance(prompt, list | tuple) and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in prompt
-        ):
-            ids, text = list(prompt), None
-            bad = [t for t in ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
-        else:
-            raise TypeError(f"prompt must be a str or a list of token ids, got {type(prompt).__name__}")
-        if not ids:
-            raise ValueError("the prompt is empty: it must have at least one token")
-        return text, ids
+        return tokenize_prompt(prompt, self.tokenizer, self.vocab_size)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its slot. Returns its final output (finish_reason "abort")."""
@@ -268,15 +243,9 @@ class Engine:
 
     def _grammar_errors(self) -> list[StepOutput]:
         """Finish the waiting requests whose grammar failed to compile on the pool (finish_reason "error")."""
-        self._structured.failed = False
-        outputs = []
-        for seq in self.scheduler.waiting_seqs():
-            error = seq.structured.error if seq.structured is not None else None
-            if error is not None:
-                logger.error("request %s finished with an error: %s", seq.request_id, error)
-                out = self._finish_now(self._seqs.pop(seq.request_id), "error")
-                outputs.append(StepOutput(seq.request_id, [], "", True, "error", output=out))
-        return outputs
+        failed = self._structured.take_failed(self.scheduler.waiting_seqs())
+        outs = [self._finish_now(self._seqs.pop(seq.request_id), "error") for seq in failed]
+        return [StepOutput(o.request_id, [], "", True, "error", output=o) for o in outs]
 
     def _remove(self, seq: Sequence, finished: bool = False) -> None:
         if seq.structured is not None:
@@ -355,7 +324,7 @@ class Engine:
         may_stop = len(seq.output_token_ids) >= params.min_tokens
         reason = None
         # a constrained request ends when its grammar does (it accepted EOS), whatever min_tokens / ignore_eos say
-        grammar_done = seq.structured is not None and self._advance_grammar(seq, token)
+        grammar_done = seq.structured is not None and seq.structured.advance(token, seq.request_id)
         stop_token = grammar_done or (
             may_stop
             and (token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids))
@@ -384,15 +353,6 @@ class Engine:
         return StepOutput(
             seq.request_id, [token], delta, True, reason, new_logprobs=new_logprobs, output=self._output(seq)
         )
-
-    def _advance_grammar(self, seq: Sequence, token: int) -> bool:
-        """Feed the sampled token to the matcher; True once the grammar has ended."""
-        if not seq.structured.accept_token(token):  # cannot happen: the mask only lets allowed tokens through
-            logger.error(
-                "request %s: grammar refused sampled token %d; ending the request", seq.request_id, token
-            )
-            return True
-        return seq.structured.is_terminated
 
     def _output(self, seq: Sequence) -> RequestOutput:
         return RequestOutput(

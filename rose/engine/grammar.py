@@ -116,14 +116,18 @@ class StructuredOutputRequest:
             self._matcher = xgr.GrammarMatcher(self.future.result())
         return self._matcher
 
-    def accept_token(self, token: int) -> bool:
-        """Advance the matcher; False if the grammar refuses the token (the engine never samples one)."""
-        return self.matcher.accept_token(token)
+    def advance(self, token: int, request_id: str = "") -> bool:
+        """Feed the sampled token to the matcher; True once the grammar has ended (it accepted a stop token).
 
-    @property
-    def is_terminated(self) -> bool:
-        """The grammar accepted a stop token: the request is done."""
-        return self._matcher is not None and self._matcher.is_terminated()
+        A token the grammar refuses cannot come from the masked sampler; should one come anyway, the request ends
+        here (an error is logged) rather than go on unconstrained.
+        """
+        if not self.matcher.accept_token(token):
+            logger.error(
+                "request %s: the grammar refused sampled token %d; ending the request", request_id, token
+            )
+            return True
+        return self._matcher.is_terminated()
 
 
 class StructuredOutputManager:
@@ -203,6 +207,16 @@ class StructuredOutputManager:
                 self.stats.compile_errors += 1
             self.failed = True
 
+    def take_failed(self, waiting: list[Any]) -> list[Any]:
+        """The sequences among `waiting` whose grammar failed to compile (each logged), once after a failure."""
+        if not self.failed:
+            return []
+        self.failed = False
+        failed = [seq for seq in waiting if seq.structured is not None and seq.structured.error is not None]
+        for seq in failed:
+            logger.error("request %s finished with an error: %s", seq.request_id, seq.structured.error)
+        return failed
+
     def wait_for_any(self, requests: list[StructuredOutputRequest], timeout: float) -> None:
         """Block up to `timeout` seconds until one of the requests' grammars is compiled (no busy spinning)."""
         pending = {r.future for r in requests if not r.future.done()}
@@ -252,9 +266,8 @@ class StructuredOutputManager:
         add = add.view(n, -1)[:, :vocab].to(logits.dtype)
         if n == len(requests):
             logits[:, :vocab] += add
-        else:
-            index = torch.tensor(rows, device=logits.device)
-            logits[index, :vocab] = logits[index, :vocab] + add
+        else:  # one in-place kernel on the constrained rows only
+            logits[:, :vocab].index_add_(0, torch.tensor(rows, device=logits.device), add)
 
     def get_stats(self) -> dict[str, int | float]:
         with self._stats_lock:
