@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import PreTrainedModel
@@ -18,10 +18,14 @@ from rose.engine.kv_cache import KVCache
 from rose.engine.model_runner import ModelRunner, model_context
 from rose.engine.outputs import RequestMetrics, RequestOutput, StepOutput, TokenLogprob
 from rose.engine.prefix_cache import PrefixCache, block_hashes
+from rose.engine.prompts import tokenize_prompt
 from rose.engine.sampler import Sampler
 from rose.engine.sampling_params import SamplingParams
 from rose.engine.scheduler import Scheduler
 from rose.engine.sequence import Sequence, SequenceStatus
+
+if TYPE_CHECKING:
+    from rose.engine.grammar import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +33,9 @@ logger = logging.getLogger(__name__)
 class Engine:
     """Continuous-batching engine over a preallocated per-slot KV store.
 
-    Single-threaded: call every method from the same thread.
+    Single-threaded: call every method from the same thread (grammars of structured outputs compile on a small
+    pool of their own). `disable_any_whitespace`: JSON constrained by a schema is written on one line (vLLM's
+    structured-outputs option of that name); by default any whitespace may separate its tokens.
     """
 
     def __init__(
@@ -49,6 +55,7 @@ class Engine:
         prefix_cache_slots: int | None = None,
         prefix_block_size: int = 16,
         trust_remote_code: bool = False,
+        disable_any_whitespace: bool = False,
     ) -> None:
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
@@ -102,6 +109,9 @@ class Engine:
         self.eos_token_ids = self._eos_ids()
         self.sampler = Sampler(vocab, self.device, self.eos_token_ids, seed=seed)
         self._seqs: dict[str, Sequence] = {}
+        self._structured: StructuredOutputManager | None = None  # built for the first constrained request
+        self._disable_any_whitespace = disable_any_whitespace
+        self.scheduler.is_ready = lambda seq: seq.structured is None or seq.structured.is_ready
 
     # ----------------------------------------------------------------- configuration
 
@@ -142,8 +152,6 @@ class Engine:
                 f"SamplingParams.logprobs must be <= {self.max_logprobs} (the engine's max_logprobs), "
                 f"got {params.logprobs}"
             )
-        if params.structured_outputs is not None:  # TODO(issue 13): the grammar engine lands next
-            raise ValueError("structured outputs are not supported by this engine yet")
         text, ids = self._tokenize(prompt)
         if ids and params.max_tokens is None and len(ids) >= self.max_model_len:
             raise ValueError(
@@ -156,6 +164,9 @@ class Engine:
                 f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) = {len(ids) + max_tokens} exceeds "
                 f"max_model_len {self.max_model_len}: shorten the prompt or lower max_tokens"
             )
+        structured = None
+        if params.structured_outputs is not None:  # parsed here (invalid: ValueError), compiled on a thread
+            structured = self.structured_outputs.make_request(params.structured_outputs)
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device)
@@ -182,48 +193,28 @@ class Engine:
             priority=priority,
             generator=generator,
             logprobs=[] if params.logprobs is not None else None,
+            structured=structured,
         )
+        if structured is not None:
+            self._structured.num_live += 1
         if self.prefix_cache is not None:
             seq.block_hashes = block_hashes(ids, self.prefix_cache.block_size)
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
 
     def _tokenize(self, prompt: str | list[int] | dict[str, Any]) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, dict):
-            unknown = set(prompt) - {"prompt", "prompt_token_ids"}
-            if unknown or "prompt_token_ids" not in prompt:
-                raise ValueError("a prompt dict takes 'prompt_token_ids' and an optional 'prompt' (its text)")
-            text = prompt.get("prompt")
-            if text is not None and not isinstance(text, str):
-                raise TypeError(f"prompt['prompt'] must be a str, got {type(text).__name__}")
-            return text, self._tokenize(list(prompt["prompt_token_ids"]))[1]
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError(
-                    "a text prompt needs a tokenizer; this engine has none: pass token ids instead"
-                )
-            ids = list(self.tokenizer.encode(prompt))
-            text = prompt
-        elif isinstance(prompt, list | tuple) and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in prompt
-        ):
-            ids, text = list(prompt), None
-            bad = [t for t in ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
-        else:
-            raise TypeError(f"prompt must be a str or a list of token ids, got {type(prompt).__name__}")
-        if not ids:
-            raise ValueError("the prompt is empty: it must have at least one token")
-        return text, ids
+        return tokenize_prompt(prompt, self.tokenizer, self.vocab_size)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its slot. Returns its final output (finish_reason "abort")."""
         seq = self._seqs.pop(request_id, None)
         if seq is None:
             return None
+        return self._finish_now(seq, "abort")
+
+    def _finish_now(self, seq: Sequence, reason: str) -> RequestOutput:
         self._remove(seq)
-        seq.finish_reason = "abort"
+        seq.finish_reason = reason
         seq.metrics.finished_time = time.time()
         if seq.detokenizer is not None:
             seq.text = seq.detokenizer.emitted_text
@@ -235,7 +226,31 @@ class Engine:
             self.cache.move_row(match.src_slot, seq.slot, match.num_tokens)
             seq.num_computed_tokens = match.num_tokens
 
+    @property
+    def structured_outputs(self) -> StructuredOutputManager:
+        """The grammar machinery (rose.engine.grammar), built on first use: xgrammar loads only when needed."""
+        if self._structured is None:
+            from rose.engine.grammar import StructuredOutputManager
+
+            self._structured = StructuredOutputManager(
+                self.tokenizer,
+                self.vocab_size,
+                self.eos_token_ids,
+                self.device,
+                disable_any_whitespace=self._disable_any_whitespace,
+            )
+        return self._structured
+
+    def _grammar_errors(self) -> list[StepOutput]:
+        """Finish the waiting requests whose grammar failed to compile on the pool (finish_reason "error")."""
+        failed = self._structured.take_failed(self.scheduler.waiting_seqs())
+        outs = [self._finish_now(self._seqs.pop(seq.request_id), "error") for seq in failed]
+        return [StepOutput(o.request_id, [], "", True, "error", output=o) for o in outs]
+
     def _remove(self, seq: Sequence, finished: bool = False) -> None:
+        if seq.structured is not None:
+            seq.structured = None  # frees the matcher
+            self._structured.num_live -= 1
         if self.prefix_cache is not None:
             running = seq.status is SequenceStatus.RUNNING
             spare = self.prefix_cache.release(seq, retain=finished and running)
@@ -252,18 +267,27 @@ class Engine:
 
     def step(self) -> list[StepOutput]:
         """Run one batched forward; returns what each request that produced a token got from it."""
+        structured = self._structured if self._structured is not None and self._structured.num_live else None
+        errors = self._grammar_errors() if structured is not None and structured.failed else []
         moves = self.scheduler.reorder()
         if moves:
             self.cache.move_rows([m.src for m in moves], [m.dst for m in moves], max(m.length for m in moves))
         batch = self.scheduler.schedule()
+        if not batch and structured is not None and self.scheduler.num_waiting:
+            # only requests whose grammar is compiling are left: wait for one rather than spin
+            waiting = [s.structured for s in self.scheduler.waiting_seqs() if s.structured is not None]
+            structured.wait_for_any(waiting, timeout=0.05)
+            batch = self.scheduler.schedule()
         if not batch:
-            return []
+            return errors
         now = time.time()
         for chunk in batch.prefill:
             if chunk.seq.metrics.first_scheduled_time is None:
                 chunk.seq.metrics.first_scheduled_time = now
         logits = self.runner.execute(batch, self.scheduler.num_running)
         sampled = list(batch.decode) + [c.seq for c in batch.prefill if c.completes_prompt]
+        if structured is not None and sampled:  # before the sampler, so logprobs see the masked logits too
+            structured.apply_grammar_bitmask(logits, [s.structured for s in sampled])
         result = self.sampler(logits, sampled) if sampled else None
 
         # Only now, with the forward and the sampler done, does the step change request state: an exception above
@@ -277,7 +301,7 @@ class Engine:
             if self.prefix_cache is not None:
                 self.prefix_cache.register(chunk.seq)
         if result is None:
-            return []
+            return errors
         now = time.time()
         outputs = [
             self._append(seq, tok, lp, now)
@@ -286,7 +310,7 @@ class Engine:
         for out in outputs:
             if out.finished:
                 self._remove(self._seqs.pop(out.request_id), finished=True)
-        return outputs
+        return errors + outputs if errors else outputs
 
     def _append(self, seq: Sequence, token: int, logprob: TokenLogprob | None, now: float) -> StepOutput:
         seq.output_token_ids.append(token)
@@ -299,8 +323,11 @@ class Engine:
         params = seq.params
         may_stop = len(seq.output_token_ids) >= params.min_tokens
         reason = None
-        stop_token = may_stop and (
-            token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids)
+        # a constrained request ends when its grammar does (it accepted EOS), whatever min_tokens / ignore_eos say
+        grammar_done = seq.structured is not None and seq.structured.advance(token, seq.request_id)
+        stop_token = grammar_done or (
+            may_stop
+            and (token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids))
         )
         if stop_token:
             reason = "stop"
@@ -357,7 +384,7 @@ class Engine:
     def kv_slots_total(self) -> int:
         return self.max_num_seqs
 
-    def get_stats(self) -> dict[str, int]:
+    def get_stats(self) -> dict[str, int | float]:
         prefix = {}
         if self.prefix_cache is not None:
             st = self.prefix_cache.stats
@@ -367,6 +394,8 @@ class Engine:
                 "prefix_cache_query_tokens": st.query_tokens,
                 "prefix_cache_hit_tokens": st.hit_tokens,
             }
+        if self._structured is not None:
+            prefix.update(self._structured.get_stats())
         return {
             **prefix,
             "num_running": self.num_running,

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-FinishReason = Literal["stop", "length", "abort"]
+# "error": the request could not run at all (its grammar failed to compile after it was queued; see rose.engine.grammar)
+FinishReason = Literal["stop", "length", "abort", "error"]
 
 
 @dataclass

@@ -140,7 +140,9 @@ class Sampler:
         banned = []
         for i, s in enumerate(seqs):
             p = s.params
-            if len(s.output_token_ids) < p.min_tokens:
+            # a constrained row ends when its grammar does: banning EOS where only EOS is allowed would mask the
+            # whole row (the grammar's mask, applied before, already keeps EOS out until the grammar can end)
+            if len(s.output_token_ids) < p.min_tokens and s.structured is None:
                 stops = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
                 banned.extend((i, t) for t in stops if t < self.vocab_size)
         return banned
@@ -155,7 +157,12 @@ class Sampler:
             n = min(params[i].logprobs, k)
             top = {}
             if n:
-                top = dict(zip(top_ids[j, :n].tolist(), top_vals[j, :n].tolist(), strict=True))
+                # -inf: a token the grammar masked (no other row has one), which could never be sampled
+                top = {
+                    t: v
+                    for t, v in zip(top_ids[j, :n].tolist(), top_vals[j, :n].tolist(), strict=True)
+                    if v != _NEG_INF
+                }
             out[i] = TokenLogprob(token_id=tokens[i], logprob=chosen_lp[j], top=top)
         return out
 

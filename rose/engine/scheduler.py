@@ -66,6 +66,8 @@ class Scheduler:
         # prefix caching: may hold a request back for a step, and sets up its reused prefix once it has a slot
         self.should_defer: Callable[[Sequence, list[Sequence]], bool] | None = None
         self.on_admit: Callable[[Sequence], None] | None = None
+        # structured outputs: a request whose grammar is still compiling waits, without holding up those behind it
+        self.is_ready: Callable[[Sequence], bool] | None = None
         # rows joined decoding or left since the last look at their order (see rose.engine.slot_order)
         self._order_changed = False
         self.sort_rows = True  # off when decode attention reads exact lengths (no padding to save)
@@ -92,11 +94,15 @@ class Scheduler:
             if budget <= 0:
                 break
             budget -= self._chunk(batch, seq, budget)
+        not_ready: list[tuple[int, int, Sequence]] = []
         while budget > 0 and len(self.running) < self.max_num_seqs and self._num_waiting:
             entry = self._pop_waiting()
             if entry is None:
                 break
             seq = entry[2]
+            if self.is_ready is not None and not self.is_ready(seq):
+                not_ready.append(entry)  # pushed back below with its key: it keeps its place in line
+                continue
             if self.should_defer is not None and self.should_defer(seq, self._prefilling):
                 heapq.heappush(self._waiting, entry)  # same place in line; nothing behind it jumps ahead
                 self._num_waiting += 1
@@ -108,7 +114,14 @@ class Scheduler:
             if self.on_admit is not None:
                 self.on_admit(seq)
             budget -= self._chunk(batch, seq, budget)
+        for entry in not_ready:
+            heapq.heappush(self._waiting, entry)
+        self._num_waiting += len(not_ready)
         return batch
+
+    def waiting_seqs(self) -> list[Sequence]:
+        """The requests still waiting for a slot (in no particular order)."""
+        return [e[2] for e in self._waiting if e[2].status is SequenceStatus.WAITING]
 
     def _chunk(self, batch: ScheduledBatch, seq: Sequence, budget: int) -> int:
         length = min(seq.num_prompt_tokens - seq.num_computed_tokens, budget)

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from rose.engine.detokenizer import IncrementalDetokenizer
 from rose.engine.outputs import FinishReason, RequestMetrics, TokenLogprob
 from rose.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # xgrammar is imported only by engines that get a constrained request
+    from rose.engine.grammar import StructuredOutputRequest
 
 
 class SequenceStatus(enum.Enum):
@@ -37,6 +41,9 @@ class Sequence:
     finish_reason: FinishReason | None = None
     text: str = ""
     block_hashes: list[int] | None = None  # chained hashes of the prompt's full blocks (prefix caching only)
+    structured: StructuredOutputRequest | None = (
+        None  # a constrained request's grammar state (freed when done)
+    )
 
     @property
     def num_prompt_tokens(self) -> int:

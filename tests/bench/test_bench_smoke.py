@@ -256,3 +256,18 @@ def test_step_bench_structure(tmp_path, capsys):
     prof = report["profile"]
     assert prof["model_forward_ms_per_step"] > 0 and "top_ops" in prof
     assert "fit:" in capsys.readouterr().out
+
+
+def test_engine_bench_structured_flag(tmp_path, capsys):
+    argv = ["--structured", "--num-requests", "4", "--prompt-len-range", "4,8", "--output-len-range", "3,6"]
+    assert engine_main([*argv, "--max-num-seqs", "4", "--json-out", str(tmp_path / "s.json"), "--plain"]) == 0
+    out = capsys.readouterr().out
+    assert "json-schema / unconstrained:" in out and "grammar compile: first" in out
+    report = json.loads((tmp_path / "s.json").read_text())
+    modes = report["modes"]
+    assert set(modes) == {"unconstrained", "json-schema", "mixed"}
+    # the bench schema keeps greedy rows writing to max_tokens: the three modes generate the same token count
+    assert len({m["passes"][0]["generated_tokens"] for m in modes.values()}) == 1
+    assert modes["unconstrained"]["mean_masked_rows"] == 0 and modes["json-schema"]["mean_masked_rows"] > 0
+    assert 0 < modes["mixed"]["mean_masked_rows"] < modes["json-schema"]["mean_masked_rows"]
+    assert report["first_compile_s"] > report["cache_hit_s"] >= 0

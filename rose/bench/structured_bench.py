@@ -1,0 +1,228 @@
+"""`rose bench engine --structured`: what structured outputs cost rose's engine, in one process.
+
+The same workload (prompts, max_tokens, greedy) runs three ways on one engine: unconstrained (EOS ignored), every
+request constrained by a JSON schema, and half of them constrained (alternating). A constrained request ends when
+its grammar does, so throughput is generated tokens (whatever each request produced) per second of wall time. The
+schema (one string field of up to 4,096 characters) keeps greedy random-weight rows writing until max_tokens, so the
+three passes generate about as many tokens. Also measured: the grammar's first compile and a cache hit, and the
+per-step mask cost (bitmask fill + apply on the constrained rows), timed around the engine's mask call.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from rose.bench.common import environment, load_model, prompt_vocab_size, resolve_target, set_threads, sync
+from rose.bench.rose_runner import RoseConfig, build_llm
+from rose.bench.workload import Workload, make_workload
+from rose.engine.sampling_params import SamplingParams
+from rose.engine.structured_outputs import StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
+
+TARGET_SHARE = 0.9  # constrained throughput / unconstrained, at batch 64 on CPU
+BENCH_SCHEMA = {
+    "type": "object",
+    "properties": {"text": {"type": "string", "maxLength": 4096}},
+    "required": ["text"],
+}
+MODES = ("unconstrained", "json-schema", "mixed")
+
+
+@dataclass
+class StructuredBenchConfig:
+    model: str = "tiny-llama"
+    num_requests: int = 64
+    prompt_len_range: tuple[int, int] = (16, 128)
+    output_len_range: tuple[int, int] = (16, 128)
+    seed: int = 0
+    repeats: int = 1
+    device: str = "cpu"
+    dtype: str = "float32"
+    num_threads: int | None = None
+    rose: RoseConfig = field(default_factory=RoseConfig)
+
+
+@dataclass
+class ModePass:
+    wall_s: float
+    generated_tokens: int
+    steps: int
+    mask_calls: int
+    mask_s: float
+    masked_rows: int
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.generated_tokens / self.wall_s
+
+
+@dataclass
+class StructuredBenchReport:
+    config: dict[str, Any]
+    environment: dict[str, Any]
+    workload: dict[str, Any]
+    passes: dict[str, list[ModePass]]
+    first_compile_s: float
+    cache_hit_s: float
+
+    def median_tokens_per_s(self, mode: str) -> float:
+        return statistics.median(p.tokens_per_s for p in self.passes[mode])
+
+    def ratio(self, mode: str) -> float:
+        return self.median_tokens_per_s(mode) / self.median_tokens_per_s("unconstrained")
+
+    def mask_ms_per_step(self, mode: str) -> float:
+        calls = sum(p.mask_calls for p in self.passes[mode])
+        return 1e3 * sum(p.mask_s for p in self.passes[mode]) / calls if calls else 0.0
+
+    def mean_masked_rows(self, mode: str) -> float:
+        calls = sum(p.mask_calls for p in self.passes[mode])
+        return sum(p.masked_rows for p in self.passes[mode]) / calls if calls else 0.0
+
+    def rows(self) -> tuple[list[str], list[list[Any]]]:
+        headers = [
+            "mode",
+            "generated tok/s",
+            "vs unconstrained",
+            "tokens",
+            "mask ms/step",
+            "rows masked/step",
+        ]
+        rows = []
+        for mode in MODES:
+            best = max(self.passes[mode], key=lambda p: p.tokens_per_s)
+            rows.append(
+                [
+                    mode,
+                    f"{self.median_tokens_per_s(mode):,.0f}",
+                    f"{self.ratio(mode):.1%}",
+                    best.generated_tokens,
+                    f"{self.mask_ms_per_step(mode):.3f}",
+                    f"{self.mean_masked_rows(mode):.1f}",
+                ]
+            )
+        return headers, rows
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "config": self.config,
+            "environment": self.environment,
+            "workload": self.workload,
+            "first_compile_s": self.first_compile_s,
+            "cache_hit_s": self.cache_hit_s,
+            "target_share": TARGET_SHARE,
+            "modes": {
+                mode: {
+                    "median_generated_tokens_per_s": self.median_tokens_per_s(mode),
+                    "ratio_vs_unconstrained": self.ratio(mode),
+                    "mask_ms_per_step": self.mask_ms_per_step(mode),
+                    "mean_masked_rows": self.mean_masked_rows(mode),
+                    "passes": [{**asdict(p), "tokens_per_s": p.tokens_per_s} for p in self.passes[mode]],
+                }
+                for mode in MODES
+            },
+        }
+
+
+def _params(mode: str, index: int, max_tokens: int) -> SamplingParams:
+    constrained = mode == "json-schema" or (mode == "mixed" and index % 2 == 0)
+    if not constrained:
+        return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+    so = StructuredOutputsParams(json=BENCH_SCHEMA)
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, detokenize=False, structured_outputs=so)
+
+
+def _timed_mask(manager: Any, pass_stats: dict[str, float]) -> Callable[..., None]:
+    inner = manager.apply_grammar_bitmask
+
+    def timed(logits: torch.Tensor, requests: list[Any]) -> None:
+        t0 = time.perf_counter()
+        inner(logits, requests)
+        pass_stats["mask_s"] += time.perf_counter() - t0
+        pass_stats["mask_calls"] += 1
+        pass_stats["masked_rows"] += sum(r is not None for r in requests)
+
+    return timed
+
+
+def _run_mode(llm: Any, workload: Workload, mode: str) -> ModePass:
+    engine = llm.engine
+    stats = {"mask_s": 0.0, "mask_calls": 0, "masked_rows": 0, "steps": 0}
+    manager = engine.structured_outputs
+    manager.apply_grammar_bitmask = _timed_mask(manager, stats)
+    step = engine.step
+
+    def counted_step():
+        stats["steps"] += 1
+        return step()
+
+    engine.step = counted_step
+    prompts = [list(r.prompt_token_ids) for r in workload.requests]
+    params = [_params(mode, i, r.max_tokens) for i, r in enumerate(workload.requests)]
+    try:
+        sync(engine.device)
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        sync(engine.device)
+        wall = time.perf_counter() - start
+    finally:
+        del manager.apply_grammar_bitmask, engine.step  # back to the class's methods
+    tokens = sum(len(o.token_ids) for o in outs)
+    return ModePass(
+        wall, tokens, int(stats["steps"]), int(stats["mask_calls"]), stats["mask_s"], stats["masked_rows"]
+    )
+
+
+def run_structured_bench(
+    cfg: StructuredBenchConfig, progress: Callable[[str], None] | None = None
+) -> StructuredBenchReport:
+    threads = set_threads(cfg.num_threads)
+    device, dtype = resolve_target(cfg.device, cfg.dtype)
+    workload = make_workload(
+        cfg.num_requests,
+        cfg.prompt_len_range,
+        cfg.output_len_range,
+        vocab_size=prompt_vocab_size(cfg.model),
+        seed=cfg.seed,
+    )
+    model, tokenizer = load_model(cfg.model, seed=0, device=device, dtype=dtype)
+    rose_cfg = RoseConfig(
+        **{**asdict(cfg.rose), "device": str(device), "dtype": str(dtype).removeprefix("torch.")}
+    )
+    max_model_len = -(-workload.max_total_len // 64) * 64 + 64
+    passes: dict[str, list[ModePass]] = {mode: [] for mode in MODES}
+    with torch.inference_mode():
+        llm, _ = build_llm(model, tokenizer, rose_cfg, max_model_len)  # constraints need the tokenizer
+        manager = llm.engine.structured_outputs
+        timings = []
+        for _ in range(2):  # the first compiles, the second finds it in the cache
+            t0 = time.perf_counter()
+            manager.make_request(StructuredOutputsParams(json=BENCH_SCHEMA)).future.result()
+            timings.append(time.perf_counter() - t0)
+        warm = workload.head(min(rose_cfg.warmup_requests, len(workload)), "warmup-")
+        for mode in MODES:
+            _run_mode(llm, warm, mode)
+        for rep in range(cfg.repeats):
+            for mode in MODES:
+                result = _run_mode(llm, workload, mode)
+                passes[mode].append(result)
+                msg = (
+                    f"[{rep + 1}/{cfg.repeats}] {mode}: {result.tokens_per_s:,.0f} tok/s ({result.generated_tokens} "
+                    f"tokens, {result.wall_s:.2f} s, {result.steps} steps)"
+                )
+                logger.info(msg)
+                if progress is not None:
+                    progress(msg)
+    env = environment(device, dtype)
+    env["torch_num_threads"] = threads
+    config = asdict(cfg)
+    config["schema"] = BENCH_SCHEMA
+    return StructuredBenchReport(config, env, workload.describe(), passes, timings[0], timings[1])

@@ -1,0 +1,40 @@
+"""Prompts as the engine takes them: text, token ids, or vLLM's TokensPrompt dict."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def tokenize_prompt(
+    prompt: str | list[int] | dict[str, Any], tokenizer: Any, vocab_size: int
+) -> tuple[str | None, list[int]]:
+    """A request's prompt as (its text if any, its token ids). Raises ValueError / TypeError naming the problem.
+
+    `prompt`: text (encoded with the tokenizer's special tokens), token ids, or vLLM's TokensPrompt
+    `{"prompt_token_ids": [...], "prompt": text}` (ids used as they are; the text is only echoed).
+    """
+    if isinstance(prompt, dict):
+        unknown = set(prompt) - {"prompt", "prompt_token_ids"}
+        if unknown or "prompt_token_ids" not in prompt:
+            raise ValueError("a prompt dict takes 'prompt_token_ids' and an optional 'prompt' (its text)")
+        text = prompt.get("prompt")
+        if text is not None and not isinstance(text, str):
+            raise TypeError(f"prompt['prompt'] must be a str, got {type(text).__name__}")
+        return text, tokenize_prompt(list(prompt["prompt_token_ids"]), tokenizer, vocab_size)[1]
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError("a text prompt needs a tokenizer; this engine has none: pass token ids instead")
+        ids = list(tokenizer.encode(prompt))
+        text = prompt
+    elif isinstance(prompt, list | tuple) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in prompt
+    ):
+        ids, text = list(prompt), None
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids must be in [0, {vocab_size}), got {bad[:5]}")
+    else:
+        raise TypeError(f"prompt must be a str or a list of token ids, got {type(prompt).__name__}")
+    if not ids:
+        raise ValueError("the prompt is empty: it must have at least one token")
+    return text, ids
