@@ -53,6 +53,12 @@ class WorkerSettings(BaseSettings):
         "fails. Templates run in transformers' sandboxed Jinja, but a template from producers can still render "
         "any prompt, so only trust producers who may.",
     )
+    disable_any_whitespace: bool = Field(
+        False,
+        description="JSON constrained by a job's structured_outputs / response_format is written on one line, "
+        "with no free whitespace between its tokens (vLLM's structured-outputs option of that name). Default: "
+        "any whitespace, as vLLM; a weak model may then fill its max_tokens with whitespace.",
+    )
     with_scheduler: bool = Field(
         False,
         description="Also run RQ's scheduler for these queues (as `rq worker --with-scheduler`): needed for "

@@ -243,9 +243,13 @@ class Engine:
 
     def _grammar_errors(self) -> list[StepOutput]:
         """Finish the waiting requests whose grammar failed to compile on the pool (finish_reason "error")."""
-        failed = self._structured.take_failed(self.scheduler.waiting_seqs())
-        outs = [self._finish_now(self._seqs.pop(seq.request_id), "error") for seq in failed]
-        return [StepOutput(o.request_id, [], "", True, "error", output=o) for o in outs]
+        steps = []
+        for seq in self._structured.take_failed(self.scheduler.waiting_seqs()):
+            error = seq.structured.error
+            out = self._finish_now(self._seqs.pop(seq.request_id), "error")
+            out.error = error
+            steps.append(StepOutput(out.request_id, [], "", True, "error", output=out))
+        return steps
 
     def _remove(self, seq: Sequence, finished: bool = False) -> None:
         if seq.structured is not None:

@@ -48,6 +48,7 @@ class RequestOutput:
     finish_reason: FinishReason | None
     metrics: RequestMetrics
     logprobs: list[TokenLogprob] | None = None
+    error: str | None = None  # finish_reason "error": why the request could not run
 
     @property
     def finished(self) -> bool:

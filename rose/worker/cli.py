@@ -36,6 +36,7 @@ _FLAGS: list[tuple[str, str, dict[str, Any]]] = [
         "trust_request_chat_template",
         {"action": "store_const", "const": True},
     ),
+    ("--disable-any-whitespace", "disable_any_whitespace", {"action": "store_const", "const": True}),
     ("--name", "name", {}),
     ("--drain-timeout", "drain_timeout", {"type": float, "metavar": "SECONDS"}),
     ("--log-level", "log_level", {"metavar": "LEVEL"}),
@@ -116,6 +117,7 @@ def build_engine(settings: WorkerSettings) -> Any:
         max_model_len=settings.max_model_len,
         max_num_batched_tokens=settings.max_num_batched_tokens,
         enable_prefix_caching=settings.enable_prefix_caching,
+        disable_any_whitespace=settings.disable_any_whitespace,
     )
 
 

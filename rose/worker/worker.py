@@ -355,6 +355,10 @@ class RoseWorker(Lifecycle, Checks, Outcomes, BaseWorker):
                 self._emit_token(run, out.new_text, list(out.new_token_ids))
             if out.finished:
                 run.in_engine = False
+                if out.finish_reason == "error":  # the request could not run (its grammar failed to compile)
+                    self.running.pop(run.id, None)
+                    self._redis("engine failure", self._fail, run, out.output.error or "engine error")
+                    continue
                 run.output = out.output
         self.metrics.on_step(self.engine, step_s, tokens, steady, now)
 

@@ -25,7 +25,11 @@ class CliWorker(WorkerProcess):
 
     def __init__(self, server, log_path: Path) -> None:
         args = ["--model", "tiny-llama", "--device", "cpu", "--max-model-len", "4096", "--max-num-seqs", "16"]
-        args += ["--drain-timeout", "1"]
+        args += [
+            "--drain-timeout",
+            "1",
+            "--disable-any-whitespace",
+        ]  # constrained JSON of a random model ends
         for q in SERVED:
             args += ["--queue", q]
         super().__init__(server.url, WORKER_NAME, args, log_path=log_path, env=checkout_env())

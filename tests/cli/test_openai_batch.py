@@ -12,6 +12,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import pytest
 from cli_helpers import rose_cmd, wait_for
 from openai.types import Completion
@@ -333,6 +334,21 @@ def test_a_file_with_repeated_custom_ids_is_refused_before_anything_runs(tmp_pat
     assert res.returncode == 2 and "only for files in OpenAI's batch format" in res.stderr
 
 
+JSON_FORMAT = {
+    "type": "json_schema",
+    "json_schema": {
+        "name": "digit",
+        "strict": True,
+        "schema": {
+            "type": "object",
+            "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}},
+            "required": ["a"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
 def check_success(line: dict[str, Any], model: str, max_tokens: int) -> ChatCompletion | Completion:
     assert line["error"] is None and line["id"] == f"batch_req_{line['response']['request_id']}"
     assert line["response"]["status_code"] == 200
@@ -364,12 +380,14 @@ def test_mixed_chat_and_completions_file_with_error_file_and_queue_routing(
         completion("bad-value", temperature=-1.0),
         # runs, and fails in the worker: prompt + max_tokens exceed the worker's --max-model-len 4096
         completion("too-long", max_tokens=5000),
+        # constrained: ends when its grammar does (finish_reason "stop", whatever --ignore-eos says)
+        chat("json-1", max_tokens=32, temperature=0, response_format=JSON_FORMAT),
     ]
     write_lines(inp, lines)
     args = ("batch", str(inp), "-o", str(out), "--error-file", str(errors), "--ignore-eos", "--no-progress")
     res = rose(*args, "--queue-for", "tiny-b=cli-routed")
     assert res.returncode == 1, res.stderr  # four lines failed
-    assert "9 lines: 5 done, 4 failed" in res.stderr
+    assert "10 lines: 6 done, 4 failed" in res.stderr
     assert f"{inp}:6: not supported by rose: tools" in res.stderr
 
     good, bad = read(out), read(errors)
@@ -377,7 +395,12 @@ def test_mixed_chat_and_completions_file_with_error_file_and_queue_routing(
         line["custom_id"] for line in lines
     )
     by_id = {line["custom_id"]: line for line in good}
-    assert set(by_id) == {"chat-1", "chat-2", "text-1", "text-2", "ids-1"}
+    assert set(by_id) == {"chat-1", "chat-2", "text-1", "text-2", "ids-1", "json-1"}
+    constrained = ChatCompletion.model_validate(by_id.pop("json-1")["response"]["body"])
+    assert constrained.choices[0].finish_reason == "stop", constrained.choices[0].message.content
+    jsonschema.validate(
+        json.loads(constrained.choices[0].message.content), JSON_FORMAT["json_schema"]["schema"]
+    )
     assert isinstance(check_success(by_id["chat-1"], "tiny", 3), ChatCompletion)
     assert isinstance(check_success(by_id["chat-2"], "tiny-b", 2), ChatCompletion)
     text_1 = check_success(by_id["text-1"], "tiny", 4)
@@ -407,8 +430,8 @@ def test_mixed_chat_and_completions_file_with_error_file_and_queue_routing(
     assert "max_model_len" in failed["too-long"]["error"]["message"]
 
     again = rose(*args, "--queue-for", "tiny-b=cli-routed")  # nothing left to do
-    assert again.returncode == 1 and "9 of 9 lines already in" in again.stderr
-    assert (len(read(out)), len(read(errors))) == (5, 4)
+    assert again.returncode == 1 and "10 of 10 lines already in" in again.stderr
+    assert (len(read(out)), len(read(errors))) == (6, 4)
 
 
 def test_interrupted_then_resumed_without_duplicates(tmp_path, rose, cli_worker) -> None:

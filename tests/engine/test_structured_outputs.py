@@ -345,6 +345,9 @@ def test_a_compile_that_fails_on_the_pool_finishes_its_request_with_error(engine
     )
     run = drain(engine)
     assert run.outputs["doomed"].finish_reason == "error" and run.outputs["doomed"].token_ids == []
+    assert "structured_outputs.regex" in run.outputs["doomed"].error
+    assert "out of memory while compiling" in run.outputs["doomed"].error
+    assert run.outputs["fine"].error is None
     assert run.outputs["fine"].finish_reason == "length"
     assert engine.structured_outputs.num_live == 0
     # a later request with the same constraint compiles again (failures are not cached)

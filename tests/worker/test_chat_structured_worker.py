@@ -1,12 +1,18 @@
-"""Chat jobs through the real `rose-worker` (tiny-llama on CPU), enqueued by plain RQ producers: rendered with the
-model's chat template, greedy text equal to `LLM.chat`; template problems and untrusted per-job templates fail
-that job alone. Two workers (default, and --trust-request-chat-template) start once for the module, in parallel."""
+"""Chat and constrained jobs through the real `rose-worker` (tiny-llama on CPU), enqueued by plain RQ producers:
+chats rendered with the model's chat template, greedy text equal to `LLM.chat`; template problems and untrusted
+per-job templates fail that job alone; JSON-schema / regex / choice jobs (`response_format`, `structured_outputs`)
+give output that validates, greedy equal to the offline engine's, and an invalid constraint fails its job alone.
+Two workers (default with --disable-any-whitespace, and --trust-request-chat-template) start once for the module,
+in parallel."""
 
 from __future__ import annotations
 
 import copy
+import json
 import os
+import re
 
+import jsonschema
 import pytest
 from rq import Queue
 from rq.job import Job
@@ -52,7 +58,10 @@ def queues(server, tmp_path_factory):
             [*common, "--queue", f"chat-{kind}", *extra],
             log_path=logs / f"{kind}.log",
         )
-        for kind, extra in (("default", []), ("trusting", ["--trust-request-chat-template"]))
+        for kind, extra in (
+            ("default", ["--disable-any-whitespace"]),
+            ("trusting", ["--trust-request-chat-template"]),
+        )
     }
     try:
         for p in procs.values():
@@ -147,3 +156,76 @@ def test_a_model_without_chat_template_fails_chat_jobs_with_the_reason(run_worke
     assert "tokenizer has no chat template" in message and "send a 'prompt'" in message
     assert ended(q, plain.id).get_status() == "finished"
     wt.stop()
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "label": {"type": "string", "enum": ["spam", "ham"]},
+        "score": {"type": "integer", "minimum": 0, "maximum": 9},
+        "note": {"type": "string", "maxLength": 6},
+    },
+    "required": ["label", "score", "note"],
+    "additionalProperties": False,
+}
+
+
+def enqueue_together(q: Queue, kwargs_list: list[dict]) -> list[Job]:
+    with q.connection.pipeline() as pipe:
+        jobs = q.enqueue_many(
+            [Queue.prepare_data("rose.jobs.generate", kwargs=kw) for kw in kwargs_list], pipeline=pipe
+        )
+        pipe.execute()
+    return jobs
+
+
+def test_constrained_plain_rq_jobs_validate_and_match_the_engine(queues):
+    q = queues["default"]
+    fmt = {"type": "json_schema", "json_schema": {"name": "verdict", "schema": SCHEMA, "strict": True}}
+    kwargs = [
+        {"messages": CONVERSATION, "response_format": fmt, "max_tokens": 64, "temperature": 0},
+        {"prompt": "classify", "response_format": fmt, "max_tokens": 64, "temperature": 1.0, "seed": 3},
+        {"prompt": "phone", "structured_outputs": {"regex": "[0-9]{3}-[0-9]{4}"}, "max_tokens": 16},
+        {"prompt": "answer", "structured_outputs": {"choice": ["yes", "no", "maybe"]}, "max_tokens": 8},
+        {"prompt": "free text", "max_tokens": 6, "temperature": 0},
+    ]
+    jobs = [ended(q, j.id) for j in enqueue_together(q, kwargs)]
+    results = []
+    for job in jobs:
+        assert job.get_status() == "finished", failure(job)
+        results.append(job.return_value())
+    for result in results[:2]:
+        assert result["finish_reason"] == "stop"
+        jsonschema.validate(json.loads(result["text"]), SCHEMA)
+    assert re.fullmatch("[0-9]{3}-[0-9]{4}", results[2]["text"])
+    assert results[3]["text"] in ("yes", "no", "maybe")
+
+    # the worker's greedy constrained tokens are the offline engine's (same settings)
+    model, tok = build_preset("tiny-llama")
+    llm = LLM(
+        model, tok, device="cpu", max_num_seqs=2, max_model_len=MAX_MODEL_LEN, disable_any_whitespace=True
+    )
+    params = SamplingParams(max_tokens=64, temperature=0, structured_outputs={"json": SCHEMA})
+    (expected,) = llm.chat(CONVERSATION, params)
+    assert results[0]["token_ids"] == expected.token_ids and results[0]["text"] == expected.text
+
+
+def test_an_invalid_constraint_fails_its_job_alone(queues):
+    q = queues["default"]
+    bad_regex, bad_schema, good = enqueue_together(
+        q,
+        [
+            {"prompt": "x", "structured_outputs": {"regex": "[a-"}, "max_tokens": 4},
+            {
+                "prompt": "x",
+                "structured_outputs": {"json": {"type": "object", "required": 5}},
+                "max_tokens": 4,
+            },
+            {"prompt": "x", "structured_outputs": {"choice": ["a", "b"]}, "max_tokens": 4},
+        ],
+    )
+    assert "structured_outputs.regex is invalid" in failure(ended(q, bad_regex.id))
+    assert "structured_outputs.json is invalid" in failure(ended(q, bad_schema.id))
+    done = ended(q, good.id)
+    assert done.get_status() == "finished", failure(done)
+    assert done.return_value()["text"] in ("a", "b")
