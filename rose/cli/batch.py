@@ -36,8 +36,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "batch",
         help="run a JSONL file of prompts through the workers (resumable)",
         description=(
-            "Each input line is a JSON object with `prompt` or `prompt_token_ids`, an optional `id` (default: "
-            "the line number) and optional job fields (sampling fields, metadata, priority) that override the "
+            "Each input line is a JSON object with `prompt`, `prompt_token_ids` or chat `messages`, an optional "
+            "`id` (default: the line number) and optional job fields (sampling fields, structured_outputs / "
+            "response_format, chat options, metadata, priority) that override the "
             "command-line defaults. Each output line is {id, job_id, text, finish_reason, usage[, metadata]} or "
             "{id, error}, written in completion order. A file in OpenAI's Batch API format ({custom_id, method, "
             "url, body} lines for /v1/chat/completions or /v1/completions) gets OpenAI's batch output lines. "

@@ -135,13 +135,19 @@ def test_per_line_fields_override_the_defaults_and_all_good_exits_0(tmp_path, ro
         {"id": "a", "prompt": "one", "max_tokens": 1},
         {"id": "b", "prompt": "two", "metadata": {"k": 1}},
         {"id": "c", "prompt_token_ids": [3, 4, 5], "max_tokens": 3, "seed": 7, "temperature": 0.8},
+        {"id": "d", "messages": [{"role": "user", "content": "one"}]},
+        {"id": "e", "prompt": "yes?", "structured_outputs": {"choice": ["yes", "no"]}, "max_tokens": 8},
     ]
     inp.write_text("\n".join(json.dumps(line) for line in lines) + "\n\n")  # a blank line is ignored
     res = rose("batch", str(inp), "-o", str(out), "--max-tokens", "2", "--ignore-eos")
     assert res.returncode == 0, res.stderr
     by_id = {line["id"]: line for line in read_output(out)}
-    assert {k: v["usage"]["completion_tokens"] for k, v in by_id.items()} == {"a": 1, "b": 2, "c": 3}
+    completion = {k: v["usage"]["completion_tokens"] for k, v in by_id.items()}
+    assert completion == {"a": 1, "b": 2, "c": 3, "d": 2, "e": completion["e"]}
     assert by_id["b"]["metadata"] == {"k": 1}
+    assert by_id["d"]["usage"]["prompt_tokens"] > by_id["a"]["usage"]["prompt_tokens"]  # the chat template's
+    # constrained: ends when its grammar does, despite --ignore-eos
+    assert by_id["e"]["text"] in ("yes", "no") and by_id["e"]["finish_reason"] == "stop"
 
 
 def test_duplicate_ids_are_reported_and_run_once(tmp_path, rose, cli_worker) -> None:
