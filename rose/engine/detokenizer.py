@@ -70,6 +70,8 @@ class IncrementalDetokenizer:
         self._max_stop = max((len(s) for s in self.stop), default=0)
         self.text = ""  # decoded text so far, cut at a stop string once one is found
         self._emitted = 0  # how much of self.text has been handed out
+        # text up to here came with stop strings deferred (min_tokens): a stop string ending there never counts
+        self._stop_floor = 0
         self.stop_reason: str | None = None
 
     @property
@@ -91,7 +93,9 @@ class IncrementalDetokenizer:
                 self._pending = []
                 self._pending_output = False
                 self.text += piece
-                if self.stop and check_stop:
+                if not check_stop:
+                    self._stop_floor = len(self.text)
+                elif self.stop:
                     self._check_stop(len(self.text) - self._emitted)
         return self._take(final=self.stop_reason is not None)
 
@@ -109,11 +113,12 @@ class IncrementalDetokenizer:
         return self._tok.decode(ids, skip_special_tokens=self._skip)
 
     def _check_stop(self, new_chars: int) -> None:
-        # a stop string found here must end inside the new text; it may start in held-back text
+        # a stop string found here must end inside the new text, after any deferred text (vLLM V1); it may start
+        # in held-back or deferred text
         start = max(self._emitted, len(self.text) - new_chars - self._max_stop + 1)
         best: tuple[int, str] | None = None
         for s in self.stop:
-            idx = self.text.find(s, start)
+            idx = self.text.find(s, max(start, self._stop_floor - len(s) + 1))
             if idx != -1 and (best is None or idx < best[0]):
                 best = (idx, s)
         if best is not None:

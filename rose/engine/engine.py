@@ -325,7 +325,8 @@ class Engine:
         if metrics.first_token_time is None:
             metrics.first_token_time = now
         params = seq.params
-        may_stop = len(seq.output_token_ids) >= params.min_tokens
+        # vLLM V1: EOS, stop token ids and stop strings count only after the first min_tokens generated tokens
+        may_stop = len(seq.output_token_ids) > params.min_tokens
         reason = None
         # a constrained request ends when its grammar does (it accepted EOS), whatever min_tokens / ignore_eos say
         grammar_done = seq.structured is not None and seq.structured.advance(token, seq.request_id)

@@ -1,8 +1,11 @@
-"""Batched sampling with per-row parameters.
+"""Batched sampling with per-row parameters, following vLLM V1's semantics (vLLM >= 0.10.1; its V0 differs).
 
-Order of operations (as in vLLM): penalties, min_tokens masking, then greedy rows take the argmax and the others go
-through temperature, top-k, top-p, min-p and an exponential-race draw (argmax of p / q with q ~ Exp(1)). Seeded rows
-draw q from their own generator, so they yield the same tokens alone or in any batch.
+Order of operations, as in vLLM V1's sampler: penalties and min_tokens masking on the logits (and, before them, a
+structured-output grammar's mask, applied by the engine); greedy rows take the argmax; the others are divided by
+their temperature, then min-p drops the tokens less likely than min_p times the most likely one (an argmax-invariant
+logits processor in V1, so it comes before top-k / top-p, unlike V0), then top-k and top-p (on what min-p kept,
+renormalized), then an exponential-race draw (argmax of p / q with q ~ Exp(1)). Seeded rows draw q from their own
+generator, so they yield the same tokens alone or in any batch.
 """
 
 from __future__ import annotations
@@ -92,14 +95,14 @@ class Sampler:
             [1.0 if g else p.temperature for g, p in zip(greedy, params, strict=True)], device=device
         )
         scaled = logits / temps[:, None]
+        min_p = [p.min_p for p in params]
+        if any(m > 0 for m in min_p):  # before top-k / top-p, as vLLM V1
+            scaled = apply_min_p(scaled, min_p)
         top_k = [p.top_k for p in params]
         top_p = [p.top_p for p in params]
         if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
             scaled = apply_top_k_top_p(scaled, top_k, top_p)
         probs = scaled.softmax(dim=-1)
-        min_p = [p.min_p for p in params]
-        if any(m > 0 for m in min_p):
-            probs = apply_min_p(probs, min_p)
 
         q = torch.empty_like(probs)
         seeded = [i for i, s in enumerate(seqs) if s.generator is not None]
@@ -183,7 +186,10 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]
     return torch.empty_like(logits).scatter_(1, order, masked)
 
 
-def apply_min_p(probs: torch.Tensor, min_p: list[float]) -> torch.Tensor:
-    """Zero tokens whose probability is below min_p times the row's most likely token's."""
-    threshold = torch.tensor(min_p, device=probs.device)[:, None] * probs.max(dim=-1, keepdim=True).values
-    return probs.masked_fill(probs < threshold, 0.0)
+def apply_min_p(logits: torch.Tensor, min_p: list[float]) -> torch.Tensor:
+    """Mask (to -inf) tokens whose probability (softmax of `logits`) is below min_p times the row's most likely
+    token's; 0 disables it."""
+    probs = logits.softmax(dim=-1)
+    threshold = torch.tensor(min_p, device=logits.device, dtype=probs.dtype)[:, None]
+    threshold = threshold * probs.max(dim=-1, keepdim=True).values
+    return logits.masked_fill(probs < threshold, _NEG_INF)

@@ -13,7 +13,11 @@ _GREEDY_EPS = 1e-5  # vLLM treats temperatures below this as greedy
 
 @dataclass
 class SamplingParams:
-    """How one request is sampled and when it stops.
+    """How one request is sampled and when it stops, with vLLM V1's semantics (vLLM >= 0.10.1).
+
+    `min_tokens`: EOS, stop token ids and stop strings count only in the tokens generated after the first
+    `min_tokens` (V0 already checked stop strings in the `min_tokens`-th). `min_p` applies right after the temperature,
+    before `top_k` / `top_p` (see rose.engine.sampler).
 
     `max_tokens=None` means "until the context limit". `top_k` of 0 or -1 disables top-k.
     `logprobs=N` returns, for each generated token, its log-probability and the top-N alternatives.

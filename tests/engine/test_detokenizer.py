@@ -216,3 +216,28 @@ def test_ids_past_the_tokenizer_decode_to_nothing(tok, tokenizer):
     ids = [*tokenizer.encode(" a"), past, *tokenizer.encode(" b")]
     deltas = feed(detok, ids)
     assert "".join(deltas) == detok.text == " a b"
+
+
+@pytest.mark.parametrize(
+    ("stop", "pieces", "min_tokens", "expected"),
+    [
+        # the example: vLLM V1 checks stop strings only in tokens after the first min_tokens
+        (["Q"], [" a", "Q", " b", "Q", " a", "Q", " b"], 2, " aQ b"),
+        (["Q"], [" a", "Q", " b", "Q", " a", "Q", " b"], 0, " a"),
+        # a stop string inside the deferred text never counts later, even while it is held back as the start of
+        # a longer one; one that starts in deferred text and ends in checked text does
+        (["Qx", "Q"], [" a", "Q", " b", "Q", "x"], 2, " aQ b"),
+        (["Q b"], [" a", "Q", " b", "Q", "x"], 2, " a"),
+    ],
+)
+def test_stop_strings_are_checked_after_min_tokens(tok, tokenizer, stop, pieces, min_tokens, expected):
+    ids = [tokenizer.encode(p)[0] for p in pieces]
+    assert [tokenizer.decode([i]) for i in ids] == pieces
+    detok = IncrementalDetokenizer(tok, tokenizer.encode("hello"), stop=stop)
+    emitted = ""
+    for k, token in enumerate(ids, 1):
+        emitted += detok.update(token, check_stop=k > min_tokens)
+        if detok.stop_reason is not None:
+            break
+    emitted += detok.finish()
+    assert detok.text == emitted == expected

@@ -118,16 +118,16 @@ def test_top_k_larger_than_vocab_keeps_everything():
 @given(rows=st.lists(st.tuples(_distinct_rows, st.floats(0.0, 1.0)), min_size=1, max_size=4))
 def test_min_p_matches_reference(rows):
     width = max(len(r) for r, _ in rows)
-    probs, min_p, expected = [], [], []
+    logits, min_p, expected = [], [], []
     for row, m in rows:
-        full = row + [-30.0 - j for j in range(width - len(row))]
+        full = [float(x) for x in row] + [-30.0 - j for j in range(width - len(row))]
         pr = _softmax(full)
         threshold = m * max(pr)
         assume(all(abs(x - threshold) > 1e-6 for x in pr))
-        probs.append(pr)
+        logits.append(full)
         min_p.append(m)
-        expected.append([x if x >= threshold else 0.0 for x in pr])
-    out = apply_min_p(torch.tensor(probs, dtype=torch.float64), min_p)
+        expected.append([x if p >= threshold else NEG_INF for x, p in zip(full, pr, strict=True)])
+    out = apply_min_p(torch.tensor(logits, dtype=torch.float64), min_p)
     torch.testing.assert_close(out, torch.tensor(expected, dtype=torch.float64))
 
 
@@ -256,6 +256,39 @@ def test_sampling_with_top_k_and_min_p_follows_the_truncated_distribution():
     kept = [p if p >= 0.3 * max(probs) else 0.0 for p in probs]
     assert [c > 0 for c in counts] == [k > 0 for k in kept]
     assert _chi_square(counts, [k / sum(kept) for k in kept]) < 20
+
+
+def ref_min_p_then_top_p(probs: list[float], min_p: float, top_p: float) -> list[float]:
+    """vLLM V1: min-p on the temperature-scaled distribution, then top-p on what it kept (renormalized)."""
+    kept = [p if p >= min_p * max(probs) else 0.0 for p in probs]
+    total = sum(kept)
+    kept = [p / total for p in kept]
+    out, before = [0.0] * len(kept), 0.0
+    for i in sorted(range(len(kept)), key=lambda i: -kept[i]):
+        if kept[i] == 0.0 or before >= top_p:
+            break
+        out[i], before = kept[i], before + kept[i]
+    total = sum(out)
+    return [p / total for p in out]
+
+
+def test_min_p_applies_before_top_p_as_in_vllm_v1():
+    # one likely token, ten middling ones, a long tail: min-p drops the tail first, so top-p=0.6 then keeps three
+    # tokens; top-p first (vLLM V0, and rose before) would keep eleven
+    probs = [0.30] + [0.035 - 0.001 * i for i in range(10)] + [1e-4] * 3950
+    logits = torch.tensor(probs, dtype=torch.float64).log().float()
+    v1 = ref_min_p_then_top_p(probs, min_p=0.05, top_p=0.6)
+    v0_support = set(ref_top_k_top_p_keep(logits.tolist(), 0, 0.6)[0])
+    assert {i for i, p in enumerate(v1) if p} == {0, 1, 2} and len(v0_support) == 11
+
+    n = 4000
+    sampler = Sampler(len(probs), torch.device("cpu"), eos_token_ids=set(), seed=0)
+    seq = fake_seq(SamplingParams(temperature=1.0, top_p=0.6, min_p=0.05))
+    tokens = sampler(logits[None, :].expand(n, -1), [seq] * n).token_ids
+    counts = Counter(tokens)
+    assert set(counts) == {0, 1, 2}, counts  # none of the eight tokens only V0's order keeps
+    # 2 degrees of freedom: P(chi2 > 20) is about 5e-5
+    assert _chi_square([counts[i] for i in range(3)], v1[:3]) < 20, (counts, v1[:3])
 
 
 def test_top_p_sampling_stays_in_the_nucleus():
