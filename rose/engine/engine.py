@@ -109,6 +109,7 @@ class Engine:
         self.eos_token_ids = self._eos_ids()
         self.sampler = Sampler(vocab, self.device, self.eos_token_ids, seed=seed)
         self._seqs: dict[str, Sequence] = {}
+        self._undelivered: list[StepOutput] = []  # finished by a step that then raised (see step)
         self._structured: StructuredOutputManager | None = None  # built for the first constrained request
         self._disable_any_whitespace = disable_any_whitespace
         self.scheduler.is_ready = lambda seq: seq.structured is None or seq.structured.is_ready
@@ -265,14 +266,24 @@ class Engine:
             self.cache.move_row(move.src, move.dst, move.length)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._undelivered)
 
     # ----------------------------------------------------------------- the step
 
     def step(self) -> list[StepOutput]:
         """Run one batched forward; returns what each request that produced a token got from it."""
         structured = self._structured if self._structured is not None and self._structured.num_live else None
-        errors = self._grammar_errors() if structured is not None and structured.failed else []
+        errors, self._undelivered = self._undelivered, []
+        if structured is not None and structured.failed:
+            errors += self._grammar_errors()
+        try:
+            outputs = self._forward(structured)
+        except BaseException:
+            self._undelivered = errors  # requests already finished with an error: reported by the next step
+            raise
+        return errors + outputs if errors else outputs
+
+    def _forward(self, structured: StructuredOutputManager | None) -> list[StepOutput]:
         moves = self.scheduler.reorder()
         if moves:
             self.cache.move_rows([m.src for m in moves], [m.dst for m in moves], max(m.length for m in moves))
@@ -283,7 +294,7 @@ class Engine:
             structured.wait_for_any(waiting, timeout=0.05)
             batch = self.scheduler.schedule()
         if not batch:
-            return errors
+            return []
         now = time.time()
         for chunk in batch.prefill:
             if chunk.seq.metrics.first_scheduled_time is None:
@@ -305,7 +316,7 @@ class Engine:
             if self.prefix_cache is not None:
                 self.prefix_cache.register(chunk.seq)
         if result is None:
-            return errors
+            return []
         now = time.time()
         outputs = [
             self._append(seq, tok, lp, now)
@@ -314,7 +325,7 @@ class Engine:
         for out in outputs:
             if out.finished:
                 self._remove(self._seqs.pop(out.request_id), finished=True)
-        return errors + outputs if errors else outputs
+        return outputs
 
     def _append(self, seq: Sequence, token: int, logprob: TokenLogprob | None, now: float) -> StepOutput:
         seq.output_token_ids.append(token)

@@ -27,6 +27,7 @@ from rose.config import WorkerSettings
 from rose.worker import intake, metrics, probe, recovery
 from rose.worker.checks import Checks
 from rose.worker.intake import Running
+from rose.worker.isolate import isolate
 from rose.worker.lifecycle import Lifecycle
 from rose.worker.outcomes import Outcomes
 from rose.worker.publisher import Outgoing, Publisher
@@ -307,15 +308,8 @@ class RoseWorker(Lifecycle, Checks, Outcomes, BaseWorker):
         if message is not None:
             self._fail(run, message, retry=False, callbacks=run.request is not None or _json_payload(run))
             return
-        request = run.request
-        assert request is not None
         try:
-            self.engine.add_request(
-                run.id,
-                request.engine_prompt(self.engine.tokenizer),
-                request.to_sampling_params(),
-                priority=request.priority,
-            )
+            self._add_to_engine(run)
         except ValueError as exc:  # prompt too long for the context, text prompt without tokenizer, ...
             self._fail(run, str(exc), retry=False)
             return
@@ -326,17 +320,23 @@ class RoseWorker(Lifecycle, Checks, Outcomes, BaseWorker):
         run.in_engine = True
         self.running[run.id] = run
 
+    def _add_to_engine(self, run: Running) -> None:
+        request = run.request
+        assert request is not None
+        self.engine.add_request(
+            run.id,
+            request.engine_prompt(self.engine.tokenizer),
+            request.to_sampling_params(),
+            priority=request.priority,
+        )
+
     def _step(self) -> None:
         t0 = time.perf_counter()
         try:
             outputs = self.engine.step()
         except Exception as exc:
-            # One failure hits the whole batch: fail (or, with RQ Retry, requeue) every job it touched.
-            log.exception("engine step failed; failing the %d jobs in the batch", len(self.running))
-            for run in list(self.running.values()):
-                self._redis("engine failure", self._fail, run, f"engine error: {exc!r}")
-                self.running.pop(run.id, None)
-            return
+            log.exception("engine step failed; looking for the job(s) that cause it")
+            outputs = self._isolate(exc)
         step_s, now = time.perf_counter() - t0, time.time()
         tokens = steady = 0  # tokens generated; those of them by jobs that already had one (for the ITL)
         for out in outputs:
@@ -361,6 +361,28 @@ class RoseWorker(Lifecycle, Checks, Outcomes, BaseWorker):
                     continue
                 run.output = out.output
         self.metrics.on_step(self.engine, step_s, tokens, steady, now)
+
+    def _isolate(self, exc: Exception) -> list[Any]:
+        """Fail only the jobs whose presence makes the step raise (rose.worker.isolate); RQ Retry applies."""
+        in_engine = [run for run in self.running.values() if run.in_engine]
+        # newest first: a fresh admission is the likeliest culprit; jobs with tokens passed earlier steps
+        fresh = [run.id for run in reversed(in_engine) if not run.token_ids]
+        found = isolate(
+            self.engine.step, fresh, self.engine.abort, lambda rid: self._add_to_engine(self.running[rid])
+        )
+        failed = dict(found.culprits)
+        if (
+            found.error is not None
+        ):  # not the fresh jobs: the others (or the engine) fail, as any step error did
+            log.error("engine step fails without the %d newest jobs; failing the others", len(fresh))
+            failed.update((run.id, found.error) for run in in_engine if run.id not in fresh)
+        for rid, error in failed.items():
+            run = self.running.pop(rid)
+            if rid not in found.culprits:
+                self.engine.abort(rid)
+            run.in_engine = False
+            self._redis("engine failure", self._fail, run, f"engine error: {error!r}")
+        return found.outputs
 
     def _retire(self) -> None:
         finished = [r for r in self.running.values() if r.output is not None]

@@ -172,19 +172,51 @@ def test_job_timeout_is_enforced(run_worker, r, q):
     assert job.id in engine.aborted
 
 
-def test_engine_error_fails_the_batch_and_rq_retry_applies(run_worker, r, q):
+def test_a_step_error_fails_only_the_job_that_causes_it_and_rq_retry_applies(run_worker, r, q):
+    engine = FakeEngine(max_num_seqs=4, step_delay=0.01)
+    engine.poison = {"bad"}  # every step with this request in the batch raises, as top_k=2**63 did
+    good = [enqueue(q, prompt=f"good {i}", max_tokens=6) for i in range(3)]
+    bad = enqueue(q, prompt="bad", max_tokens=6, retry=Retry(max=1))
+    run_worker(engine=engine)
+    wait_status(r, bad, "failed")
+    with pytest.raises(JobFailed, match=r"engine error: ValueError\('Overflow when unpacking long long"):
+        Client(r).job(bad.id).result(timeout=1)
+    assert engine.added.count(bad.id) >= 2  # RQ's Retry requeued it once; it failed the same way again
+    for job in good:  # the full batch it was in goes on
+        wait_status(r, job, "finished")
+        result = Job.fetch(job.id, connection=r, serializer=JSONSerializer).return_value()
+        assert result["text"] == "".join(f"w{k} " for k in range(6))
+        assert "".join(e["text"] for e in stream_events(r, job.id) if e["type"] == "token") == result["text"]
+
+
+def test_a_transient_step_error_fails_nobody(run_worker, r, q):
+    engine = FakeEngine(step_delay=0.01)
+    jobs = [enqueue(q, prompt="x", max_tokens=30) for _ in range(2)]
+    run_worker(engine=engine)
+    wait_status(r, jobs[0], "started")
+    wait_for(lambda: engine.steps > 3, what="a few steps")
+    engine.fail_next_step = RuntimeError("CUDA out of memory (simulated)")
+    for job in jobs:
+        wait_status(r, job, "finished")
+        assert Job.fetch(job.id, connection=r, serializer=JSONSerializer).return_value()["text"] == "".join(
+            f"w{k} " for k in range(30)
+        )
+    after = enqueue(q, prompt="z")
+    wait_status(r, after, "finished")  # the worker goes on
+
+
+def test_a_step_error_that_stays_fails_the_jobs_in_the_batch(run_worker, r, q):
     engine = FakeEngine(step_delay=0.01)
     plain = enqueue(q, prompt="x", max_tokens=30)
     retried = enqueue(q, prompt="y", max_tokens=30, retry=Retry(max=1))
     run_worker(engine=engine)
-    wait_status(r, plain, "started")
-    engine.fail_next_step = RuntimeError("CUDA out of memory (simulated)")
+    wait_for(lambda: engine.steps > 3, what="tokens for both")
+    # both already have tokens, so neither can be set aside without losing them: the batch fails, as it did
+    engine.poison = {plain.id}
     wait_status(r, plain, "failed")
-    with pytest.raises(JobFailed, match="engine error: RuntimeError"):
+    with pytest.raises(JobFailed, match="engine error: ValueError"):
         Client(r).job(plain.id).result(timeout=1)
     wait_status(r, retried, "finished")  # requeued by RQ's Retry, then done
-    after = enqueue(q, prompt="z")
-    wait_status(r, after, "finished")  # the worker goes on
     events = stream_events(r, retried.id)
     assert any(e["type"] == "reset" for e in events)
     last_reset = max(i for i, e in enumerate(events) if e["type"] == "reset")
@@ -199,8 +231,9 @@ def test_with_scheduler_runs_scheduled_jobs_and_retry_intervals(run_worker, r, q
     retried = enqueue(q, prompt="y", max_tokens=30, retry=Retry(max=1, interval=1))
     worker = run_worker(engine=engine, with_scheduler=True)
     wait_status(r, retried, "started")
-    engine.fail_next_step = RuntimeError("simulated")
+    engine.poison = {retried.id}
     wait_for(lambda: status(r, retried) in ("scheduled", "queued"), 10, what="retry scheduled by RQ's Retry")
+    engine.poison = set()
     # scheduled only now: due earlier, on a slow machine it could be in the batch the simulated failure fails
     later = q.enqueue_in(
         timedelta(seconds=1), "rose.jobs.generate", kwargs={"prompt": "later", "max_tokens": 3}

@@ -125,7 +125,10 @@ class FakeEngine:
         self.tokenizer = object()
         self.requests: dict[str, dict] = {}
         self.order: list[str] = []
-        self.fail_next_step: Exception | None = None
+        self.fail_next_step: Exception | None = None  # a transient error: the next step raises it, once
+        self.poison: set[str] = (
+            set()
+        )  # prompts (or request ids) under which every step raises, as a bad input would
         self.added: list[str] = []
         self.aborted: list[str] = []
         self.steps = 0
@@ -144,6 +147,7 @@ class FakeEngine:
             )
         self.requests[request_id] = {
             "ids": ids,
+            "prompt": prompt if isinstance(prompt, str) else None,
             "params": params,
             "out": [],
             "text": "",
@@ -189,6 +193,9 @@ class FakeEngine:
         if self.fail_next_step is not None:
             exc, self.fail_next_step = self.fail_next_step, None
             raise exc
+        for rid in self.order[: self.max_num_seqs]:
+            if rid in self.poison or self.requests[rid]["prompt"] in self.poison:
+                raise ValueError(f"Overflow when unpacking long long (simulated, {rid})")
         if self.step_delay:
             time.sleep(self.step_delay)
         outs = []
