@@ -153,6 +153,12 @@ class Engine:
                 f"SamplingParams.logprobs must be <= {self.max_logprobs} (the engine's max_logprobs), "
                 f"got {params.logprobs}"
             )
+        bad_stops = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad_stops:
+            raise ValueError(
+                f"SamplingParams.stop_token_ids must be in [0, {self.vocab_size}) (the model's vocabulary), "
+                f"got {bad_stops[:5]}"
+            )
         text, ids = self._tokenize(prompt)
         if ids and params.max_tokens is None and len(ids) >= self.max_model_len:
             raise ValueError(

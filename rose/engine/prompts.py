@@ -24,6 +24,12 @@ def tokenize_prompt(
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ValueError("a text prompt needs a tokenizer; this engine has none: pass token ids instead")
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as exc:  # a lone surrogate: the tokenizer would raise a bare TypeError
+            raise ValueError(
+                f"the prompt is not valid Unicode text: a lone surrogate {prompt[exc.start]!a} at index {exc.start}"
+            ) from None
         ids = list(tokenizer.encode(prompt))
         text = prompt
     elif isinstance(prompt, list | tuple) and all(

@@ -175,7 +175,7 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]
     vocab = logits.shape[1]
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     ranks = torch.arange(vocab, device=logits.device)[None, :]
-    k = torch.tensor([v if v > 0 else vocab for v in top_k], device=logits.device)[:, None]
+    k = torch.tensor([min(v, vocab) if v > 0 else vocab for v in top_k], device=logits.device)[:, None]
     drop = ranks >= k
     p = torch.tensor(top_p, device=logits.device)[:, None]
     probs = sorted_logits.masked_fill(drop, _NEG_INF).softmax(dim=-1)

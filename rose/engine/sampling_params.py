@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from rose.engine.structured_outputs import StructuredOutputsParams
 
 _GREEDY_EPS = 1e-5  # vLLM treats temperatures below this as greedy
+# Integers reach torch as int64: a larger one (top_k=2**63) passed validation and made the engine step raise for
+# the whole batch. Bounded here, where the message can name the field.
+INT64_MAX = 2**63 - 1
 
 
 @dataclass
@@ -64,24 +68,26 @@ class SamplingParams:
         def bad(name: str, allowed: str) -> ValueError:
             return ValueError(f"SamplingParams.{name} must be {allowed}, got {getattr(self, name)!r}")
 
-        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
-            raise bad("max_tokens", "an integer >= 1 (or None for 'up to the context limit')")
-        if not _is_int(self.min_tokens) or self.min_tokens < 0:
-            raise bad("min_tokens", "an integer >= 0")
+        if self.max_tokens is not None and (
+            not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= INT64_MAX
+        ):
+            raise bad("max_tokens", "an integer in [1, 2**63) (or None for 'up to the context limit')")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= INT64_MAX:
+            raise bad("min_tokens", "an integer in [0, 2**63)")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"SamplingParams.min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
             )
         if not _is_num(self.temperature) or self.temperature < 0:
-            raise bad("temperature", "a number >= 0 (0 = greedy)")
-        if not _is_int(self.top_k) or self.top_k < 0:
-            raise bad("top_k", "an integer >= 1, or 0 / -1 to disable")
+            raise bad("temperature", "a finite number >= 0 (0 = greedy)")
+        if not _is_int(self.top_k) or not 0 <= self.top_k <= INT64_MAX:
+            raise bad("top_k", "an integer in [1, 2**63), or 0 / -1 to disable")
         if not _is_num(self.top_p) or not 0 < self.top_p <= 1:
             raise bad("top_p", "in (0, 1]")
         if not _is_num(self.min_p) or not 0 <= self.min_p <= 1:
             raise bad("min_p", "in [0, 1]")
         if not _is_num(self.repetition_penalty) or self.repetition_penalty <= 0:
-            raise bad("repetition_penalty", "a number > 0 (1 = off)")
+            raise bad("repetition_penalty", "a finite number > 0 (1 = off)")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not _is_num(value) or not -2 <= value <= 2:
@@ -97,10 +103,10 @@ class SamplingParams:
             raise ValueError(
                 "SamplingParams.stop needs detokenize=True: stop strings are matched on the text"
             )
-        if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
-            raise bad("stop_token_ids", "a list of non-negative integers")
-        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
-            raise bad("logprobs", "an integer >= 0 or None")
+        if not all(_is_int(t) and 0 <= t <= INT64_MAX for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "a list of integers in [0, 2**63)")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= INT64_MAX):
+            raise bad("logprobs", "an integer in [0, 2**63) or None")
 
     @property
     def greedy(self) -> bool:
@@ -126,4 +132,9 @@ def _is_int(value: Any) -> bool:
 
 
 def _is_num(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and value == value  # rejects NaN
+    """A finite int or float: NaN and +-inf are refused (an infinite temperature or penalty is no setting)."""
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, int):  # a huge int is no finite float either (math.isfinite would raise)
+        return -INT64_MAX <= value <= INT64_MAX
+    return isinstance(value, float) and math.isfinite(value)

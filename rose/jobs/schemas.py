@@ -67,6 +67,13 @@ class GenerateRequest(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> GenerateRequest:
+        for name in ("prompt", "messages", "stop", "chat_template", "chat_template_kwargs"):
+            where = _lone_surrogate(getattr(self, name), name)
+            if where is not None:  # the tokenizer would raise a TypeError deep down, on every retry alike
+                raise ValueError(
+                    f"{where} is not valid Unicode text: it holds a lone surrogate; encode the text as UTF-8 "
+                    "(a JSON \\ud800-\\udfff escape must come as a high + low pair)"
+                )
         given = [n for n in ("prompt", "prompt_token_ids", "messages") if getattr(self, n) is not None]
         if len(given) != 1:
             raise ValueError(
@@ -127,6 +134,25 @@ class GenerateRequest(BaseModel):
 
 
 _CHAT_FIELDS = ("add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs")
+
+
+def _lone_surrogate(value: Any, where: str) -> str | None:
+    """Where in `value` (strings, nested in lists and dicts) a string holds a lone surrogate (a code point in
+    U+D800-U+DFFF, which JSON's escapes can carry but no Unicode text can), e.g. "messages[0].content[3]"."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")  # at C speed: prompts can be long
+        except UnicodeEncodeError as exc:
+            return f"{where}[{exc.start}] ({value[exc.start]!a})"
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        found = _lone_surrogate(key, f"{where} key") or _lone_surrogate(
+            item, f"{where}.{key}" if isinstance(key, str) else f"{where}[{key}]"
+        )
+        if found is not None:
+            return found
+    return None
 
 
 def format_validation_error(exc: ValidationError) -> str:

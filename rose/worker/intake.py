@@ -219,12 +219,27 @@ def adopt(worker: RoseWorker, taken: list[tuple[str, Queue]]) -> list[Running]:
     return adopted + start(worker, to_start)
 
 
+def may_run_callbacks(run: Running) -> bool:
+    """Whether a failing job's RQ callbacks may be imported and run: only for a rose.jobs.generate job whose payload
+    decodes as JSON. A refused job (pickle, another function such as os.system) is no job of ours: its callbacks
+    are the sender's code, never run here."""
+    try:
+        return run.job.func_name == keys.FUNC_PATH
+    except Exception:
+        return False
+
+
 def validate(worker: RoseWorker, run: Running) -> str | None:
     """Parse the job's arguments. Returns the failure message for a job that must fail, else None."""
     job = run.job
     try:
         func_name, args, kwargs = job.func_name, job.args, job.kwargs
     except DeserializationError as exc:
+        if isinstance(exc.__cause__, RecursionError):
+            return (
+                "the job's payload is JSON nested too deeply to decode (RecursionError); nothing in this job was "
+                "run. rose.jobs.generate kwargs need only a few levels"
+            )
         if isinstance(exc.__cause__, ValueError | TypeError) and not isinstance(
             exc.__cause__, UnicodeError | json.JSONDecodeError
         ):

@@ -306,7 +306,7 @@ class RoseWorker(Lifecycle, Checks, Outcomes, BaseWorker):
             self._emit_reset(run)
         message = intake.validate(self, run)
         if message is not None:
-            self._fail(run, message, retry=False, callbacks=run.request is not None or _json_payload(run))
+            self._fail(run, message, retry=False, callbacks=intake.may_run_callbacks(run))
             return
         try:
             self._add_to_engine(run)
@@ -415,12 +415,3 @@ class RoseWorker(Lifecycle, Checks, Outcomes, BaseWorker):
             self._outbox = []
         else:
             self.publisher.poll()
-
-
-def _json_payload(run: Running) -> bool:
-    """Whether the job's payload decodes as JSON (only then may its callbacks be run)."""
-    try:
-        run.job.func_name  # noqa: B018 - decoding the payload is the point
-        return True
-    except Exception:
-        return False

@@ -13,23 +13,23 @@ from rose.engine.sampling_params import SamplingParams
 
 # at least one invalid value per field; the error must name the field
 INVALID = {
-    "max_tokens": [0, -3, 2.5, True, "8"],
-    "min_tokens": [-1, 1.5, None],
-    "temperature": [-0.1, math.nan, "hot", None],
-    "top_k": [-2, 1.5, None],
+    "max_tokens": [0, -3, 2.5, True, "8", 2**63],
+    "min_tokens": [-1, 1.5, None, 2**63],
+    "temperature": [-0.1, math.nan, "hot", None, math.inf, 10**400],
+    "top_k": [-2, 1.5, None, 2**63, 10**30],
     "top_p": [0.0, -0.5, 1.01, math.nan],
     "min_p": [-0.1, 1.5, math.nan],
-    "repetition_penalty": [0.0, -1.0, math.nan],
-    "presence_penalty": [2.5, -2.1, math.nan],
-    "frequency_penalty": [2.01, -3.0, None],
-    "seed": [1.5, "42", True],
+    "repetition_penalty": [0.0, -1.0, math.nan, math.inf],
+    "presence_penalty": [2.5, -2.1, math.nan, -math.inf],
+    "frequency_penalty": [2.01, -3.0, None, math.inf],
+    "seed": [1.5, "42", True, 2**64, -(2**63) - 1],
     "stop": [[""], [3], ["ok", None], 5],
-    "stop_token_ids": [[-1], ["7"], [1.0], 7],
+    "stop_token_ids": [[-1], ["7"], [1.0], 7, [2**63]],
     # a string from a config file or JSON body must not silently become True
     "ignore_eos": ["false"],
     "include_stop_str_in_output": ["no"],
     "skip_special_tokens": ["false"],
-    "logprobs": [-1, 2.5, "3"],
+    "logprobs": [-1, 2.5, "3", 2**63],
     "detokenize": ["no", 0],
     "structured_outputs": [{}, {"regex": "a", "choice": ["a"]}, {"choice": []}, {"json": "{not json"}, "x"],
 }
@@ -118,6 +118,25 @@ def test_empty_prompt(engine, prompt):
 def test_token_ids_out_of_vocab(engine, bad):
     with pytest.raises(ValueError, match="token ids"):
         engine.add_request("oov", bad, SamplingParams())
+
+
+def test_stop_token_ids_out_of_vocab(engine):
+    vocab = engine.vocab_size
+    with pytest.raises(ValueError, match=rf"stop_token_ids must be in \[0, {vocab}\).*\[{vocab}\]"):
+        engine.add_request("oov-stop", "hello", SamplingParams(stop_token_ids=[5, vocab]))
+    engine.add_request("in-vocab-stop", "hello", SamplingParams(max_tokens=2, stop_token_ids=[vocab - 1]))
+    drain(engine)
+
+
+def test_text_prompt_with_a_lone_surrogate(engine):
+    with pytest.raises(ValueError, match=r"not valid Unicode text: a lone surrogate '\\ud800' at index 3"):
+        engine.add_request("surrogate", "abc\ud800def", SamplingParams())
+
+
+def test_the_largest_top_k_samples(engine):
+    """top_k=2**63 made the sampler raise for the whole batch; the largest allowed value just keeps every token."""
+    engine.add_request("big-k", "hello", SamplingParams(max_tokens=3, top_k=2**63 - 1, seed=1))
+    assert len(drain(engine).outputs["big-k"].token_ids) == 3
 
 
 def test_bad_prompt_and_params_types(engine):

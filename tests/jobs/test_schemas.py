@@ -1,4 +1,5 @@
 import dataclasses
+import json
 
 import pytest
 from hypothesis import given
@@ -55,6 +56,34 @@ def test_sampling_range_errors_name_the_field():
     assert "temperature" in message(prompt="a", temperature=-1)
     assert "top_p" in message(prompt="a", top_p=0)
     assert "min_tokens" in message(prompt="a", max_tokens=2, min_tokens=3)
+
+
+def test_out_of_range_numbers_name_the_field():
+    # each passed validation before and made the engine step raise for the whole batch (or the sampler misbehave)
+    assert "top_k" in message(prompt="bad", top_k=2**63)
+    assert "temperature" in message(prompt="a", temperature=float("inf"))
+    assert "repetition_penalty" in message(prompt="a", repetition_penalty=float("inf"))
+    assert "stop_token_ids" in message(prompt="a", stop_token_ids=[2**64])
+    assert "max_tokens" in message(prompt="a", max_tokens=2**70)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "where"),
+    [
+        ({"prompt": "abc\ud800def"}, r"prompt[3] ('\ud800')"),
+        ({"messages": [{"role": "user", "content": "hi \udc00"}]}, "messages[0].content[3]"),
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]}, ".text[0]"),
+        ({"prompt": "ok", "stop": ["end", "x\udfff"]}, "stop[1][1]"),
+    ],
+)
+def test_lone_surrogates_are_named(kwargs, where):
+    text = message(**kwargs)
+    assert where in text and "not valid Unicode text" in text and "lone surrogate" in text
+    # JSON's escaped pair decodes to one code point: fine
+    assert (
+        GenerateRequest(prompt=json.loads('"a pair \\ud83d\\ude00 is fine"')).prompt
+        == "a pair \U0001f600 is fine"
+    )
 
 
 def test_token_ids_only_jobs():

@@ -82,6 +82,9 @@ def test_bad_jobs_fail_alone_with_clear_messages(run_worker, r, q):
     positional = q.enqueue("rose.jobs.generate", args=["hi"])
     other_func = q.enqueue("os.system", args=["echo pwned"])
     pickled = Queue("rose", connection=r).enqueue("rose.jobs.generate", kwargs={"prompt": "x"})
+    huge_top_k = enqueue(q, prompt="bad", top_k=2**63)
+    # input errors are never retried, whatever Retry says: they would fail the same way
+    surrogate = enqueue(q, prompt="abc\ud800def", retry=Retry(max=3))
     good = enqueue(q, prompt="fine")
     run_worker()
     wait_status(r, good, "finished")
@@ -92,12 +95,15 @@ def test_bad_jobs_fail_alone_with_clear_messages(run_worker, r, q):
         positional: "keyword arguments only",
         other_func: "only runs rose.jobs.generate",
         pickled: "not JSON (was it enqueued with RQ's default pickle serializer?)",
+        huge_top_k: "top_k must be an integer in [1, 2**63)",
+        surrogate: r"prompt[3] ('\ud800') is not valid Unicode text",
     }
     for job, text in expected.items():
         wait_status(r, job, "failed")
         with pytest.raises(JobFailed, match=re.escape(text)):
             client.job(job.id).result(timeout=5)
         assert check_stream(r, job.id, "error")[-1]["message"]
+    assert [e["type"] for e in stream_events(r, surrogate.id)] == ["error"]  # one attempt
     assert r.zcard("rq:wip:rose") == 0
 
 
@@ -414,12 +420,15 @@ def test_rq_callbacks_and_dependents(run_worker, r, q):
         kwargs={"prompt": "a", "max_tokens": 999},
         on_failure=Callback(f"{__name__}.on_failure_cb"),
     )
+    refused = q.enqueue("os.system", args=["true"], on_failure=Callback(f"{__name__}.on_failure_cb"))
     assert status(r, child) == "deferred"
     run_worker()
     wait_status(r, child, "finished")
     wait_status(r, bad, "failed")
+    wait_status(r, refused, "failed")
     assert ("success", "w0 w1 ") in CALLS
     assert any(kind == "failure" and "exceeds the context" in text for kind, text in CALLS)
+    assert not any("only runs rose.jobs.generate" in text for _, text in CALLS)  # a refused job's never run
 
 
 def test_rq_suspend_and_resume(run_worker, r, q):
@@ -445,6 +454,17 @@ def test_json_payload_in_the_wrong_layout(run_worker, r):
     run_worker()
     with pytest.raises(JobFailed, match="payload is JSON but not RQ's"):
         Client(r).job("raw-bad").result(timeout=10)
+
+
+def test_json_nested_too_deeply_is_named(run_worker, r):
+    deep = '["rose.jobs.generate", null, [], {"prompt": ' + "[" * 100_000 + "]" * 100_000 + "}]"
+    with r.pipeline() as pipe:
+        pipe.hset("rq:job:raw-deep", mapping={"status": "queued", "origin": "rose", "data": deep})
+        pipe.rpush("rq:queue:rose", "raw-deep")
+        pipe.execute()
+    run_worker()
+    with pytest.raises(JobFailed, match=re.escape("JSON nested too deeply to decode (RecursionError)")):
+        Client(r).job("raw-deep").result(timeout=10)
 
 
 def test_busy_loop_never_waits_for_queue_lengths(run_worker, r, q, monkeypatch):
