@@ -85,7 +85,8 @@ def load_settings(argv: list[str] | None = None) -> tuple[WorkerSettings, argpar
 
 
 def connect(url: str) -> redis.Redis:
-    """A client for `url`, checked with PING. Raises SystemExit with a one-line explanation if it fails."""
+    """A client for `url`, checked with PING. On failure (unreachable, wrong password, bad URL) prints one line to
+    stderr and raises SystemExit(2), the exit code of every start-up error."""
     try:
         conn = redis.Redis.from_url(url, socket_connect_timeout=5, health_check_interval=30)
         conn.ping()
@@ -98,10 +99,12 @@ def connect(url: str) -> redis.Redis:
         OSError,
     ) as exc:
         reason = " ".join(str(exc).split()).rstrip(".") or type(exc).__name__
-        raise SystemExit(
+        print(
             f"rose-worker: cannot reach Redis at {redact_url(url)}: {reason}. Check --redis-url / ROSE_REDIS_URL "
-            "(redis://[user:password@]host:port/db, rediss:// for TLS) and that the server is running."
-        ) from None
+            "(redis://[user:password@]host:port/db, rediss:// for TLS) and that the server is running.",
+            file=sys.stderr,
+        )
+        raise SystemExit(2) from None
     return conn
 
 

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from rq import Queue, Worker
@@ -246,10 +247,31 @@ def test_unreachable_redis_is_one_clear_line(unused_port):
     proc = subprocess.run(
         [*process.worker_command(), "--redis-url", url], capture_output=True, text=True, timeout=60
     )
-    assert proc.returncode != 0
+    assert proc.returncode == 2  # as every start-up error
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
     assert url in lines[0] and "--redis-url" in lines[0]
+
+
+def test_wrong_redis_password_is_one_clear_line_and_exit_2(server):
+    checkout = str(Path(__file__).resolve().parents[2])  # this checkout's rose, not an installed one
+    server.client().execute_command("ACL", "SETUSER", "rose-w", "on", ">right", "~*", "&*", "+@all")
+    try:
+        url = f"redis://rose-w:wrong@127.0.0.1:{server.port}/0"
+        proc = subprocess.run(
+            [*process.worker_command(), "--redis-url", url],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join([checkout, os.environ.get("PYTHONPATH", "")])},
+        )
+    finally:
+        server.client().execute_command("ACL", "DELUSER", "rose-w")
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert "cannot reach Redis" in lines[0] and "wrong" not in lines[0]  # the password is redacted
+    assert "invalid username-password pair" in lines[0]
 
 
 def test_dead_workers_jobs_are_requeued_by_another_worker_after_heartbeat_lapse(server, spawn):
