@@ -76,7 +76,7 @@ class RoseWorker(Lifecycle, Checks, Outcomes, BaseWorker):
         self._probe = probe.InFlightProbe(self)
         self._lengths_probe = probe.InFlightProbe(
             self
-        )  # queue lengths only, sent after a step, read at intake
+        )  # queue lengths only: sent after a step, read at intake
         self._next_check = 0.0  # monotonic time the next probe is due (rose.worker.checks)
         self._check_forced = False  # a running job needs its status read before RQ's handler stores it
         self._drain_deadline: float | None = None
@@ -334,9 +334,9 @@ class RoseWorker(Lifecycle, Checks, Outcomes, BaseWorker):
         t0 = time.perf_counter()
         try:
             outputs = self.engine.step()
-        except Exception as exc:
+        except Exception:
             log.exception("engine step failed; looking for the job(s) that cause it")
-            outputs = self._isolate(exc)
+            outputs = self._isolate()
         step_s, now = time.perf_counter() - t0, time.time()
         tokens = steady = 0  # tokens generated; those of them by jobs that already had one (for the ITL)
         for out in outputs:
@@ -362,7 +362,7 @@ class RoseWorker(Lifecycle, Checks, Outcomes, BaseWorker):
                 run.output = out.output
         self.metrics.on_step(self.engine, step_s, tokens, steady, now)
 
-    def _isolate(self, exc: Exception) -> list[Any]:
+    def _isolate(self) -> list[Any]:
         """Fail only the jobs whose presence makes the step raise (rose.worker.isolate); RQ Retry applies."""
         in_engine = [run for run in self.running.values() if run.in_engine]
         # newest first: a fresh admission is the likeliest culprit; jobs with tokens passed earlier steps
@@ -371,16 +371,12 @@ class RoseWorker(Lifecycle, Checks, Outcomes, BaseWorker):
             self.engine.step, fresh, self.engine.abort, lambda rid: self._add_to_engine(self.running[rid])
         )
         failed = dict(found.culprits)
-        if (
-            found.error is not None
-        ):  # not the fresh jobs: the others (or the engine) fail, as any step error did
+        if found.error is not None:  # not the fresh jobs: the others (or the engine) fail, as step errors did
             log.error("engine step fails without the %d newest jobs; failing the others", len(fresh))
             failed.update((run.id, found.error) for run in in_engine if run.id not in fresh)
         for rid, error in failed.items():
-            run = self.running.pop(rid)
-            if rid not in found.culprits:
-                self.engine.abort(rid)
-            run.in_engine = False
+            run = self.running[rid]
+            self._forget(run)  # out of the engine even if Redis is down now (recovery requeues the job then)
             self._redis("engine failure", self._fail, run, f"engine error: {error!r}")
         return found.outputs
 
