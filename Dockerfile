@@ -4,7 +4,8 @@
 #   CPU (default):  docker build -t rose-worker .
 #   CUDA:           docker build -t rose-worker:cuda \
 #                     --build-arg BASE_IMAGE=pytorch/pytorch:2.13.0-cuda12.8-cudnn9-runtime .
-#                   (any image with Python >= 3.11 and a CUDA build of torch; its torch is kept as is)
+#                   (any image with Python >= 3.11 and a CUDA build of torch; its torch is kept as is, so pick
+#                   the tag of the torch pinned below)
 #                   or keep the slim base and take torch's CUDA wheels:
 #                     --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
 # Configuration is by ROSE_* environment variables (see `rose-worker --help` and docs/deploy.md).
@@ -14,7 +15,8 @@ FROM ${BASE_IMAGE}
 
 # Where torch comes from when the base image has none (CPU wheels by default).
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
-ARG TORCH_SPEC=torch
+# The same torch as the README's install line (tests/test_deploy.py checks they agree).
+ARG TORCH_SPEC=torch==2.13.0
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \

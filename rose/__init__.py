@@ -26,6 +26,7 @@ _EXPORTS = {
     "AsyncClient": "rose.jobs.async_client",
     "JobFailed": "rose.jobs.client",
     "JobCanceled": "rose.jobs.client",
+    "InvalidRequest": "rose.jobs.client",
 }
 
 __all__ = [
@@ -33,6 +34,7 @@ __all__ = [
     "AsyncClient",
     "Client",
     "Engine",
+    "InvalidRequest",
     "JobCanceled",
     "JobFailed",
     "RequestOutput",
@@ -49,7 +51,7 @@ if TYPE_CHECKING:
     from rose.engine.outputs import RequestOutput, StepOutput
     from rose.engine.sampling_params import SamplingParams
     from rose.jobs.async_client import AsyncClient
-    from rose.jobs.client import Client, JobCanceled, JobFailed
+    from rose.jobs.client import Client, InvalidRequest, JobCanceled, JobFailed
 
 
 def __getattr__(name: str) -> Any:

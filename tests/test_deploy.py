@@ -7,6 +7,8 @@ import json
 import os
 import re
 import shlex
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -39,9 +41,48 @@ def interpolate(value: Any) -> Any:
     return value
 
 
+class ComposeLoader(yaml.SafeLoader):
+    """YAML with Compose's merge tags: `!reset` (drop the value) and `!override` (replace it) load as
+    Reset(value) / the plain value, so an override file parses like Compose reads it."""
+
+
+class Reset:
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+ComposeLoader.add_constructor("!reset", lambda loader, node: Reset(None))
+ComposeLoader.add_constructor(
+    "!override",
+    lambda loader, node: (
+        loader.construct_mapping(node, deep=True)
+        if isinstance(node, yaml.MappingNode)
+        else loader.construct_sequence(node, deep=True)
+    ),
+)
+
+
+def load_compose(path: Path) -> dict[str, Any]:
+    return interpolate(yaml.load(path.read_text(), Loader=ComposeLoader))  # noqa: S506 - a SafeLoader subclass
+
+
+def merge_override(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    """Compose's merge of a second -f file, as far as these files use it: mappings merge key by key, `!reset`
+    removes a key, anything else replaces the base's value."""
+    out = dict(base)
+    for key, value in override.items():
+        if isinstance(value, Reset):
+            out.pop(key, None)
+        elif isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge_override(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
 @pytest.fixture(scope="module")
 def compose() -> dict[str, Any]:
-    return interpolate(yaml.safe_load((ROOT / "docker-compose.yml").read_text()))
+    return load_compose(ROOT / "docker-compose.yml")
 
 
 @pytest.fixture(scope="module")
@@ -95,6 +136,18 @@ def env_of(service: dict[str, Any]) -> dict[str, str]:
 
 def is_rose(service: dict[str, Any]) -> bool:
     return "build" in service or str(service.get("image", "")).startswith("rose")
+
+
+def gpu_ids(service: dict[str, Any]) -> list[str]:
+    """The GPUs a service reserves, by id (each device request must name its GPUs: `count` would hand every
+    replica or service the same first GPU)."""
+    devices = service.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices", [])
+    ids: list[str] = []
+    for d in devices:
+        assert d["driver"] == "nvidia" and "gpu" in d["capabilities"], d
+        assert "count" not in d and d.get("device_ids"), f"pin GPUs by device_ids, not count: {d}"
+        ids += [str(i) for i in d["device_ids"]]
+    return ids
 
 
 def service_argv(service: dict[str, Any]) -> list[str]:
@@ -159,8 +212,7 @@ def test_worker_service(services: dict[str, Any]) -> None:
     assert "ROSE_NAME" not in dockerfile_env()
     assert worker["depends_on"]["redis"]["condition"] == "service_healthy"
     assert worker["restart"] in ("always", "unless-stopped", "on-failure")
-    devices = worker["deploy"]["resources"]["reservations"]["devices"]
-    assert any(d["driver"] == "nvidia" and d["count"] == 1 and "gpu" in d["capabilities"] for d in devices)
+    assert gpu_ids(worker) == ["0"]
     assert any(str(v).endswith(":/models:ro") for v in worker["volumes"])
     assert env_of(worker)["ROSE_REDIS_URL"].startswith("redis://redis:6379")
 
@@ -196,9 +248,83 @@ def test_prometheus_scrapes_the_workers_metrics_port(services: dict[str, Any]) -
     assert ports == [port]
 
 
-def test_dashboard_points_at_the_compose_redis(services: dict[str, Any]) -> None:
+def test_dashboard_points_at_the_compose_redis_and_reads_json_jobs(services: dict[str, Any]) -> None:
     env = env_of(services["dashboard"])
     assert env["RQ_DASHBOARD_REDIS_URL"].startswith("redis://redis:6379")
+    # rose jobs are JSON-serialized: rq-dashboard's CLI (--json, env RQ_DASHBOARD_JSON) and its WSGI app factory
+    # (RQ_DASHBOARD_JSON_SERIALIZER) must both be told, or job pages fail to unpickle them (HTTP 500)
+    assert env["RQ_DASHBOARD_JSON"].lower() == "true"
+    assert env["RQ_DASHBOARD_JSON_SERIALIZER"].lower() == "true"
+
+
+def test_each_gpu_worker_service_has_its_own_gpu(services: dict[str, Any]) -> None:
+    """One service per GPU (`--profile gpuN`), each pinned by device_ids to a GPU no other service has; apart
+    from that (and its profile) every GPU worker is the `worker` service."""
+    workers = {name: s for name, s in services.items() if name == "worker" or name.startswith("worker-gpu")}
+    assert len(workers) == 8
+    ids = {name: gpu_ids(s) for name, s in workers.items()}
+    assert all(len(v) == 1 for v in ids.values()), ids
+    assert sorted(v[0] for v in ids.values()) == [str(i) for i in range(8)]
+    strip = ("deploy", "profiles")
+    base = {k: v for k, v in services["worker"].items() if k not in strip}
+    for name, service in workers.items():
+        if name != "worker":
+            gpu = ids[name][0]
+            assert name == f"worker-gpu{gpu}" and service["profiles"] == [f"gpu{gpu}"]
+            assert {k: v for k, v in service.items() if k not in strip} == base
+
+
+def test_cpu_override_drops_the_gpu_and_takes_cpu_torch(
+    compose: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    override = load_compose(ROOT / "deploy" / "compose.cpu.yml")
+    merged = merge_override(compose, override)
+    worker = merged["services"]["worker"]
+    assert "deploy" not in worker
+    assert env_of(worker)["ROSE_DEVICE"] == "cpu"
+    assert worker["build"]["args"]["TORCH_INDEX_URL"].endswith("/whl/cpu")
+    assert worker["build"]["context"] == "."  # still the repository's Dockerfile
+    env = {**dockerfile_env(), **env_of(worker)}
+    check_rose_env(env)
+    check_argv(service_argv(worker), env, monkeypatch)
+
+
+def compose_binary() -> list[str] | None:
+    if shutil.which("docker-compose"):
+        return ["docker-compose"]
+    if (
+        shutil.which("docker")
+        and subprocess.run(["docker", "compose", "version"], capture_output=True).returncode == 0
+    ):
+        return ["docker", "compose"]
+    return None
+
+
+@pytest.mark.skipif(compose_binary() is None, reason="Docker Compose is not installed")
+@pytest.mark.parametrize(
+    "files,profiles",
+    [
+        (["docker-compose.yml"], ["gpu1", "gpu7", "dashboard"]),
+        (["docker-compose.yml", "deploy/compose.cpu.yml"], []),
+    ],
+)
+def test_docker_compose_itself_accepts_the_files(files: list[str], profiles: list[str]) -> None:
+    """Compose's own parser (no daemon needed): the anchors, merges and `!reset` mean what the tests above read."""
+    argv = [
+        *compose_binary(),
+        *(a for f in files for a in ("-f", f)),
+        *(a for p in profiles for a in ("--profile", p)),
+    ]
+    out = subprocess.run([*argv, "config", "--format", "json"], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    services = json.loads(out.stdout)["services"]
+    if "deploy/compose.cpu.yml" in files:
+        assert (
+            "deploy" not in services["worker"] and services["worker"]["environment"]["ROSE_DEVICE"] == "cpu"
+        )
+    else:
+        assert {"worker", "worker-gpu1", "worker-gpu7", "dashboard"} <= set(services)
+        assert gpu_ids(services["worker-gpu7"]) == ["7"]
 
 
 # ---- Dockerfile ---------------------------------------------------------------------------------------------
@@ -217,6 +343,13 @@ def test_dockerfile_runs_unprivileged_and_picks_its_torch_base() -> None:
     assert d["USER"] and d["USER"][-1] not in ("root", "0")
     assert any(arg.startswith("BASE_IMAGE") for arg in d["ARG"])
     assert d["FROM"][0] == "${BASE_IMAGE}"
+
+
+def test_dockerfile_pins_the_readme_torch() -> None:
+    readme = re.findall(r"pip install (torch==[0-9][^\s`]*)", (ROOT / "README.md").read_text())
+    assert readme, "the README names no torch version"
+    specs = [arg.partition("=")[2] for arg in dockerfile()["ARG"] if arg.startswith("TORCH_SPEC=")]
+    assert specs and set(readme) == {specs[-1]}, (specs, readme)
 
 
 def test_dockerignore_keeps_the_build_context_small() -> None:

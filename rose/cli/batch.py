@@ -22,9 +22,11 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from rose.cli.batch_files import Entry, LineFormat, first_pass, key_of, read_jobs_file, scan_output, survey
+from rose.cli.batch_progress import Throughput, progress_text, stream_lengths
 from rose.cli.common import EXIT_FAILED, add_redis_args, connect, error
 from rose.cli.openai_batch import detect_format, parse_queue_for
 from rose.cli.sampling_args import add_sampling_args, sampling_kwargs
+from rose.jobs import keys
 
 _POLL_S = 0.2
 _ENDED = {"finished", "failed", "canceled", "stopped"}
@@ -86,8 +88,8 @@ class Batch:
     done: int = 0
     failed: int = 0
     duplicates: int = 0
-    tokens: int = 0
-    started: float = field(default_factory=time.monotonic)
+    running: set[str] = field(default_factory=set)  # in-flight jobs the last poll saw started
+    throughput: Throughput = field(default_factory=Throughput)
     stop: bool = False
     last_refresh: float = 0.0
 
@@ -221,9 +223,11 @@ def _loop(
                     continue
                 old = prev_jobs.pop(key_of(entry.id), None)
                 if old is not None:
-                    status = conn.hget(f"rq:job:{old}", "status")
-                    if status is not None and status.decode() not in _RESUBMIT:
+                    status, streamed = _previous_job(conn, old)
+                    if status is not None and status not in _RESUBMIT:
                         batch.inflight[old] = entry  # a previous run's job: wait for it
+                        # what it streamed before this run is not this run's throughput
+                        batch.throughput.adopt(old, None if status in _ENDED else streamed)
                     else:
                         chunk.append(entry)  # gone (expired) or canceled since: run the line again
                 else:
@@ -236,9 +240,20 @@ def _loop(
             _show(batch, progress)
         ended = _poll(batch, client, conn)
         progress.update(ended)
+        if batch.running and batch.throughput.sample_due(time.monotonic()):
+            batch.throughput.sampled(stream_lengths(conn, batch.running))
         _show(batch, progress)
         if not ended and batch.inflight and not batch.stop:
             time.sleep(_POLL_S)
+
+
+def _previous_job(conn: Any, job_id: str) -> tuple[str | None, int]:
+    """A previous run's job: its RQ status (None: gone) and how many events its stream holds, in one round trip."""
+    with conn.pipeline(transaction=False) as pipe:
+        pipe.hget(f"rq:job:{job_id}", "status")
+        pipe.xlen(keys.stream_key(job_id))
+        status, streamed = pipe.execute()
+    return (None if status is None else status.decode()), int(streamed)
 
 
 def _entries(path: Path, fmt: LineFormat, defaults: dict[str, Any], done_keys: set[str]) -> Iterator[Entry]:
@@ -289,10 +304,14 @@ def _poll(batch: Batch, client: Any, conn: Any) -> int:
         statuses = pipe.execute()
     ended = 0
     fmt = batch.fmt
+    batch.running.clear()
     for job_id, status in zip(ids, statuses, strict=True):
         if status is not None and status.decode() not in _ENDED:
+            if status == b"started":
+                batch.running.add(job_id)
             continue
         entry = batch.inflight.pop(job_id)
+        tokens: int | None = None
         try:
             result = client.job(job_id).result(timeout=0)
         except JobFailed as exc:
@@ -304,19 +323,21 @@ def _poll(batch: Batch, client: Any, conn: Any) -> int:
             continue
         else:
             batch.write(fmt.result_line(entry, job_id, result), failed=False)
-            batch.tokens += int((result.get("usage") or {}).get("completion_tokens", 0))
+            tokens = int((result.get("usage") or {}).get("completion_tokens", 0))
+        batch.throughput.ended(job_id, tokens)
         ended += 1
     return ended
 
 
 def _show(batch: Batch, progress: Any) -> None:
-    elapsed = max(time.monotonic() - batch.started, 1e-6)
+    now = time.monotonic()
+    running = len(batch.running)
     progress.set_postfix_str(
-        f"done={batch.done} failed={batch.failed} in_flight={len(batch.inflight)} "
-        f"tok/s={batch.tokens / elapsed:.1f}",
+        progress_text(
+            batch.done, batch.failed, running, len(batch.inflight) - running, batch.throughput.rate(now)
+        ),
         refresh=False,
     )
-    now = time.monotonic()
     if (
         now - batch.last_refresh >= 0.5
     ):  # update() redraws at most every 0.1 s on its own; this covers idle waits

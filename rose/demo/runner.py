@@ -102,6 +102,7 @@ class Demo:
         )
         _quiet_worker_logs()
         engine = build_engine(settings)
+        self._note_kernel_compile(engine)
         self.worker = RoseWorker(
             settings.queues, engine=engine, connection=self.redis.client(), settings=settings
         )
@@ -111,6 +112,16 @@ class Demo:
             f"worker {self.worker.name}: model {self.opts.model} on {getattr(engine, 'device', '?')}, "
             f"queue {settings.queues[0]}"
         )
+
+    def _note_kernel_compile(self, engine: Any) -> None:
+        """The first run on a machine compiles the CPU decode kernels (numba; cached on disk afterwards) and its
+        first tokens come at a few per second: say why, once, rather than look slow."""
+        from rose.engine import cpu_attention
+
+        if getattr(getattr(engine, "cache", None), "use_cpu_kernels", False) and (
+            cpu_attention.kernels_cached() is False
+        ):
+            self.view.info("compiling CPU kernels (numba), first run only: the first tokens come slowly")
 
     def _run_worker(self) -> None:
         try:

@@ -106,6 +106,45 @@ if numba is not None:
                             out[i, h, g, d] += w * v[s, h, p, d]
 
 
+def kernels_cached() -> bool | None:
+    """Whether numba's on-disk cache already holds both decode kernels compiled for this machine's CPU (then the
+    first decode step is fast; otherwise it compiles them first: tens of seconds, once per machine and rose
+    version). None when that cannot be told (numba missing, caching off, a numba whose cache layout differs)."""
+    if numba is None:
+        return None
+    try:
+        for kernel in (_scores, _weighted_values):
+            cache = (
+                kernel._cache
+            )  # numba's FunctionCache; its index maps (signature, target CPU) -> object file
+            if not getattr(cache, "_enabled", False):
+                return None
+            magic = kernel.targetctx.codegen().magic_tuple()
+            # _load_index() is {} when the index is missing or older than this source file
+            if not any(key[1] == magic for key in cache._cache_file._load_index()):
+                return False
+        return True
+    except Exception:  # private numba API: never let a layout change break attention
+        logger.debug("cannot inspect numba's cache", exc_info=True)
+        return None
+
+
+_first_call_checked = False
+
+
+def _note_first_compile() -> None:
+    """Once per process: say that a slow first step is numba compiling, not the model."""
+    global _first_call_checked
+    _first_call_checked = True
+    if kernels_cached() is False:
+        # INFO, not WARNING: nothing is wrong (rose demo says it in its own view)
+        logger.info(
+            "compiling the CPU decode-attention kernels (numba; first run only, then cached in %s): "
+            "the first decode step takes a while",
+            getattr(_scores._cache, "cache_path", "numba's cache"),
+        )
+
+
 def decode_attention(
     q: torch.Tensor,
     k_new: torch.Tensor,
@@ -129,6 +168,8 @@ def decode_attention(
     `spans_checked`: the caller already ran `check_spans` on these arrays against this store's rows and length
     (once per step for all layers); the shapes are checked at every call."""
     _check_shapes(q, k_new, v_new, k, v)
+    if not _first_call_checked:
+        _note_first_compile()
     if not spans_checked:
         check_spans(slots, starts, lengths, n=q.shape[0], rows=k.shape[0], max_len=k.shape[2])
     threads = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)

@@ -98,6 +98,8 @@ class AsyncClient:
         self._sync = Client(redis_url, queue=queue)
 
     async def submit(self, prompt: str | list[int] | None = None, **options: Any) -> AsyncJob:
+        """Enqueue one job (see `Client.submit`): invalid arguments raise InvalidRequest (a ValueError, with the
+        worker's message) before anything is enqueued."""
         job = await asyncio.to_thread(self._sync.submit, prompt, **options)
         return AsyncJob(self, job.id)
 

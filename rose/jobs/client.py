@@ -21,9 +21,9 @@ from rq.serializers import JSONSerializer
 
 from rose.jobs import gather, keys
 from rose.jobs.events import TERMINAL_TYPES, CanceledEvent, parse_event
-from rose.jobs.schemas import GenerateRequest
+from rose.jobs.schemas import GenerateRequest, ValidationError, format_validation_error
 
-__all__ = ["Client", "Job", "JobCanceled", "JobFailed", "StreamReset"]
+__all__ = ["Client", "InvalidRequest", "Job", "JobCanceled", "JobFailed", "StreamReset"]
 
 # Enqueue options RQ takes for itself; everything else is a generation field.
 _RQ_OPTIONS = (
@@ -74,16 +74,30 @@ class StreamReset(Exception):
         self.text = text
 
 
+class InvalidRequest(ValueError):
+    """A job's arguments are invalid; nothing was enqueued. The message is the worker's own for the same job, one
+    clause per problem, naming the field (and the closest known name for a typo: `unknown field 'max_token' (did
+    you mean 'max_tokens'?)`). `errors` is pydantic's structured list; the ValidationError is the `__cause__`."""
+
+    def __init__(self, message: str, errors: list[dict[str, Any]]):
+        super().__init__(message)
+        self.errors = errors
+
+
 def _request_kwargs(prompt: str | list[int] | None, fields: dict[str, Any]) -> dict[str, Any]:
     """Validate locally (fail at submit time, not in the worker) and keep only what the caller set.
 
     The job's kwargs are the fields as given (a `messages` job carries its messages, not a rendered prompt: the
     worker renders them with its model's chat template), so they stay what a plain RQ producer would enqueue.
-    Raises pydantic's ValidationError naming every bad field.
+    Raises InvalidRequest (a ValueError) naming every bad field, with the worker's wording.
     """
     if prompt is not None:
         fields["prompt_token_ids" if isinstance(prompt, list) else "prompt"] = prompt
-    return GenerateRequest(**fields).model_dump(exclude_unset=True)
+    try:
+        return GenerateRequest(**fields).model_dump(exclude_unset=True)
+    except ValidationError as exc:
+        # pydantic's own text is a multi-line dump with URLs; a typo of an enqueue option lands here too
+        raise InvalidRequest(format_validation_error(exc, also=_RQ_OPTIONS), exc.errors()) from exc
 
 
 def _split(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -229,7 +243,11 @@ class Client:
 
     def submit(self, prompt: str | list[int] | None = None, **options: Any) -> Job:
         """Enqueue one job. `options`: GenerateRequest fields (max_tokens, temperature, metadata, ...) and RQ's
-        enqueue options (job_id, job_timeout, result_ttl, failure_ttl, ttl, retry, at_front, meta, ...)."""
+        enqueue options (job_id, job_timeout, result_ttl, failure_ttl, ttl, retry, at_front, meta, ...).
+
+        Invalid arguments raise InvalidRequest, a ValueError, before anything is enqueued; its message is the one
+        the worker would fail the job with (`unknown field 'max_token' (did you mean 'max_tokens'?)`). It is not
+        pydantic's ValidationError: catch InvalidRequest or ValueError."""
         rq_opts, fields = _split(dict(options))
         rq_job = self.queue.enqueue(keys.FUNC_PATH, kwargs=_request_kwargs(prompt, fields), **rq_opts)
         return Job(self, rq_job.id)
@@ -239,13 +257,14 @@ class Client:
         by the worker with its model's chat template; `options` add the chat fields (add_generation_prompt,
         continue_final_message, chat_template_kwargs, chat_template where the worker trusts it), sampling fields,
         `structured_outputs` / `response_format`, and RQ's enqueue options. Malformed messages raise
-        ValidationError here, before anything is enqueued."""
+        InvalidRequest here, before anything is enqueued."""
         return self.submit(messages=messages, **options)
 
     def submit_many(
         self, requests: Iterable[str | list[int] | Mapping[str, Any]], **common: Any
     ) -> list[Job]:
-        """Enqueue many jobs in one round trip. Each request is a prompt or a dict of fields (merged over `common`)."""
+        """Enqueue many jobs in one round trip. Each request is a prompt or a dict of fields (merged over `common`).
+        An invalid request raises InvalidRequest (see `submit`) and nothing is enqueued."""
         prepared = []
         for request in requests:
             options = dict(common)

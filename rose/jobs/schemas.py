@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Iterable
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -10,7 +12,7 @@ from rose.engine.chat import ChatOptions, normalize_messages, render_chat
 from rose.engine.sampling_params import SamplingParams
 from rose.engine.structured_outputs import StructuredOutputsParams
 
-__all__ = ["GenerateRequest", "ValidationError", "format_validation_error"]
+__all__ = ["GenerateRequest", "ValidationError", "format_validation_error", "suggest_field"]
 
 
 class GenerateRequest(BaseModel):
@@ -155,13 +157,23 @@ def _lone_surrogate(value: Any, where: str) -> str | None:
     return None
 
 
-def format_validation_error(exc: ValidationError) -> str:
-    """One line per problem, naming the field: what a producer needs to fix the job."""
+def suggest_field(name: str, also: Iterable[str] = ()) -> str | None:
+    """The GenerateRequest field (or one of `also`, e.g. a client's enqueue options) that `name` is most likely a
+    typo of, or None when nothing is close (difflib's ratio >= 0.6)."""
+    close = difflib.get_close_matches(name, [*GenerateRequest.model_fields, *also], n=1)
+    return close[0] if close else None
+
+
+def format_validation_error(exc: ValidationError, also: Iterable[str] = ()) -> str:
+    """One line per problem, naming the field: what a producer needs to fix the job. An unknown top-level field
+    names the closest known one (`unknown field 'max_token' (did you mean 'max_tokens'?)`); `also`: more names a
+    typo may have meant (a client passes its enqueue options)."""
     lines = []
     for err in exc.errors():
         loc = ".".join(str(part) for part in err["loc"])
         if err["type"] == "extra_forbidden":
-            lines.append(f"unknown field {loc!r}")
+            guess = suggest_field(loc, also) if len(err["loc"]) == 1 else None
+            lines.append(f"unknown field {loc!r}" + (f" (did you mean {guess!r}?)" if guess else ""))
         elif loc:
             lines.append(f"{loc}: {err['msg']}")
         else:

@@ -17,13 +17,14 @@ from rose.demo.runner import DEFAULT_PROMPTS
 LINE = re.compile(r"^\[(\d+)\] (job|\+|end|result) ?(.*)$")
 
 
-def run_demo(*args: str) -> subprocess.CompletedProcess[str]:
+def run_demo(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "rose", "demo", "--max-tokens", "8", "--duration-limit", "240", *args],
         capture_output=True,
         text=True,
         timeout=300,
         check=False,
+        env=None if env is None else {**os.environ, **env},
     )
 
 
@@ -108,3 +109,17 @@ def test_demo_with_fakeredis_and_own_prompts() -> None:
     res = run_demo("--redis", "fake", "--prompts", *prompts)
     assert "fakeredis" in res.stdout
     check_run(res, prompts)
+
+
+def test_first_run_says_it_compiles_the_cpu_kernels_once(tmp_path) -> None:
+    """A cold numba cache (a fresh NUMBA_CACHE_DIR): the demo says why its first tokens are slow; the next run,
+    with the kernels cached on disk, says nothing of it."""
+    env = {"NUMBA_CACHE_DIR": str(tmp_path / "numba"), "ROSE_ATTENTION_BACKEND": "numba"}
+    notice = "compiling CPU kernels (numba), first run only"
+    first = run_demo("--prompts", "Hello", "--redis", "fake", env=env)
+    assert first.returncode == 0, first.stderr
+    assert first.stdout.count(notice) == 1, first.stdout
+    assert any((tmp_path / "numba").rglob("*.nbi")), "numba wrote no cache index"
+    second = run_demo("--prompts", "Hello", "--redis", "fake", env=env)
+    assert second.returncode == 0, second.stderr
+    assert notice not in second.stdout and notice not in second.stderr

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -196,3 +199,39 @@ def test_kernels_refuse_shapes_that_do_not_fit_the_store(case, message):
     k_new = torch.zeros(q.shape[0], q.shape[1], q.shape[3])
     with pytest.raises(ValueError, match=message):
         cpu_attention.decode_attention(q, k_new, k_new, k, v, rows, starts, ends, 1.0)
+
+
+_FIRST_COMPILE_PROBE = """
+import logging
+import numpy as np, torch
+from rose.engine import cpu_attention as ca
+logging.basicConfig(level=logging.INFO, format="LOG %(name)s %(message)s")
+print("cached before:", ca.kernels_cached(), flush=True)
+n, h, g, d, length = 2, 1, 2, 8, 16
+for _ in range(2):
+    ca.decode_attention(
+        torch.randn(n, h, g, d), torch.randn(n, h, d), torch.randn(n, h, d),
+        torch.zeros(n, h, length, d), torch.zeros(n, h, length, d),
+        np.arange(n, dtype=np.int64), np.zeros(n, dtype=np.int64), np.full(n, 3, dtype=np.int64), 0.1,
+    )
+print("cached after:", ca.kernels_cached(), flush=True)
+"""
+
+
+def test_a_cold_numba_cache_is_reported_once_then_the_kernels_are_cached(tmp_path) -> None:
+    """The kernels are cached on disk (cache=True): a process with a cold NUMBA_CACHE_DIR logs one line saying it
+    compiles them; the next process finds them cached and logs nothing."""
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
+
+    def run() -> str:
+        res = subprocess.run(
+            [sys.executable, "-c", _FIRST_COMPILE_PROBE], capture_output=True, text=True, env=env, timeout=300
+        )
+        assert res.returncode == 0, res.stderr
+        return res.stdout + res.stderr
+
+    cold = run()
+    assert "cached before: False" in cold and "cached after: True" in cold, cold
+    assert cold.count("compiling the CPU decode-attention kernels") == 1, cold
+    warm = run()
+    assert "cached before: True" in warm and "compiling" not in warm, warm

@@ -12,7 +12,7 @@ from rq.serializers import JSONSerializer
 from rose.engine.chat import ChatTemplateError
 from rose.engine.presets import build_tokenizer
 from rose.jobs.async_client import AsyncClient
-from rose.jobs.client import Client
+from rose.jobs.client import Client, InvalidRequest
 from rose.jobs.schemas import GenerateRequest, ValidationError, format_validation_error
 
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
@@ -115,11 +115,11 @@ def test_client_chat_enqueues_the_messages_as_given(fake_r):
 
 def test_client_chat_validates_before_enqueueing(fake_r):
     client = Client(fake_r, queue="rose")
-    with pytest.raises(ValidationError, match="role must be one of"):
+    with pytest.raises(InvalidRequest, match="role must be one of"):
         client.chat([{"role": "bot", "content": "x"}])
-    with pytest.raises(ValidationError, match="got prompt and messages"):
+    with pytest.raises(InvalidRequest, match="got prompt and messages"):
         client.submit("hello", messages=MESSAGES)
-    with pytest.raises(ValidationError, match="structured_outputs.choice must be a non-empty list"):
+    with pytest.raises(InvalidRequest, match="structured_outputs.choice must be a non-empty list"):
         client.chat(MESSAGES, structured_outputs={"choice": []})
     assert fake_r.llen("rq:queue:rose") == 0
 

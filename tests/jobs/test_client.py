@@ -1,3 +1,4 @@
+import asyncio
 import json
 import zlib
 
@@ -8,7 +9,8 @@ from rq.job import JobStatus
 from rq.serializers import JSONSerializer
 
 from rose.jobs import keys
-from rose.jobs.client import Client, JobCanceled, JobFailed, StreamReset
+from rose.jobs.async_client import AsyncClient
+from rose.jobs.client import Client, InvalidRequest, JobCanceled, JobFailed, StreamReset
 from rose.jobs.events import DoneEvent, ErrorEvent, ResetEvent, TokenEvent, Usage
 from rose.jobs.schemas import ValidationError
 
@@ -50,8 +52,40 @@ def test_submit_is_a_plain_json_rq_job(client, fake_r):
 def test_submit_token_ids_and_local_validation(client):
     job = client.submit([1, 2, 3], max_tokens=2)
     assert job.rq_job.kwargs == {"prompt_token_ids": [1, 2, 3], "max_tokens": 2}
-    with pytest.raises(ValidationError, match="max_token"):
+    with pytest.raises(InvalidRequest, match="max_token"):
         client.submit("x", max_token=3)
+
+
+def test_invalid_submit_says_what_the_worker_says_and_enqueues_nothing(client, fake_r):
+    """A typo raises the worker's own message with the closest field, not pydantic's multi-line dump."""
+    with pytest.raises(InvalidRequest) as info:
+        client.submit("x", max_token=64)
+    assert str(info.value) == (
+        "invalid rose.jobs.generate arguments: unknown field 'max_token' (did you mean 'max_tokens'?)"
+    )
+    assert isinstance(info.value, ValueError) and isinstance(info.value.__cause__, ValidationError)
+    assert [e["loc"] for e in info.value.errors] == [("max_token",)]
+    # an enqueue option's typo is suggested too; every problem is named, on one line
+    with pytest.raises(InvalidRequest) as info:
+        client.submit("x", job_timout=30, max_tokens="8")
+    message = str(info.value)
+    assert "unknown field 'job_timout' (did you mean 'job_timeout'?)" in message and "max_tokens: " in message
+    assert "\n" not in message and "pydantic" not in message
+    # submit_many validates every request before enqueueing any
+    with pytest.raises(InvalidRequest, match="'temprature' \\(did you mean 'temperature'\\?\\)"):
+        client.submit_many(["ok", {"prompt": "bad", "temprature": 0.5}])
+    assert fake_r.llen("rq:queue:rose") == 0
+
+
+def test_async_client_submit_raises_the_same(fake_r):
+    async def go() -> None:
+        client = AsyncClient.__new__(AsyncClient)
+        client._sync = Client(fake_r, queue="rose")
+        await client.submit("x", max_token=64)
+
+    with pytest.raises(InvalidRequest, match="did you mean 'max_tokens'"):
+        asyncio.run(go())
+    assert fake_r.llen("rq:queue:rose") == 0
 
 
 def test_submit_many(client, fake_r):

@@ -41,6 +41,22 @@ def test_unknown_field_is_named():
     assert "unknown field 'max_token'" in message(prompt="hi", max_token=5)
 
 
+def test_unknown_field_names_the_closest_known_one():
+    """The worker's message (format_validation_error) suggests the field a typo meant; nothing when none is close."""
+    assert message(prompt="hi", max_token=5) == (
+        "invalid rose.jobs.generate arguments: unknown field 'max_token' (did you mean 'max_tokens'?)"
+    )
+    assert "unknown field 'temprature' (did you mean 'temperature'?)" in message(prompt="hi", temprature=0.5)
+    assert "unknown field 'stop_tokens_ids' (did you mean 'stop_token_ids'?)" in message(
+        prompt="hi", stop_tokens_ids=[1]
+    )
+    assert message(prompt="hi", zzzz=1) == "invalid rose.jobs.generate arguments: unknown field 'zzzz'"
+    with pytest.raises(ValidationError) as info:
+        GenerateRequest(prompt="hi", job_timout=5)
+    assert "(did you mean 'job_timeout'?)" in format_validation_error(info.value, also=["job_timeout"])
+    assert "did you mean" not in format_validation_error(info.value)
+
+
 @pytest.mark.parametrize("kwargs", [{}, {"prompt": "a", "prompt_token_ids": [1]}])
 def test_exactly_one_prompt(kwargs):
     assert "exactly one of 'prompt'" in message(**kwargs)
