@@ -5,7 +5,7 @@ request constrained by a JSON schema, and half of them constrained (alternating)
 its grammar does, so throughput is generated tokens (whatever each request produced) per second of wall time. The
 schema (one string field of up to 4,096 characters) keeps greedy random-weight rows writing until max_tokens, so the
 three passes generate about as many tokens. Also measured: the grammar's first compile and a cache hit, and the
-per-step mask cost (bitmask fill + apply on the constrained rows), timed around the engine's mask call.
+per-step mask cost (bitmask fill + apply on the constrained rows), from the engine's own counters (`get_stats`).
 """
 
 from __future__ import annotations
@@ -143,44 +143,29 @@ def _params(mode: str, index: int, max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, detokenize=False, structured_outputs=so)
 
 
-def _timed_mask(manager: Any, pass_stats: dict[str, float]) -> Callable[..., None]:
-    inner = manager.apply_grammar_bitmask
-
-    def timed(logits: torch.Tensor, requests: list[Any]) -> None:
-        t0 = time.perf_counter()
-        inner(logits, requests)
-        pass_stats["mask_s"] += time.perf_counter() - t0
-        pass_stats["mask_calls"] += 1
-        pass_stats["masked_rows"] += sum(r is not None for r in requests)
-
-    return timed
-
-
 def _run_mode(llm: Any, workload: Workload, mode: str) -> ModePass:
     engine = llm.engine
-    stats = {"mask_s": 0.0, "mask_calls": 0, "masked_rows": 0, "steps": 0}
-    manager = engine.structured_outputs
-    manager.apply_grammar_bitmask = _timed_mask(manager, stats)
-    step = engine.step
-
-    def counted_step():
-        stats["steps"] += 1
-        return step()
-
-    engine.step = counted_step
     prompts = [list(r.prompt_token_ids) for r in workload.requests]
     params = [_params(mode, i, r.max_tokens) for i, r in enumerate(workload.requests)]
-    try:
-        sync(engine.device)
-        start = time.perf_counter()
-        outs = llm.generate(prompts, params)
-        sync(engine.device)
-        wall = time.perf_counter() - start
-    finally:
-        del manager.apply_grammar_bitmask, engine.step  # back to the class's methods
+    before = engine.get_stats()
+    sync(engine.device)
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    sync(engine.device)
+    wall = time.perf_counter() - start
+    after = engine.get_stats()
+
+    def delta(name: str) -> float:
+        return after.get(name, 0) - before.get(name, 0)
+
     tokens = sum(len(o.token_ids) for o in outs)
     return ModePass(
-        wall, tokens, int(stats["steps"]), int(stats["mask_calls"]), stats["mask_s"], stats["masked_rows"]
+        wall,
+        tokens,
+        int(delta("num_steps")),
+        int(delta("structured_output_mask_calls")),
+        delta("structured_output_mask_s"),
+        int(delta("structured_output_masked_rows")),
     )
 
 
@@ -208,7 +193,7 @@ def run_structured_bench(
         timings = []
         for _ in range(2):  # the first compiles, the second finds it in the cache
             t0 = time.perf_counter()
-            manager.make_request(StructuredOutputsParams(json=BENCH_SCHEMA)).future.result()
+            manager.make_request(StructuredOutputsParams(json=BENCH_SCHEMA)).wait()
             timings.append(time.perf_counter() - t0)
         warm = workload.head(min(rose_cfg.warmup_requests, len(workload)), "warmup-")
         for mode in MODES:

@@ -231,6 +231,9 @@ class OpenAIFormat:
         problem = validate({**defaults, **fields})
         if problem is not None:
             entry.error, param = problem
+            body = line.get("body") or {}
+            if param == "max_tokens" and body.get("max_completion_tokens") is not None:
+                param = "max_completion_tokens"  # the body's name for what became the job's max_tokens
             entry.context["param"] = _BODY_NAMES.get(param or "", param)
             entry.context["code"] = "invalid_value"
             return entry

@@ -1,10 +1,11 @@
 """Command-line flags for the job fields beyond sampling: chat rendering options and output constraints.
 
-Shared by the subcommands that make requests (`rose generate`, `rose submit`, and `rose batch` for its defaults):
+Shared by the subcommands that make single requests (`rose generate`, `rose submit`; a `rose batch` line carries
+these fields itself):
 `add_chat_args` / `chat_kwargs` (vLLM's and OpenAI's chat options), `add_constraint_args` / `constraint_kwargs`
 (the `structured_outputs` field: --json-schema, --regex, --choice, --grammar, --json-object), and `add_request_args`
 / `request_kwargs` for both. Each `*_kwargs` function returns only the fields the user set, under the job's field
-names, so the result can be merged into a job (or into a batch file's defaults) as it is. Values that are JSON can
+names, so the result can be merged into a job as it is. Values that are JSON can
 also be given as `@path` (read from that file).
 """
 
@@ -170,9 +171,6 @@ def add_request_args(parser: argparse.ArgumentParser) -> None:
 
 
 def request_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """Every field the flags of `add_request_args` set: the chat options and `structured_outputs`.
-
-    For defaults shared by many requests (a batch file), note that the chat options are only valid on requests
-    made of `messages`: apply `chat_kwargs(args)` to those alone and `constraint_kwargs(args)` to all.
-    """
+    """Every field the flags of `add_request_args` set: the chat options and `structured_outputs` (the chat options
+    are valid on `messages` requests only)."""
     return {**chat_kwargs(args), **constraint_kwargs(args)}

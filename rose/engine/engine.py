@@ -16,13 +16,14 @@ from rose.engine.host_malloc import tune_malloc
 from rose.engine.kv_budget import default_kv_budget, resolve_max_model_len
 from rose.engine.kv_cache import KVCache
 from rose.engine.model_runner import ModelRunner, model_context
-from rose.engine.outputs import RequestMetrics, RequestOutput, StepOutput, TokenLogprob
+from rose.engine.outputs import RequestMetrics, RequestOutput, StepOutput
 from rose.engine.prefix_cache import PrefixCache, block_hashes
 from rose.engine.prompts import tokenize_prompt
 from rose.engine.sampler import Sampler
 from rose.engine.sampling_params import SamplingParams
 from rose.engine.scheduler import Scheduler
 from rose.engine.sequence import Sequence, SequenceStatus
+from rose.engine.stopping import append_token, request_output
 
 if TYPE_CHECKING:
     from rose.engine.grammar import StructuredOutputManager
@@ -109,6 +110,7 @@ class Engine:
         self.eos_token_ids = self._eos_ids()
         self.sampler = Sampler(vocab, self.device, self.eos_token_ids, seed=seed)
         self._seqs: dict[str, Sequence] = {}
+        self._num_steps = 0  # forwards run
         self._undelivered: list[StepOutput] = []  # finished by a step that then raised (see step)
         self._structured: StructuredOutputManager | None = None  # built for the first constrained request
         self._disable_any_whitespace = disable_any_whitespace
@@ -225,7 +227,7 @@ class Engine:
         seq.metrics.finished_time = time.time()
         if seq.detokenizer is not None:
             seq.text = seq.detokenizer.emitted_text
-        return self._output(seq)
+        return request_output(seq)
 
     def _reuse_prefix(self, seq: Sequence) -> None:
         match = self.prefix_cache.match(seq)
@@ -247,6 +249,18 @@ class Engine:
                 disable_any_whitespace=self._disable_any_whitespace,
             )
         return self._structured
+
+    def prepare_structured_outputs(self) -> None:
+        """Build the grammar machinery now (xgrammar's import, the tokenizer's vocabulary scan: ~0.2 s for 8k
+        tokens, more for a large vocabulary) rather than inside the first constrained request's `add_request`.
+        A no-op without a tokenizer (constrained requests are then refused)."""
+        if self.tokenizer is not None:
+            self.structured_outputs  # noqa: B018 - built on access
+
+    def close(self) -> None:
+        """Stop the grammar compile pool (compiles not started are cancelled). Call when done with the engine."""
+        if self._structured is not None:
+            self._structured.shutdown()
 
     def _grammar_errors(self) -> list[StepOutput]:
         """Finish the waiting requests whose grammar failed to compile on the pool (finish_reason "error")."""
@@ -301,6 +315,7 @@ class Engine:
             batch = self.scheduler.schedule()
         if not batch:
             return []
+        self._num_steps += 1
         now = time.time()
         for chunk in batch.prefill:
             if chunk.seq.metrics.first_scheduled_time is None:
@@ -325,68 +340,13 @@ class Engine:
             return []
         now = time.time()
         outputs = [
-            self._append(seq, tok, lp, now)
+            append_token(seq, tok, lp, now, self.eos_token_ids, self.max_model_len)
             for seq, tok, lp in zip(sampled, result.token_ids, result.logprobs, strict=True)
         ]
         for out in outputs:
             if out.finished:
                 self._remove(self._seqs.pop(out.request_id), finished=True)
         return outputs
-
-    def _append(self, seq: Sequence, token: int, logprob: TokenLogprob | None, now: float) -> StepOutput:
-        seq.output_token_ids.append(token)
-        if logprob is not None and seq.logprobs is not None:
-            seq.logprobs.append(logprob)
-        metrics = seq.metrics
-        metrics.num_generated_tokens += 1
-        if metrics.first_token_time is None:
-            metrics.first_token_time = now
-        params = seq.params
-        # vLLM V1: EOS, stop token ids and stop strings count only after the first min_tokens generated tokens
-        may_stop = len(seq.output_token_ids) > params.min_tokens
-        reason = None
-        # a constrained request ends when its grammar does (it accepted EOS), whatever min_tokens / ignore_eos say
-        grammar_done = seq.structured is not None and seq.structured.advance(token, seq.request_id)
-        stop_token = grammar_done or (
-            may_stop
-            and (token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids))
-        )
-        if stop_token:
-            reason = "stop"
-        delta = ""
-        detok = seq.detokenizer
-        if detok is not None:
-            decode = not stop_token or params.include_stop_str_in_output
-            delta = detok.update(token, decode=decode, check_stop=may_stop)
-            if detok.stop_reason is not None:
-                reason = "stop"
-        if reason is None and (
-            len(seq.output_token_ids) >= seq.max_tokens or seq.num_tokens >= self.max_model_len
-        ):
-            reason = "length"
-        new_logprobs = [logprob] if logprob is not None else None
-        if reason is None:
-            return StepOutput(seq.request_id, [token], delta, new_logprobs=new_logprobs)
-        if detok is not None:
-            delta += detok.finish()
-            seq.text = detok.text
-        seq.finish_reason = reason
-        metrics.finished_time = now
-        return StepOutput(
-            seq.request_id, [token], delta, True, reason, new_logprobs=new_logprobs, output=self._output(seq)
-        )
-
-    def _output(self, seq: Sequence) -> RequestOutput:
-        return RequestOutput(
-            request_id=seq.request_id,
-            prompt=seq.prompt,
-            prompt_token_ids=seq.prompt_token_ids,
-            text=seq.text,
-            token_ids=list(seq.output_token_ids),
-            finish_reason=seq.finish_reason,
-            metrics=seq.metrics,
-            logprobs=seq.logprobs,
-        )
 
     # ----------------------------------------------------------------- counters
 
@@ -420,6 +380,7 @@ class Engine:
             prefix.update(self._structured.get_stats())
         return {
             **prefix,
+            "num_steps": self._num_steps,
             "num_running": self.num_running,
             "num_waiting": self.num_waiting,
             "kv_slots_used": self.kv_slots_used,

@@ -62,8 +62,7 @@ def parse_grammar(params: StructuredOutputsParams, any_whitespace: bool = True) 
     kind = params.kind
     try:
         if kind == "json":
-            schema = params.json if isinstance(params.json, dict) else params.key[1]
-            return xgr.Grammar.from_json_schema(schema, any_whitespace=any_whitespace)
+            return xgr.Grammar.from_json_schema(params.json, any_whitespace=any_whitespace)
         if kind == "json_object":
             # any JSON *object* (OpenAI's json_object); xgrammar's builtin JSON grammar would also allow an array
             return xgr.Grammar.from_json_schema(
@@ -85,33 +84,48 @@ class StructuredOutputStats:
     cache_hits: int = 0
     compile_seconds: float = 0.0  # total, on the pool
     compile_errors: int = 0
+    mask_calls: int = 0  # steps that masked at least one row
+    masked_rows: int = 0  # rows masked, over those steps
+    mask_seconds: float = 0.0  # bitmask fill + apply, on the loop thread
 
 
 class StructuredOutputRequest:
     """One request's constraint: its compiled grammar (a future until the pool is done) and its matcher."""
 
-    __slots__ = ("params", "future", "_matcher")
+    __slots__ = ("params", "future", "_matcher", "refused")
 
     def __init__(self, params: StructuredOutputsParams, future: Future) -> None:
         self.params = params
         self.future = future
         self._matcher: xgr.GrammarMatcher | None = None
+        self.refused: int | None = None  # a sampled token the grammar refused (see advance)
 
     @property
     def is_ready(self) -> bool:
         """Compiled without error: the request may be scheduled."""
-        return self.future.done() and self.future.exception() is None
+        return self.future.done() and not self.future.cancelled() and self.future.exception() is None
 
     @property
     def error(self) -> str | None:
         """Why the grammar could not be compiled, once the pool has given up on it."""
         if not self.future.done():
             return None
+        if self.future.cancelled():
+            return f"structured_outputs.{self.params.kind}: the compile was cancelled (engine closed)"
         exc = self.future.exception()
         return None if exc is None else f"structured_outputs.{self.params.kind}: {_clean_error(exc)}"
 
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the grammar is compiled (TimeoutError after `timeout` s); ValueError if it failed."""
+        wait([self.future], timeout=timeout)
+        if not self.future.done():
+            raise TimeoutError(f"structured_outputs.{self.params.kind}: still compiling after {timeout} s")
+        if self.error is not None:
+            raise ValueError(self.error)
+
     @property
     def matcher(self) -> xgr.GrammarMatcher:
+        """The request's matcher (its position in the grammar), made on first use: only once `is_ready`."""
         if self._matcher is None:
             self._matcher = xgr.GrammarMatcher(self.future.result())
         return self._matcher
@@ -119,13 +133,13 @@ class StructuredOutputRequest:
     def advance(self, token: int, request_id: str = "") -> bool:
         """Feed the sampled token to the matcher; True once the grammar has ended (it accepted a stop token).
 
-        A token the grammar refuses cannot come from the masked sampler; should one come anyway, the request ends
-        here (an error is logged) rather than go on unconstrained.
+        A token the grammar refuses cannot come from the masked sampler; should one come anyway, it is kept in
+        `refused` and the request ends here (the engine finishes it with finish_reason "error") rather than go on
+        unconstrained.
         """
         if not self.matcher.accept_token(token):
-            logger.error(
-                "request %s: the grammar refused sampled token %d; ending the request", request_id, token
-            )
+            logger.error("request %s: the grammar refused sampled token %d", request_id, token)
+            self.refused = token
             return True
         return self._matcher.is_terminated()
 
@@ -141,6 +155,7 @@ class StructuredOutputManager:
         device: torch.device,
         max_workers: int | None = None,
         disable_any_whitespace: bool = False,
+        mask_backend: str = "auto",
     ) -> None:
         if tokenizer is None:
             raise ValueError("structured outputs need a tokenizer; this engine has none")
@@ -152,9 +167,18 @@ class StructuredOutputManager:
             tokenizer, vocab_size=vocab_size, stop_token_ids=stops
         )
         cpus = os.cpu_count() or 1
-        self.compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=min(8, cpus))
-        # as vLLM: half the CPUs compile; the compile releases the GIL so the step loop keeps running
-        workers = max_workers if max_workers is not None else max(1, (cpus + 1) // 2)
+        # xgrammar's own cache off: rose's LRU below holds the compiled grammars, and xgrammar's would grow
+        # without bound in a long-lived worker seeing a new schema per job
+        # On a CPU engine, compiles share the cores with the forward: one compile at a time, on half the cores.
+        on_cpu = device.type == "cpu"
+        self.compiler = xgr.GrammarCompiler(
+            self.tokenizer_info,
+            max_threads=max(1, cpus // 2) if on_cpu else min(8, cpus),
+            cache_enabled=False,
+        )
+        # as vLLM (GPU engine): half the CPUs compile; the compile releases the GIL so the step loop keeps running
+        default_workers = 1 if on_cpu else max(1, (cpus + 1) // 2)
+        workers = max_workers if max_workers is not None else default_workers
         self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rose-grammar")
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self._stats_lock = threading.Lock()  # compile figures are written on the pool
@@ -166,7 +190,13 @@ class StructuredOutputManager:
         self._batch_matcher = xgr.BatchGrammarMatcher()
         # CPU: one float row per bitmask byte (0 allowed / -inf masked, bit j = token 8 * byte + j), so the mask is
         # an embedding lookup + add: ~0.4 ms for 64 x 8192 against ~1.7 ms for xgrammar's CPU kernel (2 threads)
-        self._use_lut = device.type == "cpu" and sys.byteorder == "little"
+        # `mask_backend`: "lookup" (CPU, little-endian only), "xgrammar" (its kernel), "auto" (lookup on CPU)
+        if mask_backend not in ("auto", "lookup", "xgrammar"):
+            raise ValueError(f"mask_backend must be 'auto', 'lookup' or 'xgrammar', got {mask_backend!r}")
+        lut_ok = device.type == "cpu" and sys.byteorder == "little"
+        if mask_backend == "lookup" and not lut_ok:
+            raise ValueError("mask_backend 'lookup' needs a little-endian CPU device")
+        self._use_lut = lut_ok if mask_backend == "auto" else mask_backend == "lookup"
         bits = (torch.arange(256)[:, None] >> torch.arange(8)) & 1
         self._byte_lut = torch.zeros(256, 8).masked_fill_(bits == 0, _NEG_INF)
 
@@ -235,11 +265,21 @@ class StructuredOutputManager:
         """Mask, in place, the logits of the rows whose request is constrained (`requests[i]` not None).
 
         `logits` is [len(requests), >= vocab]; columns from the manager's vocabulary on are left alone (the sampler
-        never looks at them). Reads matcher state, never advances it.
+        never looks at them). Reads matcher state, never advances it. Counted in `get_stats()` (calls, rows, time).
         """
         rows = [i for i, r in enumerate(requests) if r is not None]
         if not rows:
             return
+        start = time.perf_counter()
+        self._mask(logits, requests, rows)
+        st = self.stats
+        st.mask_calls += 1
+        st.masked_rows += len(rows)
+        st.mask_seconds += time.perf_counter() - start
+
+    def _mask(
+        self, logits: torch.Tensor, requests: list[StructuredOutputRequest | None], rows: list[int]
+    ) -> None:
         n = len(rows)
         if self.bitmask.shape[0] < n:
             self.bitmask = xgr.allocate_token_bitmask(max(n, 2 * self.bitmask.shape[0]), self.vocab_size)
@@ -278,4 +318,7 @@ class StructuredOutputManager:
                 "structured_output_cache_hits": st.cache_hits,
                 "structured_output_compile_errors": st.compile_errors,
                 "structured_output_compile_s": round(st.compile_seconds, 6),
+                "structured_output_mask_calls": st.mask_calls,
+                "structured_output_masked_rows": st.masked_rows,
+                "structured_output_mask_s": st.mask_seconds,
             }

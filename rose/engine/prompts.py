@@ -20,7 +20,12 @@ def tokenize_prompt(
         text = prompt.get("prompt")
         if text is not None and not isinstance(text, str):
             raise TypeError(f"prompt['prompt'] must be a str, got {type(text).__name__}")
-        return text, tokenize_prompt(list(prompt["prompt_token_ids"]), tokenizer, vocab_size)[1]
+        ids = prompt["prompt_token_ids"]
+        if not isinstance(ids, list | tuple):
+            raise TypeError(
+                f"prompt['prompt_token_ids'] must be a list of token ids, got {type(ids).__name__}"
+            )
+        return text, tokenize_prompt(list(ids), tokenizer, vocab_size)[1]
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ValueError("a text prompt needs a tokenizer; this engine has none: pass token ids instead")

@@ -94,29 +94,33 @@ class Scheduler:
             if budget <= 0:
                 break
             budget -= self._chunk(batch, seq, budget)
-        not_ready: list[tuple[int, int, Sequence]] = []
-        while budget > 0 and len(self.running) < self.max_num_seqs and self._num_waiting:
-            entry = self._pop_waiting()
-            if entry is None:
-                break
-            seq = entry[2]
-            if self.is_ready is not None and not self.is_ready(seq):
-                not_ready.append(entry)  # pushed back below with its key: it keeps its place in line
-                continue
-            if self.should_defer is not None and self.should_defer(seq, self._prefilling):
-                heapq.heappush(self._waiting, entry)  # same place in line; nothing behind it jumps ahead
-                self._num_waiting += 1
-                break
-            seq.status = SequenceStatus.RUNNING
-            seq.slot = len(self.running)
-            self.running.append(seq)
-            self._prefilling.append(seq)
-            if self.on_admit is not None:
-                self.on_admit(seq)
-            budget -= self._chunk(batch, seq, budget)
-        for entry in not_ready:
-            heapq.heappush(self._waiting, entry)
-        self._num_waiting += len(not_ready)
+        not_ready: list[tuple[int, int, Sequence]] = []  # pushed back with their keys: they keep their place
+        try:
+            while budget > 0 and len(self.running) < self.max_num_seqs and self._num_waiting:
+                entry = self._pop_waiting()
+                if entry is None:
+                    break
+                seq = entry[2]
+                if self.is_ready is not None:
+                    not_ready.append(entry)  # until the check has passed: an exception must not lose it
+                    if not self.is_ready(seq):
+                        continue
+                    not_ready.pop()
+                if self.should_defer is not None and self.should_defer(seq, self._prefilling):
+                    heapq.heappush(self._waiting, entry)  # same place in line; nothing behind it jumps ahead
+                    self._num_waiting += 1
+                    break
+                seq.status = SequenceStatus.RUNNING
+                seq.slot = len(self.running)
+                self.running.append(seq)
+                self._prefilling.append(seq)
+                if self.on_admit is not None:
+                    self.on_admit(seq)
+                budget -= self._chunk(batch, seq, budget)
+        finally:
+            for entry in not_ready:
+                heapq.heappush(self._waiting, entry)
+            self._num_waiting += len(not_ready)
         return batch
 
     def waiting_seqs(self) -> list[Sequence]:

@@ -26,7 +26,11 @@ class StructuredOutputsParams:
     key: tuple[str, str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        given = [k for k in CONSTRAINT_KINDS if getattr(self, k) not in (None, False)]
+        given = [
+            k
+            for k in CONSTRAINT_KINDS
+            if getattr(self, k) is not None and (k, getattr(self, k)) != ("json_object", False)
+        ]
         if len(given) != 1:
             raise ValueError(
                 "structured_outputs must set exactly one of 'json', 'regex', 'choice', 'grammar', 'json_object'"
@@ -40,9 +44,11 @@ class StructuredOutputsParams:
                     value = json.loads(value)
                 except ValueError as exc:
                     raise ValueError(f"structured_outputs.json is not valid JSON: {exc}") from None
-            if not isinstance(value, dict | bool):
-                raise ValueError("structured_outputs.json must be a JSON schema (an object)")
-            spec = json.dumps(value, sort_keys=True, ensure_ascii=False)
+            if not isinstance(value, dict):
+                raise ValueError(f"structured_outputs.json must be a JSON schema (an object), got {value!r}")
+            object.__setattr__(self, "json", value)  # parsed once; properties keep their order
+            # not sort_keys: the order of a schema's properties is the order the output writes them in
+            spec = json.dumps(value, ensure_ascii=False)
         elif kind == "choice":
             if (
                 not isinstance(value, list | tuple)

@@ -15,7 +15,7 @@ import redis.asyncio as aioredis
 from rq.job import Job as RQJob
 
 from rose.jobs import keys
-from rose.jobs.client import _POLL_S, Client, Job, JobCanceled, JobFailed, StreamReset, _reset_point
+from rose.jobs.client import POLL_S, Client, Job, JobCanceled, JobFailed, StreamReset, reset_point
 from rose.jobs.events import TERMINAL_TYPES, parse_event
 
 __all__ = ["AsyncClient", "AsyncJob"]
@@ -34,7 +34,7 @@ class AsyncJob:
         stream = keys.stream_key(self.id)
         stored = await r.xrange(stream)
         last_id: Any = stored[-1][0] if stored else "0"
-        pending = stored[_reset_point(stored) :]
+        pending = stored[reset_point(stored) :]
         quiet_since = time.monotonic()
         quiet_polls = 0
         while True:
@@ -46,13 +46,13 @@ class AsyncJob:
             if pending:
                 quiet_since = time.monotonic()
                 quiet_polls = 0
-            reply = await r.xread({stream: last_id}, block=int(_POLL_S * 1000), count=1000)
+            reply = await r.xread({stream: last_id}, block=int(POLL_S * 1000), count=1000)
             pending = reply[0][1] if reply else []
             if pending:
                 last_id = pending[-1][0]
                 continue
             quiet_polls += 1
-            await asyncio.to_thread(self._sync._raise_if_ended_silently, quiet_polls)
+            await asyncio.to_thread(self._sync.raise_if_ended_silently, quiet_polls)
             if timeout is not None and time.monotonic() - quiet_since > timeout:
                 raise TimeoutError(f"no event from job {self.id} for {timeout} s")
 

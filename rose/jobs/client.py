@@ -42,7 +42,7 @@ _RQ_OPTIONS = (
     "on_stopped",
 )
 _ENDED = {JobStatus.FAILED, JobStatus.CANCELED, JobStatus.STOPPED}
-_POLL_S = 1.0
+POLL_S = 1.0  # seconds a stream read blocks (the async client shares it)
 _SILENT_POLLS = 3
 
 
@@ -112,7 +112,7 @@ def _failure_message(job: RQJob) -> str:
     return "no failure message stored"
 
 
-def _reset_point(entries: list[tuple[Any, dict]]) -> int:
+def reset_point(entries: list[tuple[Any, dict]]) -> int:
     """Index just after the last reset among already stored entries: earlier attempts are superseded."""
     start = 0
     for i, (_, fields) in enumerate(entries):
@@ -148,7 +148,7 @@ class Job:
         stream = keys.stream_key(self.id)
         stored = r.xrange(stream)
         last_id: Any = stored[-1][0] if stored else "0"
-        pending = stored[_reset_point(stored) :]
+        pending = stored[reset_point(stored) :]
         quiet_since = time.monotonic()
         quiet_polls = 0
         while True:
@@ -160,7 +160,7 @@ class Job:
             if pending:
                 quiet_since = time.monotonic()
                 quiet_polls = 0
-            reply = r.xread({stream: last_id}, block=int(_POLL_S * 1000), count=1000)
+            reply = r.xread({stream: last_id}, block=int(POLL_S * 1000), count=1000)
             pending = reply[0][1] if reply else []
             if pending:
                 last_id = pending[-1][0]
@@ -168,11 +168,11 @@ class Job:
             # Nothing new: a job that ended without reaching the worker (canceled while queued...) has no
             # terminal event, so look at its status too.
             quiet_polls += 1
-            self._raise_if_ended_silently(quiet_polls)
+            self.raise_if_ended_silently(quiet_polls)
             if timeout is not None and time.monotonic() - quiet_since > timeout:
                 raise TimeoutError(f"no event from job {self.id} for {timeout} s")
 
-    def _raise_if_ended_silently(self, quiet_polls: int) -> None:
+    def raise_if_ended_silently(self, quiet_polls: int) -> None:
         """Called after each quiet poll. The worker publishes the terminal event right after ending the job, so
         an ended job still silent a few polls later ended without a worker (e.g. canceled while queued)."""
         try:
@@ -222,7 +222,7 @@ class Job:
             if left is not None and left <= 0:
                 raise TimeoutError(f"job {self.id} still {status.value} after {timeout} s")
             # Block on RQ's result stream rather than spinning; wake up now and then to re-check the status.
-            wait = _POLL_S if left is None else min(_POLL_S, left)
+            wait = POLL_S if left is None else min(POLL_S, left)
             job.latest_result(timeout=max(1, int(wait)))
 
     def cancel(self) -> bool:

@@ -111,7 +111,7 @@ def connect(url: str) -> redis.Redis:
 def build_engine(settings: WorkerSettings) -> Any:
     from rose.engine.engine import Engine
 
-    return Engine(
+    engine = Engine(
         model=settings.model,
         tokenizer=settings.tokenizer,
         device=settings.device,
@@ -122,6 +122,8 @@ def build_engine(settings: WorkerSettings) -> Any:
         enable_prefix_caching=settings.enable_prefix_caching,
         disable_any_whitespace=settings.disable_any_whitespace,
     )
+    engine.prepare_structured_outputs()  # not on the loop thread when the first constrained job comes
+    return engine
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -170,7 +172,10 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:
         print(f"rose-worker: cannot serve metrics on port {settings.metrics_port}: {exc}", file=sys.stderr)
         return 2
-    worker.work(burst=args.burst)
+    try:
+        worker.work(burst=args.burst)
+    finally:
+        engine.close()
     return 0
 
 

@@ -12,6 +12,7 @@ Heartbeats, orphan recovery and RQ maintenance run on timers.
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import threading
 import time
@@ -357,7 +358,9 @@ class RoseWorker(Lifecycle, Checks, Outcomes, BaseWorker):
                 run.in_engine = False
                 if out.finish_reason == "error":  # the request could not run (its grammar failed to compile)
                     self.running.pop(run.id, None)
-                    self._redis("engine failure", self._fail, run, out.output.error or "engine error")
+                    # deterministic (a grammar that will not compile): RQ's Retry would fail the same way
+                    fail = functools.partial(self._fail, retry=False)
+                    self._redis("engine failure", fail, run, out.output.error or "engine error")
                     continue
                 run.output = out.output
         self.metrics.on_step(self.engine, step_s, tokens, steady, now)

@@ -15,10 +15,11 @@ from typing import Any
 import jsonschema
 import pytest
 from cli_helpers import rose_cmd, wait_for
-from openai.types import Completion
+from openai.types import BatchError, Completion
 from openai.types import completion_create_params as completion_params
 from openai.types.chat import ChatCompletion
 from openai.types.chat import completion_create_params as chat_params
+from openai.types.shared import ErrorObject
 
 from rose.cli.batch_files import Entry, PlainFormat, survey
 from rose.cli.openai_batch import (
@@ -423,9 +424,11 @@ def test_mixed_chat_and_completions_file_with_error_file_and_queue_routing(
     for custom_id, param in (("bad-tools", "tools"), ("bad-url", "url"), ("bad-value", "temperature")):
         response = failed[custom_id]["response"]
         assert response["status_code"] == 400 and failed[custom_id]["error"] is None
+        assert ErrorObject.model_validate(response["body"]["error"]).param == param
         assert response["body"]["error"]["type"] == "invalid_request_error"
         assert response["body"]["error"]["param"] == param
     assert failed["too-long"]["response"] is None
+    assert BatchError.model_validate(failed["too-long"]["error"]).code == "job_failed"
     assert failed["too-long"]["error"]["code"] == "job_failed"
     assert "max_model_len" in failed["too-long"]["error"]["message"]
 

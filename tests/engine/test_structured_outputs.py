@@ -8,6 +8,7 @@ import json
 import re
 import threading
 import time
+from dataclasses import replace
 
 import jsonschema
 import pytest
@@ -16,7 +17,7 @@ import xgrammar as xgr
 from engine_helpers import drain, generate, make_engine, text_prompt
 
 from rose.engine.engine import Engine
-from rose.engine.grammar import choice_as_ebnf, parse_grammar
+from rose.engine.grammar import StructuredOutputManager, choice_as_ebnf, parse_grammar
 from rose.engine.presets import build_preset
 from rose.engine.sampling_params import SamplingParams
 from rose.engine.structured_outputs import StructuredOutputsParams
@@ -386,3 +387,49 @@ def test_prefix_caching_with_constraints():
     assert eng.get_stats()["prefix_cache_hit_tokens"] > 0
     assert second.token_ids == first.token_ids and first.finish_reason == "stop"
     check(sp.structured_outputs, second.text)
+
+
+def test_a_schema_keeps_its_property_order_in_the_cache_and_as_a_string(engine):
+    def schema(order):
+        props = {name: {"type": "integer", "minimum": 0, "maximum": 9} for name in order}
+        return {"type": "object", "properties": props, "required": list(order), "additionalProperties": False}
+
+    params = SamplingParams(temperature=0, max_tokens=32)
+    texts = {}
+    for rid, constraint in (
+        ("za", {"json": schema(["zeta", "alpha"])}),
+        ("az", {"json": schema(["alpha", "zeta"])}),  # same properties, other order: not the cached grammar
+        ("za-str", {"json": json.dumps(schema(["zeta", "alpha"]))}),  # as a JSON string: compiled as written
+    ):
+        engine.add_request(rid, "hello", replace(params, structured_outputs=constraint))
+        texts[rid] = drain(engine).outputs[rid].text
+    assert list(json.loads(texts["za"])) == ["zeta", "alpha"]
+    assert list(json.loads(texts["az"])) == ["alpha", "zeta"]
+    assert list(json.loads(texts["za-str"])) == ["zeta", "alpha"]
+
+
+def test_the_lookup_mask_equals_xgrammars_kernel_on_a_partly_constrained_batch(engine):
+    tok = engine.tokenizer
+    managers = {
+        backend: StructuredOutputManager(
+            tok, engine.vocab_size, engine.eos_token_ids, engine.device, mask_backend=backend
+        )
+        for backend in ("lookup", "xgrammar")
+    }
+    logits = torch.randn(5, engine.vocab_size, generator=torch.Generator().manual_seed(0))
+    masked = {}
+    for backend, manager in managers.items():
+        reqs = [manager.make_request(so(regex="[0-9]{2}-x")), manager.make_request(so(choice=["yes", "no"]))]
+        for r in reqs:
+            r.wait()
+        assert reqs[0].advance(tok.encode("1")[0]) is False  # one step into the first grammar
+        out = logits.clone()
+        manager.apply_grammar_bitmask(out, [None, reqs[0], None, reqs[1], None])
+        masked[backend] = out
+        manager.shutdown()
+    assert torch.equal(masked["lookup"], masked["xgrammar"])
+    for row in (0, 2, 4):  # unconstrained rows untouched
+        assert torch.equal(masked["lookup"][row], logits[row])
+    allowed = masked["lookup"][[1, 3]].isfinite().sum(dim=1).tolist()
+    assert 0 < allowed[0] < engine.vocab_size and 0 < allowed[1] < engine.vocab_size
+    assert managers["lookup"].get_stats()["structured_output_masked_rows"] == 2

@@ -216,7 +216,8 @@ def test_a_step_error_that_stays_fails_the_jobs_in_the_batch(run_worker, r, q):
     plain = enqueue(q, prompt="x", max_tokens=30)
     retried = enqueue(q, prompt="y", max_tokens=30, retry=Retry(max=1))
     run_worker(engine=engine)
-    wait_for(lambda: engine.steps > 3, what="tokens for both")
+    # both must have streamed a token (a status of "started" comes before any step)
+    wait_for(lambda: all(r.xlen(keys.stream_key(j.id)) > 1 for j in (plain, retried)), what="tokens for both")
     # both already have tokens, so neither can be set aside without losing them: the batch fails, as it did
     engine.poison = {plain.id}
     wait_status(r, plain, "failed")

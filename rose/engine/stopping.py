@@ -1,0 +1,78 @@
+"""What one sampled token does to its request: append it, advance the grammar, detokenize, and decide whether the
+request has finished and why.
+
+Stop rules (vLLM V1's): EOS (unless `ignore_eos`), a stop token id or a stop string ends the request only in the
+tokens generated after the first `min_tokens`; a constrained request ends when its grammar does (it accepted EOS),
+whatever `min_tokens` / `ignore_eos` say; `max_tokens` or the context limit end it with "length". A token the grammar
+refused (impossible with the mask applied) ends it with "error".
+"""
+
+from __future__ import annotations
+
+from rose.engine.outputs import RequestOutput, StepOutput, TokenLogprob
+from rose.engine.sequence import Sequence
+
+
+def append_token(
+    seq: Sequence,
+    token: int,
+    logprob: TokenLogprob | None,
+    now: float,
+    eos_token_ids: set[int],
+    max_model_len: int,
+) -> StepOutput:
+    """Append `token` (sampled at wall time `now`) to `seq`; returns the step's output for it, with the request's
+    final output when this token finished it."""
+    seq.output_token_ids.append(token)
+    if logprob is not None and seq.logprobs is not None:
+        seq.logprobs.append(logprob)
+    metrics = seq.metrics
+    metrics.num_generated_tokens += 1
+    if metrics.first_token_time is None:
+        metrics.first_token_time = now
+    params = seq.params
+    may_stop = len(seq.output_token_ids) > params.min_tokens
+    reason = None
+    grammar_done = seq.structured is not None and seq.structured.advance(token, seq.request_id)
+    stop_token = grammar_done or (
+        may_stop and (token in params.stop_token_ids or (not params.ignore_eos and token in eos_token_ids))
+    )
+    if stop_token:
+        reason = "stop"
+    delta = ""
+    detok = seq.detokenizer
+    if detok is not None:
+        decode = not stop_token or params.include_stop_str_in_output
+        delta = detok.update(token, decode=decode, check_stop=may_stop)
+        if detok.stop_reason is not None:
+            reason = "stop"
+    if reason is None and (len(seq.output_token_ids) >= seq.max_tokens or seq.num_tokens >= max_model_len):
+        reason = "length"
+    new_logprobs = [logprob] if logprob is not None else None
+    if reason is None:
+        return StepOutput(seq.request_id, [token], delta, new_logprobs=new_logprobs)
+    if detok is not None:
+        delta += detok.finish()
+        seq.text = detok.text
+    error = None
+    if grammar_done and seq.structured.refused is not None:
+        reason, error = "error", f"structured_outputs: the grammar refused sampled token {token}"
+    seq.finish_reason = reason
+    metrics.finished_time = now
+    output = request_output(seq)
+    output.error = error
+    return StepOutput(seq.request_id, [token], delta, True, reason, new_logprobs=new_logprobs, output=output)
+
+
+def request_output(seq: Sequence) -> RequestOutput:
+    """The request's whole result so far (its final one once it has finished)."""
+    return RequestOutput(
+        request_id=seq.request_id,
+        prompt=seq.prompt,
+        prompt_token_ids=seq.prompt_token_ids,
+        text=seq.text,
+        token_ids=list(seq.output_token_ids),
+        finish_reason=seq.finish_reason,
+        metrics=seq.metrics,
+        logprobs=seq.logprobs,
+    )
