@@ -24,7 +24,7 @@ from rq.timeouts import TimerDeathPenalty, UnixSignalDeathPenalty
 from rq.worker import BaseWorker, WorkerStatus
 
 from rose.config import WorkerSettings
-from rose.worker import intake, metrics, probe, recovery
+from rose.worker import intake, metrics, probe, recovery, rq_store
 from rose.worker.checks import Checks
 from rose.worker.intake import Running
 from rose.worker.lifecycle import Lifecycle
@@ -234,6 +234,8 @@ class RoseWorker(Lifecycle, Checks, Outcomes, BaseWorker):
             self._redis("checks", self._apply_stops)
         if self.running:
             self._redis("retire", self._retire)
+        if not self.running and not self._retirer.busy and not self._limbo:
+            self._redis("state", rq_store.sync_state, self, False)  # busy since the first start (rq_store)
         self._flush_outbox()
         if time.monotonic() < self._redis_down_until and not self.engine.has_unfinished():
             time.sleep(min(0.5, self._redis_down_until - time.monotonic()))
