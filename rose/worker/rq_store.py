@@ -27,13 +27,21 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from rq.callbacks import execute_failure_callback, execute_stopped_callback, execute_success_callback
+from rq.version import VERSION
+
+if int(VERSION.split(".")[0]) < 3:  # pragma: no cover - pyproject pins rq>=3
+    raise ImportError(f"rose-worker needs rq>=3,<4 (installed: rq {VERSION})")
+
+from rq.callbacks import (  # noqa: E402
+    execute_failure_callback,
+    execute_stopped_callback,
+    execute_success_callback,
+)
 from rq.executions import WORKER_EXECUTIONS_KEY_TEMPLATE, Execution, ExecutionRegistry
 from rq.job import Job, JobStatus
 from rq.queue import Queue
 from rq.rate_limit import release_slot
 from rq.utils import parse_composite_key
-from rq.version import VERSION
 from rq.worker import BaseWorker, WorkerStatus
 
 if TYPE_CHECKING:
@@ -42,8 +50,6 @@ if TYPE_CHECKING:
 
     from rose.worker.intake import Running
 
-if int(VERSION.split(".")[0]) < 3:  # pragma: no cover - guarded by pyproject's rq>=3
-    raise ImportError(f"rose-worker needs rq>=3,<4 (installed: rq {VERSION})")
 
 STARTED = JobStatus.STARTED
 
@@ -70,6 +76,18 @@ def worker_executions_key(name: str) -> str:
 def execution_key(composite: str) -> str:
     job_id, execution_id = parse_composite_key(composite)
     return Execution(execution_id, job_id, connection=None).key  # type: ignore[arg-type]
+
+
+# ---- the worker's registration ----------------------------------------------------------------------------------
+
+
+def set_ip_address(worker: BaseWorker, connection: Redis) -> None:
+    """RQ 3's `_set_ip_address` (run by `BaseWorker.__init__`), tolerating a CLIENT INFO reply redis-py cannot
+    parse (fakeredis, used by `rose demo --redis fake`: ValueError, where RQ only expects a ResponseError)."""
+    try:
+        BaseWorker._set_ip_address(worker, connection)
+    except ValueError:
+        worker.ip_address = "unknown"
 
 
 # ---- start ----------------------------------------------------------------------------------------------------

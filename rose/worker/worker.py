@@ -95,6 +95,9 @@ class RoseWorker(Lifecycle, Checks, Outcomes, BaseWorker):
         self.started = False  # registered and serving (the loop runs)
         self.stopped = False
 
+    def _set_ip_address(self, connection: redis.Redis) -> None:
+        rq_store.set_ip_address(self, connection)
+
     @property
     def connection_timeout(self) -> int:
         # RQ sizes the socket timeout for its ~7-minute blocking dequeue; ours blocks IDLE_BLOCK_S at most, and a
