@@ -97,8 +97,9 @@ class Checks:
     def _apply_stops(self: RoseWorker) -> None:
         """`rq`'s stop-job commands (received by pub/sub), at every iteration: before the job's result is stored."""
         while self._stop_job_ids:
-            run = self.running.get(self._stop_job_ids[0])
-            if run is not None:
+            job_id, _, execution_id = self._stop_job_ids[0].partition(":")
+            run = self.running.get(job_id)
+            if run is not None and execution_id in ("", run.execution.id):
                 self._stop(run)  # forgets the job only once stored as stopped
             self._stop_job_ids.popleft()  # only then: after a Redis error the next iteration tries again
 

@@ -20,6 +20,7 @@ from rq.queue import Queue
 
 from rose.jobs import keys
 from rose.jobs.schemas import GenerateRequest, ValidationError, format_validation_error
+from rose.worker import rq_store
 
 if TYPE_CHECKING:
     from rose.worker.worker import RoseWorker
@@ -167,13 +168,12 @@ def start(worker: RoseWorker, taken: list[tuple[str, Queue]]) -> list[Running]:
                 started_mono=time.monotonic(),
                 timeout=timeout,
             )
-            run.execution = Execution.create(job, run.registry_ttl(), pipeline=pipe, worker_name=worker.name)
-            job.prepare_for_execution(worker.name, pipeline=pipe)
-            pipe.persist(job.key)  # as Job.perform does: a running job must not expire under us
+            run.execution = rq_store.record_start(pipe, worker, job, run.registry_ttl())
             exists_at.append(len(pipe))
             pipe.exists(keys.stream_key(job_id))
             started.append(run)
         results = pipe.execute()
+    rq_store.hold(worker, [run.execution for run in started])
     for run, idx in zip(started, exists_at, strict=True):
         run.restarted = bool(results[idx])
         log.debug("job %s started from %s%s", run.id, run.queue.name, " (restart)" if run.restarted else "")
@@ -196,15 +196,11 @@ def adopt(worker: RoseWorker, taken: list[tuple[str, Queue]]) -> list[Running]:
         if status == JobStatus.QUEUED.value.encode():
             to_start.append((job_id, queue))
         elif status == JobStatus.STARTED.value.encode() and owner == worker.name.encode():
-            prefix = f"{job_id}:".encode()
-            member = next(
-                (m for m in conn.zrange(queue.started_job_registry.key, 0, -1) if m.startswith(prefix)), None
-            )
-            if member is None:
+            execution = rq_store.started_execution(conn, queue, job_id, worker.name)
+            if execution is None:
                 continue
             job = Job.fetch(job_id, connection=conn, serializer=worker.serializer)
-            execution = Execution.from_composite_key(member.decode(), conn)
-            execution.worker_name = worker.name
+            rq_store.hold(worker, [execution])
             run = Running(
                 job=job,
                 queue=queue,

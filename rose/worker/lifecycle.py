@@ -9,14 +9,13 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import redis
-from rq import worker_registration
 from rq.command import parse_payload
 from rq.utils import now
 from rq.worker import WorkerStatus
 
 from rose import __version__
 from rose.jobs import keys
-from rose.worker import metrics, recovery
+from rose.worker import metrics, rq_store
 from rose.worker.intake import Running
 
 if TYPE_CHECKING:
@@ -62,6 +61,10 @@ class Lifecycle:
         command = payload.get("command")
         if command == "stop-job" and payload.get("job_id"):
             self._stop_job_ids.append(str(payload["job_id"]))
+        elif command == "stop-execution" and payload.get("job_id"):
+            # RQ 3's send_stop_execution_command: rose holds one execution per job, so it names the job. The
+            # loop stops it (checked there: the job must still run under that execution).
+            self._stop_job_ids.append(f"{payload['job_id']}:{payload.get('execution_id', '')}")
         elif command == "shutdown":
             self.request_stop(signal.SIGTERM, None)
         else:
@@ -75,11 +78,11 @@ class Lifecycle:
 
     def _heartbeat(self: RoseWorker) -> bool:
         with self.connection.pipeline(transaction=False) as pipe:
-            self.heartbeat(pipeline=pipe)  # HSET last_heartbeat (reply 1 = the key had expired) + EXPIRE
-            state = WorkerStatus.BUSY if self.running else WorkerStatus.IDLE
-            pipe.hset(self.key, "state", (WorkerStatus.SUSPENDED if self._suspended else state).value)
-            for run in self.running.values():
-                run.execution.heartbeat(run.job.started_job_registry, run.registry_ttl(), pipeline=pipe)
+            self.heartbeat(pipeline=pipe)  # HSET last_heartbeat (reply 1 = the key had expired) + EXPIREs
+            state = WorkerStatus.BUSY if self.running or self._retirer.busy else WorkerStatus.IDLE
+            rq_store.heartbeat(
+                pipe, self, self.running.values(), WorkerStatus.SUSPENDED if self._suspended else state
+            )
             info = self._info()
             pipe.hset(keys.worker_info_key(self.name), mapping=info)
             pipe.expire(keys.worker_info_key(self.name), self.worker_ttl)
@@ -88,8 +91,7 @@ class Lifecycle:
             # Our key had lapsed (Redis outage longer than the heartbeat timeout): register again.
             log.warning("worker %s: registration had expired; registering again", self.name)
             with self.connection.pipeline() as pipe:
-                pipe.hset(self.key, mapping=self.serialize())
-                worker_registration.register(self, pipe)
+                rq_store.reregister(pipe, self, self.held_executions())
                 pipe.execute()
         self._check_suspension()
         return True
@@ -156,9 +158,13 @@ class Lifecycle:
             try:
                 with self.connection.pipeline() as pipe:
                     for run in reversed(runs):  # LPUSH in reverse: the first started ends up first
-                        recovery.requeue_started(pipe, run.job, run.queue, run.composite_key, at_front=True)
-                    self.set_current_job_id(None, pipeline=pipe)
+                        rq_store.requeue_started(
+                            pipe, run.job, run.queue, run.composite_key, self.name, at_front=True
+                        )
+                    rq_store.sync_state(self, busy=False, pipe=pipe)
                     pipe.execute()
+                for run in runs:
+                    rq_store.release(self, run.execution)
                 self.metrics.requeued.inc(len(runs))
                 for run in runs:
                     log.info(

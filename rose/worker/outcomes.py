@@ -5,7 +5,6 @@ failure_ttl behave as RQ documents; then the job's terminal event is queued for 
 
 from __future__ import annotations
 
-import copy
 import logging
 import time
 from typing import TYPE_CHECKING, Any
@@ -16,6 +15,7 @@ from rq.queue import Queue
 from rq.utils import now
 
 from rose.jobs.events import CanceledEvent, DoneEvent, ErrorEvent, ResetEvent, Usage, token_event_json
+from rose.worker import rq_store
 from rose.worker.intake import Running
 from rose.worker.logs import job_fields
 from rose.worker.publisher import KEEP_TTL, NO_EXPIRY, Outgoing
@@ -147,6 +147,7 @@ class Outcomes:
 
     def _forget(self: RoseWorker, run: Running) -> None:
         self.running.pop(run.id, None)
+        rq_store.release(self, run.execution)  # RQ 3's in-memory `worker.executions`
         if run.in_engine:
             run.in_engine = False
             try:
@@ -164,19 +165,14 @@ class Outcomes:
         job._result = result
         if job.success_callback and not run.callback_done:
             try:
-                job.execute_success_callback(self.death_penalty_class, result)
+                rq_store.run_success_callback(self, job, result)
             except Exception as exc:  # RQ: a failing success callback fails the job
                 log.exception("job %s: success callback failed", job.id)
                 self._fail(run, f"success callback failed: {exc!r}", retry=True)
                 return
             run.callback_done = True
         job._status = JobStatus.FINISHED
-        # RQ's handler reads and clears `worker.execution`: give it a shallow copy holding this job's (the worker's
-        # own may belong to a job being failed)
-        worker = copy.copy(self)
-        worker.execution = run.execution
-        worker.handle_job_success(job, run.queue, run.queue.started_job_registry)
-        job.send_webhooks(JobStatus.FINISHED)
+        rq_store.succeed(self, run)
         self._announce_done(run, result)
 
     def _announce_done(self: RoseWorker, run: Running, result: dict[str, Any] | None = None) -> None:
@@ -236,14 +232,10 @@ class Outcomes:
         exc_string = f"{exc_class.__name__}: {message}\n"
         if callbacks:
             try:
-                job.execute_failure_callback(self.death_penalty_class, exc_class, exc, None)
+                rq_store.run_failure_callback(self, job, exc_class, exc)
             except Exception:
                 log.exception("job %s: failure callback failed", job.id)
-        will_retry = job.should_retry
-        self.execution = run.execution
-        self.handle_job_failure(
-            job, run.queue, started_job_registry=run.queue.started_job_registry, exc_string=exc_string
-        )
+        will_retry = rq_store.fail(self, run, exc_string, retry=retry)
         self.metrics.failure.inc()
         log.warning(
             "job %s failed%s: %s",
@@ -260,10 +252,7 @@ class Outcomes:
     def _cancel(self: RoseWorker, run: Running, reason: str) -> None:
         """The job was canceled (job.cancel(), client cancel) or deleted: free its slot, clean up, tell subscribers.
         The job is let go once Redis has it: after a Redis error it is still ours, and checked again."""
-        with self.connection.pipeline() as pipe:
-            run.execution.delete(run.job, pipeline=pipe)
-            self.set_current_job_id(None, pipeline=pipe)
-            pipe.execute()
+        rq_store.cancel(self.connection, self, run)
         self._forget(run)
         self._emit(
             run.job,
@@ -278,18 +267,11 @@ class Outcomes:
         it: after a Redis error it is still ours, and the command is tried again."""
         job = run.job
         job.ended_at = now()
-        self._stopped_job_id = job.id
-        self.execution = run.execution
-        self.handle_job_failure(
-            job,
-            run.queue,
-            started_job_registry=run.queue.started_job_registry,
-            exc_string="Job stopped by user, work-horse terminated.",
-        )
+        rq_store.stop(self, run)
         self._forget(run)
         if job.stopped_callback is not None:
             try:
-                job.execute_stopped_callback(self.death_penalty_class)
+                rq_store.run_stopped_callback(self, job)
             except Exception:
                 log.exception("job %s: stopped callback failed", job.id)
         self._emit(

@@ -21,6 +21,7 @@ from rq.queue import Queue
 from rq.utils import now
 
 from rose.jobs import keys
+from rose.worker import rq_store
 
 if TYPE_CHECKING:
     from rose.worker.worker import RoseWorker
@@ -30,8 +31,8 @@ log = logging.getLogger(__name__)
 
 def worker_alive(conn: redis.Redis, name: str) -> bool:
     with conn.pipeline(transaction=False) as pipe:
-        pipe.exists(f"rq:worker:{name}")
-        pipe.hexists(f"rq:worker:{name}", "death")
+        pipe.exists(rq_store.worker_key(name))
+        pipe.hexists(rq_store.worker_key(name), "death")
         exists, dead = pipe.execute()
     return bool(exists) and not dead
 
@@ -43,7 +44,7 @@ def name_in_use(conn: redis.Redis, name: str, heartbeat_timeout: int) -> bool:
     so a stale `rq:worker:<name>` key without a connection named so means a dead worker. Where CLIENT LIST is
     not allowed, a heartbeat older than `heartbeat_timeout` decides.
     """
-    key = f"rq:worker:{name}"
+    key = rq_store.worker_key(name)
     if not conn.exists(key) or conn.hexists(key, "death"):
         return False
     try:
@@ -69,23 +70,15 @@ def wait_for_name(conn: redis.Redis, name: str, heartbeat_timeout: int, poll: fl
     return True
 
 
-def _parse_member(member: bytes | str) -> tuple[str, str]:
-    text = member.decode() if isinstance(member, bytes) else member
-    job_id, _, execution_id = text.partition(":")
-    return job_id, execution_id
-
-
 def find_orphans(worker: RoseWorker, queue: Queue) -> list[tuple[str, str, str]]:
     """(composite key, job id, worker name) of started entries whose worker is gone or that this worker lost."""
     conn = worker.connection
-    registry_key = queue.started_job_registry.key
-    members = conn.zrange(registry_key, 0, -1)
-    if not members:
+    parsed = rq_store.started_entries(conn, queue)
+    if not parsed:
         return []
-    parsed = [_parse_member(m) for m in members]
     with conn.pipeline(transaction=False) as pipe:
         for job_id, execution_id in parsed:
-            pipe.hget(f"rq:execution:{job_id}:{execution_id}", "worker_name")
+            pipe.hget(rq_store.execution_key(f"{job_id}:{execution_id}"), "worker_name")
             pipe.hget(Job.key_for(job_id), "worker_name")
         replies = pipe.execute()
     alive: dict[str, bool] = {worker.name: True}
@@ -113,7 +106,7 @@ def recover_queue(worker: RoseWorker, queue: Queue) -> int:
     handled = 0
     for composite, job_id, owner in find_orphans(worker, queue):
         # ZREM is the claim: when several live workers scan at once, only one gets 1 back.
-        if not conn.zrem(queue.started_job_registry.key, composite):
+        if not rq_store.claim_orphan(conn, queue, composite):
             continue
         handled += 1
         try:
@@ -122,21 +115,22 @@ def recover_queue(worker: RoseWorker, queue: Queue) -> int:
             log.warning(
                 "orphaned job %s (of worker %s) no longer exists; dropped its registry entry", job_id, owner
             )
-            _drop_execution(conn, composite)
+            _drop_execution(conn, composite, owner)
             continue
-        if job.get_status(refresh=False) != JobStatus.STARTED:
-            _drop_execution(conn, composite)
+        if not rq_store.is_started(job):
+            _drop_execution(conn, composite, owner)
             continue
         requeues = int(job.meta.get(keys.META_REQUEUES, 0)) if isinstance(job.meta, dict) else 0
         if requeues >= worker.settings.max_requeues:
-            worker.fail_orphan(job, queue, Execution.from_composite_key(composite, conn), owner, requeues)
+            execution = Execution.from_composite_key(composite, conn)
+            execution.worker_name = owner  # its execution index loses it when it fails
+            worker.fail_orphan(job, queue, execution, owner, requeues)
             continue
         with conn.pipeline() as pipe:
             if isinstance(job.meta, dict) and "unserialized" not in job.meta:
-                job.meta[keys.META_REQUEUES] = requeues + 1
-                job.meta[keys.META_LAST_WORKER] = owner
-                pipe.hset(job.key, "meta", worker.serializer.dumps(job.meta))
-            requeue_started(pipe, job, queue, composite, at_front=True)
+                meta = {**job.meta, keys.META_REQUEUES: requeues + 1, keys.META_LAST_WORKER: owner}
+                rq_store.mark_requeued(pipe, worker, job, meta)
+            rq_store.requeue_started(pipe, job, queue, composite, owner, at_front=True)
             pipe.execute()
         worker.metrics.requeued.inc()
         log.warning(
@@ -156,25 +150,9 @@ def recover_queue(worker: RoseWorker, queue: Queue) -> int:
     return handled
 
 
-def requeue_started(pipe, job: Job, queue: Queue, composite: str, *, at_front: bool) -> None:
-    """Put a started job back on its queue as queued (pipelined): registry entry, execution and worker cleared."""
-    job_id, execution_id = _parse_member(composite)
-    pipe.zrem(queue.started_job_registry.key, composite)
-    pipe.delete(f"rq:execution:{composite}")
-    pipe.zrem(f"rq:executions:{job_id}", execution_id)
-    pipe.hset(job.key, mapping={"status": JobStatus.QUEUED.value, "worker_name": ""})
-    pipe.sadd(Queue.redis_queues_keys, queue.key)
-    if at_front:
-        pipe.lpush(queue.key, job_id)
-    else:
-        pipe.rpush(queue.key, job_id)
-
-
-def _drop_execution(conn: redis.Redis, composite: str) -> None:
-    job_id, execution_id = _parse_member(composite)
+def _drop_execution(conn: redis.Redis, composite: str, owner: str) -> None:
     with conn.pipeline(transaction=False) as pipe:
-        pipe.delete(f"rq:execution:{composite}")
-        pipe.zrem(f"rq:executions:{job_id}", execution_id)
+        rq_store.drop_execution(pipe, composite, owner)
         pipe.execute()
 
 

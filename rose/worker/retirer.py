@@ -22,7 +22,6 @@ others through RQ's handler.
 from __future__ import annotations
 
 import collections
-import copy
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -31,7 +30,7 @@ import redis
 from rq.job import JobStatus
 from rq.utils import now
 
-from rose.worker import resp
+from rose.worker import resp, rq_store
 from rose.worker.intake import Running
 from rose.worker.outcomes import result_dict
 
@@ -124,7 +123,7 @@ class Retirer:
                 owner != [self._started, self._name] for owner in owners
             )  # canceled, deleted, taken over, ...
             or any(dependents)  # dependents to enqueue: RQ's handler does it
-            or any(_repeats(run) for run in batch.runs)
+            or not all(rq_store.batchable(run) for run in batch.runs)  # repeats, rate limits
         ):
             self._release(batch, unwatch=True)
             self._by_handler(
@@ -132,35 +131,13 @@ class Retirer:
             )  # the loop checks them, then stores what is still ours through RQ's handler
             return
         recorder = self.worker.connection.pipeline(transaction=False)  # records RQ's writes, never executed
-        worker = copy.copy(self.worker)  # cleanup_execution reads and clears `worker.execution`
         for run in batch.runs:
-            self._record_success(run, recorder, worker)
+            rq_store.record_success(recorder, self.worker, run)
         commands = [("MULTI",), *(args for args, _ in recorder.command_stack), ("EXEC",)]
         recorder.reset()
         # hiredis's packer called directly: redis-py's pack_commands costs twice as much for these ~15 per job
         batch.conn.send_packed_command([b"".join(map(resp.pack_command, commands))], check_health=False)
         batch.phase, batch.replies = COMMITTING, len(commands)
-
-    def _record_success(self, run: Running, pipe: Any, worker: RoseWorker) -> None:
-        """What `BaseWorker.handle_job_success` writes once the dependents are enqueued (none here), in its order.
-        `worker`: a copy of the worker whose `execution` this sets."""
-        job = run.job
-        worker.execution = run.execution
-        job._status = JobStatus.FINISHED
-        worker.increment_successful_job_count(pipeline=pipe)
-        worker.increment_total_working_time(job.ended_at - job.started_at, pipe)
-        result_ttl = job.get_result_ttl(worker.default_result_ttl)
-        if result_ttl != 0:
-            job._handle_success(
-                result_ttl,
-                pipeline=pipe,
-                worker_name=worker.name,
-                execution_id=run.execution.id,
-                execution_started_at=run.execution.created_at,
-                execution_ended_at=job.ended_at,
-            )
-        job.cleanup(result_ttl, pipeline=pipe, remove_from_queue=False)
-        worker.cleanup_execution(job, pipeline=pipe)
 
     def _finish(self, batch: _Batch) -> None:
         replies = _read(batch.conn, batch.replies)
@@ -178,7 +155,7 @@ class Retirer:
             raise redis.ConnectionError(f"storing {len(batch.runs)} results failed: {errors[0]}")
         self.batched_jobs += len(batch.runs)
         for run in batch.runs:
-            run.job.send_webhooks(JobStatus.FINISHED)
+            rq_store.after_success(self.worker, run)
             self.worker._announce_done(run, run.job._result)
 
     def _by_handler(self, batch: _Batch) -> None:
@@ -210,11 +187,6 @@ class Retirer:
         except _REDIS_ERRORS:
             conn.disconnect()
         self.worker.connection.connection_pool.release(conn)
-
-
-def _repeats(run: Running) -> bool:
-    left = run.job.repeats_left
-    return left is not None and left > 0
 
 
 def _read(conn: Any, count: int) -> list[Any]:

@@ -25,7 +25,7 @@ from rq.timeouts import TimerDeathPenalty, UnixSignalDeathPenalty
 from rq.worker import BaseWorker, WorkerStatus
 
 from rose.config import WorkerSettings
-from rose.worker import intake, metrics, probe, recovery
+from rose.worker import intake, metrics, probe, recovery, rq_store
 from rose.worker.checks import Checks
 from rose.worker.intake import Running
 from rose.worker.isolate import isolate
@@ -96,6 +96,9 @@ class RoseWorker(Lifecycle, Checks, Outcomes, BaseWorker):
         self.redis_ok = True  # the last Redis-touching stage worked: /health's readiness
         self.started = False  # registered and serving (the loop runs)
         self.stopped = False
+
+    def _set_ip_address(self, connection: redis.Redis) -> None:
+        rq_store.set_ip_address(self, connection)
 
     @property
     def connection_timeout(self) -> int:
@@ -236,6 +239,8 @@ class RoseWorker(Lifecycle, Checks, Outcomes, BaseWorker):
             self._redis("checks", self._apply_stops)
         if self.running:
             self._redis("retire", self._retire)
+        if not self.running and not self._retirer.busy and not self._limbo:
+            self._redis("state", rq_store.sync_state, self, False)  # busy since the first start (rq_store)
         self._flush_outbox()
         if time.monotonic() < self._redis_down_until and not self.engine.has_unfinished():
             time.sleep(min(0.5, self._redis_down_until - time.monotonic()))
