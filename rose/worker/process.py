@@ -4,7 +4,6 @@ has registered with RQ, read its log, stop it (SIGTERM, then SIGKILL)."""
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -35,9 +34,9 @@ def wait_for(
 
 
 def worker_command() -> list[str]:
-    """The installed `rose-worker` script, or the module run by this interpreter."""
-    script = shutil.which("rose-worker")
-    return [script] if script else [sys.executable, "-m", "rose.worker.cli"]
+    """`rose-worker` run by this interpreter (`python -m rose.worker.cli`): the same environment (its rq, its rose)
+    as the caller, whatever `rose-worker` script is first on PATH."""
+    return [sys.executable, "-m", "rose.worker.cli"]
 
 
 class WorkerExited(RuntimeError):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 from pathlib import Path
 
@@ -43,5 +42,5 @@ def checkout_env(**extra: str) -> dict[str, str]:
 
 
 def rose_cmd(*args: str) -> list[str]:
-    script = shutil.which("rose")
-    return [*([script] if script else [sys.executable, "-m", "rose"]), *args]
+    """`rose *args` run by this interpreter, as the tests' own environment has it."""
+    return [sys.executable, "-m", "rose", *args]
