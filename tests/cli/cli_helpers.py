@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from rose.worker.process import WorkerProcess, wait_for
 
-__all__ = ["SERVED", "WORKER_NAME", "CliWorker", "checkout_env", "rose_cmd", "wait_for"]
+__all__ = ["SERVED", "WORKER_NAME", "CliWorker", "checkout_env", "interrupt_when", "rose_cmd", "wait_for"]
 
 # The checkout these tests belong to: the `rose` / `rose-worker` scripts import `rose` from wherever the package
 # was installed (another checkout, maybe), so the children get this one first on PYTHONPATH.
@@ -44,3 +47,21 @@ def checkout_env(**extra: str) -> dict[str, str]:
 def rose_cmd(*args: str) -> list[str]:
     """`rose *args` run by this interpreter, as the tests' own environment has it."""
     return [sys.executable, "-m", "rose", *args]
+
+
+def interrupt_when(
+    args: tuple[str, ...], env: dict[str, str], ready: Callable[[], bool], what: str
+) -> tuple[int, str]:
+    """Run `rose *args`, press Ctrl-C (SIGINT) once `ready()` holds (or it ended on its own); (exit code, stderr)."""
+    proc = subprocess.Popen(
+        rose_cmd(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        wait_for(lambda: proc.poll() is not None or ready(), 180, what, interval=0.05)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return proc.returncode, err

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import collections
 import json
-import signal
 import subprocess
 from pathlib import Path
 
 import pytest
-from cli_helpers import checkout_env, rose_cmd, wait_for
+from cli_helpers import checkout_env, interrupt_when, rose_cmd
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -62,24 +61,11 @@ def test_batch_with_malformed_lines_interrupted_then_resumed(tmp_path, rose, cli
     expected = write_input(inp)
     args = ("batch", str(inp), "-o", str(out), *BATCH_ARGS, "--max-in-flight", "8")
 
-    proc = subprocess.Popen(
-        rose_cmd(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=rose.env
+    returncode, err = interrupt_when(
+        args, rose.env, lambda: out.exists() and len(out.read_text().splitlines()) >= 30, "30 result lines"
     )
-    try:
-        wait_for(
-            lambda: proc.poll() is not None or (out.exists() and len(out.read_text().splitlines()) >= 30),
-            180,
-            "30 result lines",
-            interval=0.05,
-        )
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     first = read_output(out)
-    if proc.returncode == 130:  # interrupted mid-way (the usual case): clean stop, resume instructions
+    if returncode == 130:  # interrupted mid-way (the usual case): clean stop, resume instructions
         assert "interrupted" in err and "resume" in err and "rose cancel" in err, err
         assert (tmp_path / "results.jsonl.jobs").exists()
         assert len(first) < len(expected)
@@ -87,7 +73,7 @@ def test_batch_with_malformed_lines_interrupted_then_resumed(tmp_path, rose, cli
         res = rose("cancel", "--jobs-file", str(tmp_path / "results.jsonl.jobs"))
         assert res.returncode == 0 and "jobs canceled from" in res.stdout, res.stderr
     else:  # the machine was fast enough to finish before the signal
-        assert proc.returncode == 1, err
+        assert returncode == 1, err
     assert f"{inp}:17:" in err and "invalid JSON" in err
     assert len({line["id"] for line in first}) == len(first)
 

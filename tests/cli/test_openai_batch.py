@@ -6,15 +6,13 @@ from __future__ import annotations
 
 import collections
 import json
-import signal
-import subprocess
 import typing
 from pathlib import Path
 from typing import Any
 
 import jsonschema
 import pytest
-from cli_helpers import rose_cmd, wait_for
+from cli_helpers import interrupt_when
 from openai.types import BatchError, Completion
 from openai.types import completion_create_params as completion_params
 from openai.types.chat import ChatCompletion
@@ -446,33 +444,19 @@ def test_interrupted_then_resumed_without_duplicates(tmp_path, rose, cli_worker)
     ]
     write_lines(inp, lines)
     args = ("batch", str(inp), "-o", str(out), "--ignore-eos", "--temperature", "0", "--chunk-size", "4")
-    proc = subprocess.Popen(
-        rose_cmd(*args, "--max-in-flight", "4"),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=rose.env,
+    returncode, err = interrupt_when(
+        (*args, "--max-in-flight", "4"), rose.env, lambda: len(read(out)) >= 12, "12 result lines"
     )
-    try:
-        wait_for(
-            lambda: proc.poll() is not None or len(read(out)) >= 12, 180, "12 result lines", interval=0.05
-        )
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     first = read(out)
     left: dict[str, str] = {}  # custom_id -> job id of the jobs the first run left queued or running
-    if proc.returncode == 130:  # the usual case: stopped with jobs still running
+    if returncode == 130:  # the usual case: stopped with jobs still running
         assert "interrupted" in err and (tmp_path / "out.jsonl.jobs").exists()
         assert len(first) < n
         written = {line["custom_id"] for line in first}
         left = {j["id"]: j["job_id"] for j in read(tmp_path / "out.jsonl.jobs") if j["id"] not in written}
         assert left
     else:  # the machine finished before the signal
-        assert proc.returncode == 0, err
+        assert returncode == 0, err
 
     res = rose(*args, "--max-in-flight", "16")
     assert res.returncode == 0, res.stderr

@@ -59,7 +59,8 @@ def test_get_request_and_stats(engine):
     }
     drain(engine)
     assert engine.get_request("x") is None
-    assert engine.get_stats()["num_steps"] == steps + 3  # the prompt's step gives the first token, then 2 decodes
+    # the prompt's step gives the first token, then 2 decodes
+    assert engine.get_stats()["num_steps"] == steps + 3
 
 
 def test_kv_budget_caps_or_rejects_max_model_len():
