@@ -161,7 +161,7 @@ class Engine:
                 f"SamplingParams.stop_token_ids must be in [0, {self.vocab_size}) (the model's vocabulary), "
                 f"got {bad_stops[:5]}"
             )
-        text, ids = self._tokenize(prompt)
+        text, ids = tokenize_prompt(prompt, self.tokenizer, self.vocab_size)
         if ids and params.max_tokens is None and len(ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt has {len(ids)} tokens, which leaves no room to generate within max_model_len "
@@ -210,9 +210,6 @@ class Engine:
             seq.block_hashes = block_hashes(ids, self.prefix_cache.block_size)
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
-
-    def _tokenize(self, prompt: str | list[int] | dict[str, Any]) -> tuple[str | None, list[int]]:
-        return tokenize_prompt(prompt, self.tokenizer, self.vocab_size)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its slot. Returns its final output (finish_reason "abort")."""
