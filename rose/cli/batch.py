@@ -250,7 +250,7 @@ def _loop(
 def _previous_job(conn: Any, job_id: str) -> tuple[str | None, int]:
     """A previous run's job: its RQ status (None: gone) and how many events its stream holds, in one round trip."""
     with conn.pipeline(transaction=False) as pipe:
-        pipe.hget(f"rq:job:{job_id}", "status")
+        pipe.hget(keys.rq_job_key(job_id), keys.JOB_STATUS_FIELD)
         pipe.xlen(keys.stream_key(job_id))
         status, streamed = pipe.execute()
     return (None if status is None else status.decode()), int(streamed)
@@ -300,7 +300,7 @@ def _poll(batch: Batch, client: Any, conn: Any) -> int:
     ids = list(batch.inflight)
     with conn.pipeline(transaction=False) as pipe:
         for job_id in ids:
-            pipe.hget(f"rq:job:{job_id}", "status")
+            pipe.hget(keys.rq_job_key(job_id), keys.JOB_STATUS_FIELD)
         statuses = pipe.execute()
     ended = 0
     fmt = batch.fmt

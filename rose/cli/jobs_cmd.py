@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from rose.cli.common import EXIT_FAILED, EXIT_TIMEOUT, add_redis_args, connect, ended_badly, error
+from rose.jobs import keys
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -72,13 +73,13 @@ def run_cancel(args: argparse.Namespace) -> int:
     client = Client(conn)
     unknown = 0
     for job_id in args.job_ids:
-        if not conn.exists(f"rq:job:{job_id}"):
+        if not conn.exists(keys.rq_job_key(job_id)):
             error(args, f"{job_id}: no such job (unknown, or expired)")
             unknown += 1
         elif client.cancel(job_id):
             print(f"{job_id} canceled", flush=True)
         else:
-            status = (conn.hget(f"rq:job:{job_id}", "status") or b"ended").decode()
+            status = (conn.hget(keys.rq_job_key(job_id), keys.JOB_STATUS_FIELD) or b"ended").decode()
             print(f"{job_id} already {status}", flush=True)
     if args.jobs_file is not None:
         canceled = sum(client.cancel(job_id) for job_id in _jobs_file_ids(args.jobs_file))
@@ -90,7 +91,7 @@ def run_result(args: argparse.Namespace) -> int:
     from rose.jobs.client import Client, JobCanceled, JobFailed
 
     conn = connect(args)
-    if not conn.exists(f"rq:job:{args.job_id}"):
+    if not conn.exists(keys.rq_job_key(args.job_id)):
         error(args, f"{args.job_id}: no such job (unknown, or expired)")
         return EXIT_FAILED
     try:
@@ -98,7 +99,7 @@ def run_result(args: argparse.Namespace) -> int:
     except (JobFailed, JobCanceled) as exc:
         return ended_badly(args, args.job_id, exc)
     except TimeoutError:
-        status = (conn.hget(f"rq:job:{args.job_id}", "status") or b"unknown").decode()
+        status = (conn.hget(keys.rq_job_key(args.job_id), keys.JOB_STATUS_FIELD) or b"unknown").decode()
         error(args, f"job {args.job_id} has not finished (status: {status}); wait with --wait S")
         return EXIT_TIMEOUT
     json.dump(result, sys.stdout, ensure_ascii=False)

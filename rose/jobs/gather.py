@@ -17,6 +17,8 @@ from rq.job import JobStatus
 from rq.results import Result
 from rq.serializers import JSONSerializer
 
+from rose.jobs import keys
+
 if TYPE_CHECKING:
     from rose.jobs.client import Client, Job
 
@@ -35,7 +37,7 @@ def as_completed(
     deadline = None if timeout is None else time.monotonic() + timeout
     with r.pipeline(transaction=False) as pipe:  # where each result stream stands now: newer entries wake us
         for job_id in pending:
-            pipe.xrevrange(Result.get_key(job_id), "+", "-", count=1)
+            pipe.xrevrange(keys.rq_results_key(job_id), "+", "-", count=1)
         positions = {i: (e[0][0] if e else b"0-0") for i, e in zip(pending, pipe.execute(), strict=True)}
     check_all = True  # read every pending job's status: at the start and after a quiet wait
     while pending:
@@ -49,12 +51,14 @@ def as_completed(
             raise TimeoutError(
                 f"{len(pending)} jobs still pending after {timeout} s (first: {next(iter(pending))})"
             )
-        reply = r.xread({Result.get_key(i): positions[i] for i in pending}, block=max(1, int(wait * 1000)))
+        reply = r.xread(
+            {keys.rq_results_key(i): positions[i] for i in pending}, block=max(1, int(wait * 1000))
+        )
         if not reply:  # nothing stored: a job may have been canceled or deleted, which leaves no result
             check_all = True
             continue
         for key, entries in reply:
-            job_id = (key.decode() if isinstance(key, bytes) else key).removeprefix("rq:results:")
+            job_id = keys.job_id_of_results_key(key)
             rid, payload = entries[-1]
             positions[job_id] = rid
             outcome = _from_result(r, pending[job_id], rid, payload)
@@ -67,13 +71,13 @@ def _ended(r: Any, pending: dict[str, Job]) -> Iterator[tuple[Job, Any]]:
     ids = list(pending)
     with r.pipeline(transaction=False) as pipe:
         for job_id in ids:
-            pipe.hget(f"rq:job:{job_id}", "status")
+            pipe.hget(keys.rq_job_key(job_id), keys.JOB_STATUS_FIELD)
         statuses = [s.decode() if s is not None else None for s in pipe.execute()]
     finished = [i for i, s in zip(ids, statuses, strict=True) if s == JobStatus.FINISHED.value]
     if finished:
         with r.pipeline(transaction=False) as pipe:
             for job_id in finished:
-                pipe.xrevrange(Result.get_key(job_id), "+", "-", count=1)
+                pipe.xrevrange(keys.rq_results_key(job_id), "+", "-", count=1)
             latest = pipe.execute()
         for job_id, entries in zip(finished, latest, strict=True):
             rid, payload = entries[0] if entries else (None, None)

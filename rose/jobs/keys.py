@@ -1,6 +1,11 @@
-"""Names of everything rose puts in Redis besides RQ's own keys (see docs/jobs.md)."""
+"""Names of everything rose puts in Redis (see docs/jobs.md), and of the RQ keys producers read, from RQ's own
+classes (so `RQ_KEY_PREFIX` holds; RQ 2.x and 3.x name them alike). The worker's RQ bookkeeping is in
+rose.worker.rq_store."""
 
 from __future__ import annotations
+
+from rq.job import Job
+from rq.results import Result
 
 DEFAULT_QUEUE = "rose"
 FUNC_PATH = "rose.jobs.generate"
@@ -29,3 +34,22 @@ def stream_key(job_id: str) -> str:
 def worker_info_key(worker_name: str) -> str:
     """Hash with the engine's description and live counters of one rose-worker."""
     return f"{WORKER_INFO_PREFIX}{worker_name}"
+
+
+# ---- RQ's keys, for producers ---------------------------------------------------------------------------------
+
+JOB_STATUS_FIELD = "status"  # of RQ's job hash
+
+
+def rq_job_key(job_id: str) -> str:
+    """RQ's hash of the job (`rq:job:<id>`)."""
+    return Job.key_for(job_id)
+
+
+def rq_results_key(job_id: str) -> str:
+    """RQ's stream of the job's results (`rq:results:<id>`)."""
+    return Result.get_key(job_id)
+
+
+def job_id_of_results_key(key: bytes | str) -> str:
+    return (key.decode() if isinstance(key, bytes) else key).removeprefix(rq_results_key(""))

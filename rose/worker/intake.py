@@ -1,8 +1,11 @@
-"""Taking jobs off the queues and starting them: dequeue, start-of-job bookkeeping, validation.
+"""Taking jobs off the queues and starting them, and the job contract a started job is checked against.
 
-Dequeue moves ids into RQ's intermediate list (`rq:queue:<q>:intermediate`, LMOVE) and starting a job removes
-the id from there in the same transaction that puts it in the StartedJobRegistry, so a crash at any point leaves
-the job findable: recovery.py puts it back.
+`Intake.take(room, lengths, block)` returns the jobs it started, as `Running` records (phase TAKEN): ids are moved
+into RQ's intermediate list of their queue (rq_store.dequeue), and starting a job removes its id from there in the
+same transaction that records its execution, so a crash at any point leaves the job findable (rose.worker.recovery
+puts it back). A start whose reply was lost (Redis dropped the connection) stays in limbo and is settled by the next
+take: the jobs that did start are carried on, the others started. `parse` then checks a job against the contract of
+`rose.jobs.generate` (docs/jobs.md): the message it returns is the job's failure.
 """
 
 from __future__ import annotations
@@ -10,27 +13,19 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
 
 from rq.exceptions import DeserializationError
-from rq.executions import Execution
-from rq.job import Job, JobStatus
+from rq.job import Job
 from rq.queue import Queue
 
 from rose.jobs import keys
 from rose.jobs.schemas import GenerateRequest, ValidationError, format_validation_error
 from rose.worker import rq_store
-
-if TYPE_CHECKING:
-    from rose.worker.worker import RoseWorker
+from rose.worker.rq_worker import RQWorker
+from rose.worker.running import Running, job_timeout
 
 log = logging.getLogger(__name__)
 
-DEFAULT_JOB_TIMEOUT = Queue.DEFAULT_TIMEOUT  # what RQ applies when neither job nor queue sets one
-# Registry entries outlive a dead worker by this much: long enough for a rose-worker to requeue its jobs
-# (RQ's cleanup would FAIL them as abandoned once the score passes).
-ORPHAN_GRACE_S = 3600
 MULTI_QUEUE_BLOCK_S = 0.2  # idle with several queues: how often the lower-priority ones are looked at
 
 PICKLE_MESSAGE = (
@@ -40,194 +35,146 @@ PICKLE_MESSAGE = (
     "kwargs={{'prompt': ..., 'max_tokens': ...}}) or use rose.Client."
 )
 
+Taken = list[tuple[str, Queue]]  # dequeued ids, each with its queue
 
-@dataclass
-class Running:
-    """A job this worker has started (it may still be waiting in the engine)."""
 
-    job: Job
-    queue: Queue
-    execution: Execution
-    started_wall: float
-    started_mono: float
-    timeout: int | None  # seconds, None = no limit
-    request: GenerateRequest | None = None
-    restarted: bool = False  # an earlier attempt left events in the stream
-    seq: int = 0  # next event seq in the current attempt
-    text: list[str] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-    output: Any = None  # engine RequestOutput once finished
-    in_engine: bool = False
-    callback_done: bool = False  # a Redis retry of the retirement must not run the success callback twice
-    retire_inline: bool = (
-        False  # store the result on the loop's thread (success callback, or a failed handover)
+class Intake:
+    """Starts jobs for the worker `rq` (whose connection and queues it uses). Owns the ids in limbo."""
+
+    def __init__(self, rq: RQWorker) -> None:
+        self.rq = rq
+        self._limbo: Taken = []  # dequeued ids whose start may not have gone through
+
+    def limbo_ids(self) -> set[str]:
+        """Ids this worker dequeued and may have started: not orphans, whatever the registries say."""
+        return {job_id for job_id, _ in self._limbo}
+
+    def take(self, room: int, lengths: list[int] | None, block_s: float = 0.0) -> list[Running]:
+        """Start up to `room` jobs, highest-priority queue first. `lengths`: the queues' lengths if known (one round
+        trip less); `block_s` > 0: wait that long for a job if there is none (only when the worker is idle)."""
+        if room <= 0:
+            return []
+        taken, self._limbo = self._limbo, []
+        try:
+            if taken:  # a start whose reply was lost last time
+                return self._adopt(taken)
+            taken = self._dequeue(room, lengths)
+            if not taken and block_s > 0:
+                taken = self._wait_for_one(block_s)
+                if taken and room > 1:
+                    taken += self._dequeue(room - 1, None)
+            return self._start(taken)
+        except BaseException:
+            self._limbo = taken
+            raise
+
+    def _dequeue(self, limit: int, lengths: list[int] | None) -> Taken:
+        """Up to `limit` ids without blocking: one round trip to size the queues (none when `lengths` are given),
+        one to move the ids."""
+        conn, queues = self.rq.connection, self.rq.queues
+        if lengths is None:
+            lengths = rq_store.queue_lengths(conn, queues)
+        plan: list[tuple[Queue, int]] = []
+        left = limit
+        for queue, length in zip(queues, lengths, strict=True):
+            n = min(left, int(length))
+            if n > 0:
+                plan.append((queue, n))
+                left -= n
+        return rq_store.dequeue(conn, plan) if plan else []
+
+    def _wait_for_one(self, timeout: float) -> Taken:
+        """Block for a job, crash-safe (BLMOVE). RQ's multi-queue dequeue is a BLPOP, which loses the id if the
+        worker dies before starting the job, so with several queues this blocks on the highest-priority one only
+        and briefly: the non-blocking dequeue covers every queue between waits."""
+        queue = self.rq.queues[0]
+        if len(self.rq.queues) > 1:
+            timeout = min(timeout, MULTI_QUEUE_BLOCK_S)
+        job_id = rq_store.dequeue_blocking(self.rq.connection, queue, timeout)
+        return [] if job_id is None else [(job_id, queue)]
+
+    def _start(self, taken: Taken) -> list[Running]:
+        """Start the taken jobs the RQ way (Execution, StartedJobRegistry, status started), in one transaction."""
+        if not taken:
+            return []
+        conn = self.rq.connection
+        jobs = rq_store.fetch_jobs(conn, [job_id for job_id, _ in taken], self.rq)
+        started: list[Running] = []
+        exists_at: list[int] = []  # index of each started job's EXISTS reply in the pipeline's results
+        with conn.pipeline() as pipe:
+            for (job_id, queue), job in zip(taken, jobs, strict=True):
+                rq_store.settle_dequeued(pipe, queue, job_id)
+                if job is None:
+                    log.info("job %s vanished before it started; skipping", job_id)
+                    continue
+                if not rq_store.is_queued(job):
+                    # e.g. canceled between dequeue and now: a canceled job never starts.
+                    log.info(
+                        "job %s is %s, not queued; not starting it", job_id, job.get_status(refresh=False)
+                    )
+                    continue
+                run = _running(job, queue, None)
+                run.execution = rq_store.record_start(pipe, self.rq, job, run.registry_ttl())
+                exists_at.append(len(pipe))
+                pipe.exists(keys.stream_key(job_id))
+                started.append(run)
+            results = pipe.execute()
+        rq_store.hold(self.rq, [run.execution for run in started])
+        for run, idx in zip(started, exists_at, strict=True):
+            run.restarted = bool(results[idx])
+            log.debug(
+                "job %s started from %s%s", run.id, run.queue.name, " (restart)" if run.restarted else ""
+            )
+        return started
+
+    def _adopt(self, taken: Taken) -> list[Running]:
+        """Jobs whose start transaction may or may not have gone through: pick up those we did start, start those
+        still queued. Without this they would be orphans, restarted later."""
+        conn, name = self.rq.connection, self.rq.name
+        to_start: Taken = []
+        adopted: list[Running] = []
+        states = rq_store.job_states(conn, [job_id for job_id, _ in taken])
+        for (job_id, queue), (status, owner) in zip(taken, states, strict=True):
+            if status == rq_store.QUEUED:
+                to_start.append((job_id, queue))
+            elif status == rq_store.STARTED and owner == name:
+                execution = rq_store.started_execution(conn, queue, job_id, name)
+                if execution is None:
+                    continue
+                job = Job.fetch(job_id, connection=conn, serializer=self.rq.serializer)
+                rq_store.hold(self.rq, [execution])
+                run = _running(job, queue, execution)
+                run.restarted = bool(conn.exists(keys.stream_key(job_id)))
+                adopted.append(run)
+                log.info("job %s: its start went through before the connection broke; carrying on", job_id)
+        return adopted + self._start(to_start)
+
+
+def _running(job: Job, queue: Queue, execution: rq_store.Execution | None) -> Running:
+    return Running(
+        job=job,
+        queue=queue,
+        execution=execution,  # type: ignore[arg-type]
+        started_wall=time.time(),
+        started_mono=time.monotonic(),
+        timeout=job_timeout(job),
     )
-    needs_check: bool = False  # its status must be read (rose.worker.checks) before RQ's handler stores it
-    stream_ttl_due: float = 0.0  # monotonic time at which the next event (re)sets the stream's expiry
-    queue_s: float | None = None  # seconds on the queue (enqueued to started), when RQ recorded both
-    ttft_s: float | None = None  # seconds from start to the first token
-    # The job's id and hash key, read once: RQ's properties recompute them, and the loop reads them for every
-    # running job at every step (events, probe).
-    id: str = field(init=False)
-    key: str = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.id = self.job.id
-        self.key = self.job.key
-
-    @property
-    def composite_key(self) -> str:
-        return self.execution.composite_key
-
-    def registry_ttl(self) -> int:
-        return (self.timeout or 0) + ORPHAN_GRACE_S
-
-    def next_seq(self) -> int:
-        self.seq += 1
-        return self.seq - 1
 
 
-def job_timeout(job: Job) -> int | None:
-    timeout = job.timeout if job.timeout is not None else DEFAULT_JOB_TIMEOUT
-    return None if timeout is None or int(timeout) < 0 else int(timeout)
-
-
-def take(worker: RoseWorker, limit: int, lengths: list[int] | None = None) -> list[tuple[str, Queue]]:
-    """Up to `limit` job ids, highest-priority queue first, without blocking: one round trip to size the queues
-    (none when `lengths` are given, fresh from the step's probe), one to move the ids (LMOVE into each queue's
-    intermediate list, as RQ's own dequeue does)."""
-    conn = worker.connection
-    if lengths is None:
-        with conn.pipeline(transaction=False) as pipe:
-            for queue in worker.queues:
-                pipe.llen(queue.key)
-            lengths = pipe.execute()
-    if not any(lengths):
-        return []
-    plan: list[tuple[Queue, int]] = []
-    left = limit
-    for queue, length in zip(worker.queues, lengths, strict=True):
-        n = min(left, int(length))
-        if n > 0:
-            plan.append((queue, n))
-            left -= n
-    taken: list[tuple[str, Queue]] = []
-    with conn.pipeline(transaction=False) as pipe:
-        for queue, n in plan:
-            for _ in range(n):
-                pipe.lmove(queue.key, queue.intermediate_queue_key, "LEFT", "RIGHT")
-        replies = iter(pipe.execute())
-    for queue, n in plan:
-        for _ in range(n):
-            job_id = next(replies)
-            if job_id is not None:  # another worker was quicker
-                taken.append((job_id.decode() if isinstance(job_id, bytes) else job_id, queue))
-    return taken
-
-
-def wait_for_one(worker: RoseWorker, timeout: float) -> list[tuple[str, Queue]]:
-    """Block up to `timeout` s for a job, crash-safe: BLMOVE into the queue's intermediate list, as RQ does for one
-    queue. RQ's multi-queue dequeue is a BLPOP, which loses the id if the worker dies before starting the job, so
-    with several queues this blocks on the highest-priority one only and briefly: the caller's non-blocking take()
-    covers every queue between waits."""
-    queue = worker.queues[0]
-    if len(worker.queues) > 1:
-        timeout = min(timeout, MULTI_QUEUE_BLOCK_S)
-    job_id = worker.connection.blmove(queue.key, queue.intermediate_queue_key, timeout, "LEFT", "RIGHT")
-    if job_id is None:
-        return []
-    return [(job_id.decode() if isinstance(job_id, bytes) else job_id, queue)]
-
-
-def start(worker: RoseWorker, taken: list[tuple[str, Queue]]) -> list[Running]:
-    """Start the taken jobs the RQ way (StartedJobRegistry + Execution, status started), in one transaction."""
-    if not taken:
-        return []
-    conn = worker.connection
-    jobs = Job.fetch_many([i for i, _ in taken], connection=conn, serializer=worker.serializer)
-    started: list[Running] = []
-    exists_at: list[int] = []  # index of each started job's EXISTS reply in the pipeline's results
-    with conn.pipeline() as pipe:
-        for (job_id, queue), job in zip(taken, jobs, strict=True):
-            pipe.lrem(queue.intermediate_queue_key, 1, job_id)
-            if job is None:
-                log.info("job %s vanished before it started; skipping", job_id)
-                continue
-            status = job.get_status(refresh=False)
-            if status != JobStatus.QUEUED:
-                # e.g. canceled between dequeue and now: a canceled job never starts.
-                log.info("job %s is %s, not queued; not starting it", job_id, status.value)
-                continue
-            job.redis_server_version = worker.get_redis_server_version()
-            timeout = job_timeout(job)
-            run = Running(
-                job=job,
-                queue=queue,
-                execution=None,
-                started_wall=time.time(),  # type: ignore[arg-type]
-                started_mono=time.monotonic(),
-                timeout=timeout,
-            )
-            run.execution = rq_store.record_start(pipe, worker, job, run.registry_ttl())
-            exists_at.append(len(pipe))
-            pipe.exists(keys.stream_key(job_id))
-            started.append(run)
-        results = pipe.execute()
-    rq_store.hold(worker, [run.execution for run in started])
-    for run, idx in zip(started, exists_at, strict=True):
-        run.restarted = bool(results[idx])
-        log.debug("job %s started from %s%s", run.id, run.queue.name, " (restart)" if run.restarted else "")
-    return started
-
-
-def adopt(worker: RoseWorker, taken: list[tuple[str, Queue]]) -> list[Running]:
-    """Jobs whose start transaction may or may not have gone through (the connection broke before its reply):
-    pick up those we did start, start those still queued. Without this they would be orphans, restarted later."""
-    if not taken:
-        return []
-    conn = worker.connection
-    with conn.pipeline(transaction=False) as pipe:
-        for job_id, _ in taken:
-            pipe.hmget(Job.key_for(job_id), "status", "worker_name")
-        states = pipe.execute()
-    to_start: list[tuple[str, Queue]] = []
-    adopted: list[Running] = []
-    for (job_id, queue), (status, owner) in zip(taken, states, strict=True):
-        if status == JobStatus.QUEUED.value.encode():
-            to_start.append((job_id, queue))
-        elif status == JobStatus.STARTED.value.encode() and owner == worker.name.encode():
-            execution = rq_store.started_execution(conn, queue, job_id, worker.name)
-            if execution is None:
-                continue
-            job = Job.fetch(job_id, connection=conn, serializer=worker.serializer)
-            rq_store.hold(worker, [execution])
-            run = Running(
-                job=job,
-                queue=queue,
-                execution=execution,
-                started_wall=time.time(),
-                started_mono=time.monotonic(),
-                timeout=job_timeout(job),
-            )
-            run.restarted = bool(conn.exists(keys.stream_key(job_id)))
-            adopted.append(run)
-            log.info("job %s: its start went through before the connection broke; carrying on", job_id)
-    return adopted + start(worker, to_start)
-
-
-def may_run_callbacks(run: Running) -> bool:
+def may_run_callbacks(job: Job) -> bool:
     """Whether a failing job's RQ callbacks may be imported and run: only for a rose.jobs.generate job whose payload
     decodes as JSON. A refused job (pickle, another function such as os.system) is no job of ours: its callbacks
     are the sender's code, never run here."""
     try:
-        return run.job.func_name == keys.FUNC_PATH
+        return job.func_name == keys.FUNC_PATH
     except Exception:
         return False
 
 
-def validate(worker: RoseWorker, run: Running) -> str | None:
-    """Parse the job's arguments. Returns the failure message for a job that must fail, else None."""
-    job = run.job
+def parse(
+    job: Job, queue_name: str, queue_names: list[str], trust_chat_template: bool
+) -> GenerateRequest | str:
+    """The job's request, or the message of the failure it must end with (nothing in it is run)."""
     try:
         func_name, args, kwargs = job.func_name, job.args, job.kwargs
     except DeserializationError as exc:
@@ -243,24 +190,24 @@ def validate(worker: RoseWorker, run: Running) -> str | None:
                 "the job's payload is JSON but not RQ's [\"rose.jobs.generate\", null, [], {kwargs}] layout "
                 f"({exc.__cause__}); enqueue with RQ's JSONSerializer or follow docs/jobs.md"
             )
-        return PICKLE_MESSAGE.format(queue=run.queue.name)
+        return PICKLE_MESSAGE.format(queue=queue_name)
     if func_name != keys.FUNC_PATH:
         return (
             f"rose-worker only runs {keys.FUNC_PATH} jobs, not {func_name!r}: keep other jobs off the queues "
-            f"it serves ({', '.join(worker.queue_names())})"
+            f"it serves ({', '.join(queue_names)})"
         )
     if args:
         return f"{keys.FUNC_PATH} takes keyword arguments only (kwargs={{'prompt': ...}}), got positional {json.dumps(args)[:200]}"
     try:
-        run.request = GenerateRequest(**kwargs)
+        request = GenerateRequest(**kwargs)
     except ValidationError as exc:
         return format_validation_error(exc)
     except TypeError as exc:  # e.g. non-string keys
         return f"invalid {keys.FUNC_PATH} arguments: {exc}"
-    if run.request.chat_template is not None and not worker.settings.trust_request_chat_template:
+    if request.chat_template is not None and not trust_chat_template:
         return (
             "this job sets 'chat_template' but the worker does not accept per-job chat templates: start "
             "rose-worker with --trust-request-chat-template (ROSE_TRUST_REQUEST_CHAT_TEMPLATE=1), or leave "
             "'chat_template' out to use the model's own"
         )
-    return None
+    return request

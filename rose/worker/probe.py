@@ -10,22 +10,19 @@ next intake. A step with nothing to report costs one small reply, whatever the n
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from rq.job import JobStatus
+import redis
 
-from rose.worker import resp
+from rose.worker import resp, rq_store
+from rose.worker.running import Running
 
-if TYPE_CHECKING:
-    from rose.worker.intake import Running
-    from rose.worker.worker import RoseWorker
-
-# KEYS: the running jobs' hashes; ARGV[1]: this worker's name; ARGV[2]: the status 'started'.
-# Returns {index, status, owner, ...} (1-based index; '' for a missing field) for jobs not started by us.
+# KEYS: the running jobs' hashes; ARGV[1]: this worker's name; ARGV[2]: the status 'started'; ARGV[3], ARGV[4]:
+# the names of the status and owner fields. Returns {index, status, owner, ...} (1-based index; '' for a missing
+# field) for jobs not started by us.
 _SCRIPT = """
 local out = {}
 for i, key in ipairs(KEYS) do
-  local f = redis.call('HMGET', key, 'status', 'worker_name')
+  local f = redis.call('HMGET', key, ARGV[3], ARGV[4])
   if f[1] ~= ARGV[2] or f[2] ~= ARGV[1] then
     out[#out + 1] = i
     out[#out + 1] = f[1] or ''
@@ -36,7 +33,7 @@ return out
 """
 
 
-@dataclass
+@dataclass(slots=True)
 class Attention:
     """A running job whose hash says it is not (or no longer) ours to run: status None means deleted."""
 
@@ -49,7 +46,16 @@ def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def _command(worker: RoseWorker, runs: list[Running]) -> tuple[bytes, int]:
+@dataclass(frozen=True, slots=True)
+class Target:
+    """Where the probe looks: the worker's connection, its name and its queues' keys (highest priority first)."""
+
+    connection: redis.Redis
+    worker_name: str
+    queue_keys: tuple[str, ...]
+
+
+def _command(target: Target, runs: list[Running]) -> tuple[bytes, int]:
     """The probe packed as one pipeline: (bytes, number of replies)."""
     parts: list[bytes] = []
     if runs:
@@ -60,11 +66,13 @@ def _command(worker: RoseWorker, runs: list[Running]) -> tuple[bytes, int]:
             _SCRIPT,
             len(runs),
             *(run.key for run in runs),
-            worker.name,
-            JobStatus.STARTED.value,
+            target.worker_name,
+            rq_store.STARTED,
+            rq_store.JOB_STATUS_FIELD,
+            rq_store.JOB_OWNER_FIELD,
         ]
         parts.append(resp.pack_command(items))
-    parts.extend(resp.pack_command(["LLEN", queue.key]) for queue in worker.queues)
+    parts.extend(resp.pack_command(["LLEN", key]) for key in target.queue_keys)
     return b"".join(parts), len(parts)
 
 
@@ -82,9 +90,9 @@ def _parse(runs: list[Running], replies: list) -> tuple[list[Attention], list[in
     return found, lengths
 
 
-def probe(worker: RoseWorker, runs: list[Running]) -> tuple[list[Attention], list[int]]:
+def probe(target: Target, runs: list[Running]) -> tuple[list[Attention], list[int]]:
     """(jobs needing attention, length of each of the worker's queues) in one round trip."""
-    return _parse(runs, resp.Pending(worker.connection, *_command(worker, runs)).read())
+    return _parse(runs, resp.Pending(target.connection, *_command(target, runs)).read())
 
 
 class InFlightProbe:
@@ -92,8 +100,8 @@ class InFlightProbe:
     does not wait for the round trip. Statuses are read while the step runs: a cancel is seen after this step
     or the next."""
 
-    def __init__(self, worker: RoseWorker) -> None:
-        self.worker = worker
+    def __init__(self, target: Target) -> None:
+        self.target = target
         self._pending: resp.Pending | None = None
         self._runs: list[Running] = []
 
@@ -108,7 +116,7 @@ class InFlightProbe:
 
     def send(self, runs: list[Running]) -> None:
         self.abandon()
-        self._pending = resp.Pending(self.worker.connection, *_command(self.worker, runs))
+        self._pending = resp.Pending(self.target.connection, *_command(self.target, runs))
         self._runs = runs
 
     def receive(self) -> tuple[list[Attention], list[int]]:

@@ -1,40 +1,34 @@
-"""No job is lost when a worker dies: requeue the jobs of dead workers, and fail poison jobs.
+"""No job is lost when a worker dies: requeue the jobs of dead workers, and report poison jobs.
 
 A job is an orphan when its StartedJobRegistry entry names a worker that is gone (its `rq:worker:<name>` key
 expired or records a death), or names this worker's own name but this process does not hold it (a previous run
 under the same `--name` was killed). Orphans go back to the front of their queue, their requeue counter in
-`job.meta` goes up; past `max_requeues` the job fails instead, so a job that crashes workers cannot do so forever.
-
-Registries are read with raw ZRANGE: RQ's `get_job_ids()` / `count` would first FAIL expired entries.
+`job.meta` goes up; past `max_requeues` the job is returned as poison instead, and the loop fails it, so a job that
+crashes workers cannot do so forever. Ids stuck in a queue's intermediate list (a worker died between dequeue and
+start) go back to their queue too (`IntermediateWatch`).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
 
 import redis
-from rq.executions import Execution
-from rq.job import Job, JobStatus
+from rq.job import Job
 from rq.queue import Queue
-from rq.utils import now
 
 from rose.jobs import keys
 from rose.worker import rq_store
-
-if TYPE_CHECKING:
-    from rose.worker.worker import RoseWorker
+from rose.worker.rq_worker import RQWorker
+from rose.worker.running import Running
 
 log = logging.getLogger(__name__)
 
 
 def worker_alive(conn: redis.Redis, name: str) -> bool:
-    with conn.pipeline(transaction=False) as pipe:
-        pipe.exists(rq_store.worker_key(name))
-        pipe.hexists(rq_store.worker_key(name), "death")
-        exists, dead = pipe.execute()
-    return bool(exists) and not dead
+    registered, dead, _ = rq_store.registration(conn, name)
+    return registered and not dead
 
 
 def name_in_use(conn: redis.Redis, name: str, heartbeat_timeout: int) -> bool:
@@ -44,18 +38,13 @@ def name_in_use(conn: redis.Redis, name: str, heartbeat_timeout: int) -> bool:
     so a stale `rq:worker:<name>` key without a connection named so means a dead worker. Where CLIENT LIST is
     not allowed, a heartbeat older than `heartbeat_timeout` decides.
     """
-    key = rq_store.worker_key(name)
-    if not conn.exists(key) or conn.hexists(key, "death"):
+    registered, dead, age = rq_store.registration(conn, name)
+    if not registered or dead:
         return False
     try:
         return any(c.get("name") == name for c in conn.client_list())
     except redis.ResponseError:
-        from rq.utils import utcparse
-
-        beat = conn.hget(key, "last_heartbeat")
-        if beat is None:
-            return False
-        return (now() - utcparse(beat.decode())).total_seconds() < heartbeat_timeout
+        return age is not None and age < heartbeat_timeout
 
 
 def wait_for_name(conn: redis.Redis, name: str, heartbeat_timeout: int, poll: float = 1.0) -> bool:
@@ -70,27 +59,35 @@ def wait_for_name(conn: redis.Redis, name: str, heartbeat_timeout: int, poll: fl
     return True
 
 
-def find_orphans(worker: RoseWorker, queue: Queue) -> list[tuple[str, str, str]]:
-    """(composite key, job id, worker name) of started entries whose worker is gone or that this worker lost."""
-    conn = worker.connection
-    parsed = rq_store.started_entries(conn, queue)
-    if not parsed:
+@dataclass(frozen=True, slots=True)
+class Poison:
+    """An orphan requeued `requeues` times already (last by `owner`): the loop fails it."""
+
+    run: Running
+    owner: str
+    requeues: int
+
+
+@dataclass(slots=True)
+class Recovered:
+    requeued: int = 0  # orphans of dead workers put back on their queues
+    poison: list[Poison] = field(default_factory=list)
+    unstuck: int = 0  # ids moved from an intermediate list back to their queue
+
+
+def find_orphans(rq: RQWorker, queue: Queue, mine: set[str]) -> list[tuple[str, str, str]]:
+    """(composite key, job id, worker name) of started entries whose worker is gone, or that name this worker but
+    are none of `mine` (executions it holds, ids it may have started)."""
+    conn = rq.connection
+    entries = rq_store.started_entries(conn, queue)
+    if not entries:
         return []
-    with conn.pipeline(transaction=False) as pipe:
-        for job_id, execution_id in parsed:
-            pipe.hget(rq_store.execution_key(f"{job_id}:{execution_id}"), "worker_name")
-            pipe.hget(Job.key_for(job_id), "worker_name")
-        replies = pipe.execute()
-    alive: dict[str, bool] = {worker.name: True}
-    held = worker.held_executions()
-    limbo = {job_id for job_id, _ in worker._limbo}  # our own starts awaiting confirmation are not orphans
+    alive: dict[str, bool] = {rq.name: True}
     orphans = []
-    for i, (job_id, execution_id) in enumerate(parsed):
-        raw = replies[2 * i] or replies[2 * i + 1] or b""
-        owner = raw.decode() if isinstance(raw, bytes) else raw
+    for (job_id, execution_id), owner in zip(entries, rq_store.execution_owners(conn, entries), strict=True):
         composite = f"{job_id}:{execution_id}"
-        if owner == worker.name:
-            if composite not in held and job_id not in limbo:
+        if owner == rq.name:
+            if composite not in mine and job_id not in mine:
                 orphans.append((composite, job_id, owner))
             continue
         if owner not in alive:
@@ -100,17 +97,15 @@ def find_orphans(worker: RoseWorker, queue: Queue) -> list[tuple[str, str, str]]
     return orphans
 
 
-def recover_queue(worker: RoseWorker, queue: Queue) -> int:
-    """Requeue (or fail, past the limit) every orphan of `queue`. Returns how many were handled."""
-    conn = worker.connection
-    handled = 0
-    for composite, job_id, owner in find_orphans(worker, queue):
-        # ZREM is the claim: when several live workers scan at once, only one gets 1 back.
-        if not rq_store.claim_orphan(conn, queue, composite):
+def recover_queue(rq: RQWorker, queue: Queue, mine: set[str], max_requeues: int) -> Recovered:
+    """Requeue every orphan of `queue`; those past `max_requeues` come back as poison."""
+    conn = rq.connection
+    recovered = Recovered()
+    for composite, job_id, owner in find_orphans(rq, queue, mine):
+        if not rq_store.claim_orphan(conn, queue, composite):  # another live worker's scan was quicker
             continue
-        handled += 1
         try:
-            job = Job.fetch(job_id, connection=conn, serializer=worker.serializer)
+            job = Job.fetch(job_id, connection=conn, serializer=rq.serializer)
         except Exception:  # deleted meanwhile, or unreadable: nothing to run
             log.warning(
                 "orphaned job %s (of worker %s) no longer exists; dropped its registry entry", job_id, owner
@@ -121,24 +116,30 @@ def recover_queue(worker: RoseWorker, queue: Queue) -> int:
             _drop_execution(conn, composite, owner)
             continue
         requeues = int(job.meta.get(keys.META_REQUEUES, 0)) if isinstance(job.meta, dict) else 0
-        if requeues >= worker.settings.max_requeues:
-            execution = Execution.from_composite_key(composite, conn)
-            execution.worker_name = owner  # its execution index loses it when it fails
-            worker.fail_orphan(job, queue, execution, owner, requeues)
+        if requeues >= max_requeues:
+            run = Running(
+                job=job,
+                queue=queue,
+                execution=rq_store.orphan_execution(conn, composite, owner),
+                started_wall=time.time(),
+                started_mono=time.monotonic(),
+                timeout=None,
+            )
+            recovered.poison.append(Poison(run, owner, requeues))
             continue
         with conn.pipeline() as pipe:
             if isinstance(job.meta, dict) and "unserialized" not in job.meta:
                 meta = {**job.meta, keys.META_REQUEUES: requeues + 1, keys.META_LAST_WORKER: owner}
-                rq_store.mark_requeued(pipe, worker, job, meta)
+                rq_store.mark_requeued(pipe, rq, job, meta)
             rq_store.requeue_started(pipe, job, queue, composite, owner, at_front=True)
             pipe.execute()
-        worker.metrics.requeued.inc()
+        recovered.requeued += 1
         log.warning(
             "requeued job %s: its worker %s died while running it (requeue %d of at most %d)",
             job_id,
             owner or "?",
             requeues + 1,
-            worker.settings.max_requeues,
+            max_requeues,
             extra={
                 "event": "requeued",
                 "job_id": job_id,
@@ -147,7 +148,7 @@ def recover_queue(worker: RoseWorker, queue: Queue) -> int:
                 "owner": owner,
             },
         )
-    return handled
+    return recovered
 
 
 def _drop_execution(conn: redis.Redis, composite: str, owner: str) -> None:
@@ -157,7 +158,7 @@ def _drop_execution(conn: redis.Redis, composite: str, owner: str) -> None:
 
 
 class IntermediateWatch:
-    """Ids stuck in `rq:queue:<q>:intermediate` (a worker died between dequeue and start) go back to the queue.
+    """Ids stuck in a queue's intermediate list (a worker died between dequeue and start) go back to the queue.
 
     An id must be seen in two scans in a row, so a live worker between its dequeue and its start (milliseconds)
     is never disturbed. RQ's own maintenance would fail such jobs after a minute; scans here come sooner.
@@ -166,33 +167,29 @@ class IntermediateWatch:
     def __init__(self) -> None:
         self._seen: dict[str, set[str]] = {}
 
-    def scan(self, worker: RoseWorker, queue: Queue) -> int:
-        conn = worker.connection
-        ids = {i.decode() for i in conn.lrange(queue.intermediate_queue_key, 0, -1)}
+    def scan(self, conn: redis.Redis, queue: Queue) -> int:
+        ids = rq_store.intermediate_ids(conn, queue)
         previous = self._seen.get(queue.name, set())
         self._seen[queue.name] = ids
-        stuck = sorted(ids & previous)
         moved = 0
-        for job_id in stuck:
-            status = conn.hget(Job.key_for(job_id), "status")
-            if status is None:
-                conn.lrem(queue.intermediate_queue_key, 1, job_id)
-                continue
-            if status.decode() != JobStatus.QUEUED.value:
-                continue  # started (registry covers it) or ended: RQ's cleanup removes the id
-            if conn.lrem(queue.intermediate_queue_key, 1, job_id):  # the claim
-                conn.lpush(queue.key, job_id)
+        for job_id in sorted(ids & previous):
+            if rq_store.requeue_stuck(conn, queue, job_id):
                 moved += 1
                 log.warning("job %s was stuck between dequeue and start (dead worker?); requeued it", job_id)
         return moved
 
 
-def recover(worker: RoseWorker, watch: IntermediateWatch) -> int:
+def recover(rq: RQWorker, watch: IntermediateWatch, mine: set[str], max_requeues: int) -> Recovered:
+    """One scan of every queue of the worker. `mine`: the executions (composite keys) this process holds and the
+    job ids it may have started."""
     started = time.monotonic()
-    total = 0
-    for queue in worker.queues:
-        total += recover_queue(worker, queue)
-        total += watch.scan(worker, queue)
-    if total:
-        log.info("recovery: %d orphaned jobs handled in %.3f s", total, time.monotonic() - started)
+    total = Recovered()
+    for queue in rq.queues:
+        found = recover_queue(rq, queue, mine, max_requeues)
+        total.requeued += found.requeued
+        total.poison += found.poison
+        total.unstuck += watch.scan(rq.connection, queue)
+    handled = total.requeued + len(total.poison) + total.unstuck
+    if handled:
+        log.info("recovery: %d orphaned jobs handled in %.3f s", handled, time.monotonic() - started)
     return total

@@ -1,29 +1,33 @@
-"""Every write rose-worker makes into RQ's data, and every RQ internal it touches (RQ 3).
+"""Every read and write rose-worker makes in RQ's data, and every RQ internal it touches (RQ 3).
 
 rose-worker runs many jobs at once in one process; RQ's own worker runs one per work-horse. So the worker does RQ's
-bookkeeping itself, the same way RQ does it, and this module is the one place that knows how:
+bookkeeping itself, the same way RQ does it, and this module (with rq_worker.py, the worker's registration) is the
+one place that knows how, so that an RQ upgrade touches these two files:
 
+- dequeue: LMOVE / BLMOVE into the queue's intermediate list, as RQ's own dequeue, so a crash loses no id;
 - start: an `Execution` per job (`rq:execution:<job>:<exec>`, the job's ExecutionRegistry, the StartedJobRegistry
-  and, RQ 3, the worker's execution index `rq:worker:<name>:executions`), the job marked started, the worker `busy`;
-- success: RQ's `handle_job_success` one job at a time, or its exact writes recorded into a batch (retirer.py);
-- failure / stop: RQ's `handle_job_failure` (Retry, failure_ttl, dependents, rate-limit slots, webhooks);
+  and the worker's execution index `rq:worker:<name>:executions`), the job marked started, the worker `busy`;
+- success: RQ's `handle_job_success` one job at a time, or its exact writes recorded for a batch (retirer.py);
+- failure / stop: RQ's `handle_job_failure` (Retry, failure_ttl, dependents, rate-limit slots, webhooks) and RQ's
+  callback runners (`rq.callbacks`);
 - cancel: the execution removed (RQ's `job.cancel()` already set the status);
-- requeue: a started job put back on its queue (drain, dead workers' orphans) with its execution removed;
-- callbacks: RQ's own runners (`rq.callbacks`, RQ 3);
-- key names: from RQ's classes (`Job.key_for`, `Execution.key`, `ExecutionRegistry.key`, the worker prefix), so
-  `RQ_KEY_PREFIX` is honoured.
+- requeue / recovery: a started job put back on its queue with its execution removed; the registries, execution
+  hashes and intermediate lists read raw (RQ's own readers would FAIL expired entries);
+- names: keys from RQ's classes (`Job.key_for`, `Execution.key`, `ExecutionRegistry.key`, the worker prefix), so
+  `RQ_KEY_PREFIX` is honoured, and the job-hash fields other modules read (`JOB_STATUS_FIELD`, `JOB_OWNER_FIELD`).
 
 Contract: functions that take a `pipe` only queue commands (the caller executes, and only then calls the matching
-`hold` / `release`); the others talk to Redis themselves. In-memory `worker.executions` (RQ 3's per-worker dict,
+`hold` / `release`); the others talk to Redis themselves. The in-memory `worker.executions` (RQ 3's per-worker dict,
 behind `worker.execution` and `get_current_job_id()`) mirrors the executions this process holds: `hold` after a
-start committed, `release` after an end committed (RQ's handlers release their own).
+start committed, `release` after an end committed.
 
-Requires RQ >= 3 (`handle_job_success(..., execution)`, `handle_job_failure(..., execution=)`, no
-`set_current_job_id`, callbacks in `rq.callbacks`). Producers on RQ 2.x and 3.x enqueue compatible jobs.
+Requires RQ >= 3 (`handle_job_success(..., execution)`, `handle_job_failure(..., execution=)`, callbacks in
+`rq.callbacks`). Producers on RQ 2.x and 3.x enqueue compatible jobs.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -41,23 +45,25 @@ from rq.executions import WORKER_EXECUTIONS_KEY_TEMPLATE, Execution, ExecutionRe
 from rq.job import Job, JobStatus
 from rq.queue import Queue
 from rq.rate_limit import release_slot
-from rq.utils import parse_composite_key
+from rq.utils import now, parse_composite_key, utcparse
 from rq.worker import BaseWorker, WorkerStatus
 
 if TYPE_CHECKING:
     from redis import Redis
     from redis.client import Pipeline
 
-    from rose.worker.intake import Running
+    from rose.worker.rq_worker import RQWorker
+    from rose.worker.running import Running
+
+log = logging.getLogger(__name__)
+
+JOB_STATUS_FIELD, JOB_OWNER_FIELD = "status", "worker_name"  # fields of RQ's job hash
+STARTED, QUEUED, FINISHED = JobStatus.STARTED.value, JobStatus.QUEUED.value, JobStatus.FINISHED.value
+CANCELED, STOPPED = JobStatus.CANCELED.value, JobStatus.STOPPED.value
 
 
-STARTED = JobStatus.STARTED
-
-# HSET the worker's state only if its key exists: a plain HSET on a lapsed key would leave a TTL-less hash that
-# makes the name look taken (RQ's register_birth refuses it); the heartbeat re-registers a lapsed key instead.
-_SET_STATE_IF_REGISTERED = (
-    "if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('HSET', KEYS[1], 'state', ARGV[1]) end"
-)
+def _text(value: bytes | str | None) -> str | None:
+    return value.decode() if isinstance(value, bytes) else value
 
 
 # ---- key names ------------------------------------------------------------------------------------------------
@@ -78,30 +84,92 @@ def execution_key(composite: str) -> str:
     return Execution(execution_id, job_id, connection=None).key  # type: ignore[arg-type]
 
 
-# ---- the worker's registration ----------------------------------------------------------------------------------
+# ---- queues and dequeue ---------------------------------------------------------------------------------------
 
 
-def set_ip_address(worker: BaseWorker, connection: Redis) -> None:
-    """RQ 3's `_set_ip_address` (run by `BaseWorker.__init__`), tolerating a CLIENT INFO reply redis-py cannot
-    parse (fakeredis, used by `rose demo --redis fake`: ValueError, where RQ only expects a ResponseError)."""
-    try:
-        BaseWorker._set_ip_address(worker, connection)
-    except ValueError:
-        worker.ip_address = "unknown"
+def queue_lengths(conn: Redis, queues: list[Queue]) -> list[int]:
+    with conn.pipeline(transaction=False) as pipe:
+        for queue in queues:
+            pipe.llen(queue.key)
+        return [int(n) for n in pipe.execute()]
+
+
+def dequeue(conn: Redis, plan: list[tuple[Queue, int]]) -> list[tuple[str, Queue]]:
+    """Up to n ids from each queue, without blocking, in one round trip: LMOVE into the queue's intermediate list,
+    as RQ's own dequeue does (a crash before the start leaves the id findable: `requeue_stuck`)."""
+    with conn.pipeline(transaction=False) as pipe:
+        for queue, n in plan:
+            for _ in range(n):
+                pipe.lmove(queue.key, queue.intermediate_queue_key, "LEFT", "RIGHT")
+        replies = iter(pipe.execute())
+    taken: list[tuple[str, Queue]] = []
+    for queue, n in plan:
+        for _ in range(n):
+            job_id = _text(next(replies))
+            if job_id is not None:  # another worker was quicker
+                taken.append((job_id, queue))
+    return taken
+
+
+def dequeue_blocking(conn: Redis, queue: Queue, timeout: float) -> str | None:
+    """Block up to `timeout` s for one id of `queue` (BLMOVE into its intermediate list, as RQ does)."""
+    return _text(conn.blmove(queue.key, queue.intermediate_queue_key, timeout, "LEFT", "RIGHT"))
+
+
+def intermediate_ids(conn: Redis, queue: Queue) -> set[str]:
+    return {_text(i) for i in conn.lrange(queue.intermediate_queue_key, 0, -1)}  # type: ignore[misc]
+
+
+def requeue_stuck(conn: Redis, queue: Queue, job_id: str) -> bool:
+    """An id left in `queue`'s intermediate list (its worker died between dequeue and start) back on the queue,
+    if the job is still queued. LREM is the claim when several workers scan. Returns whether it was moved."""
+    status = _text(conn.hget(Job.key_for(job_id), JOB_STATUS_FIELD))
+    if status is None:  # the job is gone: drop its id
+        conn.lrem(queue.intermediate_queue_key, 1, job_id)
+        return False
+    if status != QUEUED:
+        return False  # started (the registry covers it) or ended: RQ's cleanup removes the id
+    if conn.lrem(queue.intermediate_queue_key, 1, job_id):
+        conn.lpush(queue.key, job_id)
+        return True
+    return False
 
 
 # ---- start ----------------------------------------------------------------------------------------------------
 
 
-def record_start(pipe: Pipeline, worker: BaseWorker, job: Job, ttl: int) -> Execution:
+def fetch_jobs(conn: Redis, job_ids: list[str], worker: BaseWorker) -> list[Job | None]:
+    return Job.fetch_many(job_ids, connection=conn, serializer=worker.serializer)
+
+
+def job_states(conn: Redis, job_ids: list[str]) -> list[tuple[str | None, str | None]]:
+    """(status, owning worker) of each job, as its hash says (None: no such field / no such job)."""
+    with conn.pipeline(transaction=False) as pipe:
+        for job_id in job_ids:
+            pipe.hmget(Job.key_for(job_id), JOB_STATUS_FIELD, JOB_OWNER_FIELD)
+        return [(_text(status), _text(owner)) for status, owner in pipe.execute()]
+
+
+def settle_dequeued(pipe: Pipeline, queue: Queue, job_id: str) -> None:
+    """Queue removing a dequeued id from the queue's intermediate list (started in the same transaction, or
+    dropped: the job vanished or is no longer queued)."""
+    pipe.lrem(queue.intermediate_queue_key, 1, job_id)
+
+
+def is_queued(job: Job) -> bool:
+    return job.get_status(refresh=False) == JobStatus.QUEUED
+
+
+def record_start(pipe: Pipeline, worker: RQWorker, job: Job, ttl: int) -> Execution:
     """Queue what RQ's `prepare_execution` + `prepare_job_execution` write for one job: a new Execution (job's
     execution registry, StartedJobRegistry, the worker's execution index), the job `started` by this worker, its
     hash persisted; and the worker `busy` (once per pipeline is enough, repeating is harmless)."""
+    job.redis_server_version = worker.get_redis_server_version()
     execution = Execution.create(job, ttl, pipeline=pipe, worker_name=worker.name)
     job.prepare_for_execution(worker.name, pipeline=pipe)
     pipe.persist(job.key)  # as RQ 3's prepare_job_execution: a running job must not expire under us
     if worker.get_state() != WorkerStatus.BUSY:
-        _set_state(pipe, worker, WorkerStatus.BUSY)
+        worker.set_state_if_registered(pipe, WorkerStatus.BUSY)
     return execution
 
 
@@ -125,29 +193,11 @@ def release(worker: BaseWorker, execution: Execution) -> None:
     worker.executions.pop(execution.id, None)
 
 
-def sync_state(worker: BaseWorker, busy: bool, pipe: Pipeline | None = None) -> None:
-    """Set the worker's `state` (busy / idle) if it changed; `suspended` is left to the suspension check."""
-    state = worker.get_state()
-    if state == WorkerStatus.SUSPENDED:
-        return
-    want = WorkerStatus.BUSY if busy else WorkerStatus.IDLE
-    if state != want:
-        if pipe is None:
-            with worker.connection.pipeline(transaction=False) as own:
-                _set_state(own, worker, want)
-                own.execute()
-        else:
-            _set_state(pipe, worker, want)
-
-
-def _set_state(pipe: Pipeline, worker: BaseWorker, state: WorkerStatus) -> None:
-    worker._state = state
-    pipe.eval(_SET_STATE_IF_REGISTERED, 1, worker.key, state.value)
-
-
 def heartbeat(pipe: Pipeline, worker: BaseWorker, runs: Iterable[Running], state: WorkerStatus) -> None:
-    """Queue the heartbeat of the worker's state and every running job's execution (TTL: the job's timeout plus
-    grace). The worker key and its execution index get their TTLs from `BaseWorker.heartbeat`."""
+    """Queue the worker's heartbeat (its key and execution index get their TTLs from `BaseWorker.heartbeat`; reply
+    1 of the pipeline's first command means the key had lapsed), its state, and every running job's execution
+    (TTL: the job's timeout plus grace)."""
+    worker.heartbeat(pipeline=pipe)
     worker.set_state(state, pipeline=pipe)
     for run in runs:
         run.execution.heartbeat(run.job.started_job_registry, run.registry_ttl(), pipeline=pipe)
@@ -165,79 +215,140 @@ def reregister(pipe: Pipeline, worker: BaseWorker, composites: Iterable[str]) ->
         pipe.expire(worker.executions_key, worker.worker_ttl)
 
 
-# ---- ends -----------------------------------------------------------------------------------------------------
+# ---- success --------------------------------------------------------------------------------------------------
 
 
-def succeed(worker: BaseWorker, run: Running) -> None:
+def run_success_callback(worker: BaseWorker, job: Job, result: Any) -> None:
+    """RQ's success callback runner (raises what the callback raises: RQ then fails the job)."""
+    execute_success_callback(job, worker.death_penalty_class, result)
+
+
+def succeed(worker: BaseWorker, run: Running, result: dict[str, Any]) -> None:
     """Store a finished job through RQ's `handle_job_success` (dependents, repeats, result, counters, execution,
-    rate-limit slot) and send its webhooks. `job._result`, `ended_at` and `_status` are set by the caller."""
+    rate-limit slot) and send its webhooks."""
     job = run.job
+    job.ended_at = now()
+    job._result = result
+    job._status = JobStatus.FINISHED
     worker.handle_job_success(job, run.queue, run.queue.started_job_registry, execution=run.execution)
     job.send_webhooks(JobStatus.FINISHED)
 
 
-def record_success(pipe: Pipeline, worker: BaseWorker, run: Running) -> None:
-    """Queue exactly what RQ 3's `handle_job_success` writes inside its transaction for a job with no dependents
-    and no repeats (retirer.py checks both under WATCH). Call `after_success` once the transaction committed."""
-    job = run.job
-    job._status = JobStatus.FINISHED
-    worker.increment_successful_job_count(pipeline=pipe)
-    worker.increment_total_working_time(job.ended_at - job.started_at, pipe)
-    result_ttl = job.get_result_ttl(worker.default_result_ttl)
-    if result_ttl != 0:
-        job._handle_success(
-            result_ttl,
-            pipeline=pipe,
-            worker_name=worker.name,
-            execution_id=run.execution.id,
-            execution_started_at=run.execution.created_at,
-            execution_ended_at=job.ended_at,
-        )
-    job.cleanup(result_ttl, pipeline=pipe, remove_from_queue=False)
-    run.execution.delete(job=job, pipeline=pipe)
+def batchable(run: Running) -> bool:
+    """Whether the batched path may store this job (else `succeed`: repeats and rate limits need RQ's handler)."""
+    left = run.job.repeats_left
+    return not (left is not None and left > 0) and not run.job.has_rate_limit
+
+
+def success_watch(runs: list[Running]) -> list[tuple[Any, ...]]:
+    """The batch's first round: WATCH every job's hash and dependents key, then read the dependents (SMEMBERS) and
+    each job's status and owner. `still_ours` judges the replies."""
+    dependents = [run.job.dependents_key for run in runs]
+    return [
+        ("WATCH", *dependents, *(run.key for run in runs)),
+        *(("SMEMBERS", key) for key in dependents),
+        *(("HMGET", run.key, JOB_STATUS_FIELD, JOB_OWNER_FIELD) for run in runs),
+    ]
+
+
+def still_ours(worker_name: str, runs: list[Running], replies: list[Any]) -> bool:
+    """Whether `success_watch`'s replies (after WATCH's) let the batch be stored by `success_commands`: every job
+    still started by this worker, none with dependents to enqueue, none with repeats or a rate limit."""
+    n = len(runs)
+    dependents, owners = replies[:n], replies[n:]
+    mine = [STARTED.encode(), worker_name.encode()]
+    return all(owner == mine for owner in owners) and not any(dependents) and all(map(batchable, runs))
+
+
+def success_commands(worker: BaseWorker, runs: list[Running]) -> list[tuple[Any, ...]]:
+    """Exactly what RQ 3's `handle_job_success` writes inside its transaction, for each job (no dependents, no
+    repeats: `still_ours`), recorded from RQ's own calls; the caller wraps them in MULTI/EXEC and, once committed,
+    calls `after_success`. `job.ended_at` and `job._result` are set here."""
+    recorder = worker.connection.pipeline(transaction=False)  # records RQ's writes, never executed
+    for run in runs:
+        job = run.job
+        job.ended_at = now()
+        job._result = run.result
+        job._status = JobStatus.FINISHED
+        worker.increment_successful_job_count(pipeline=recorder)
+        worker.increment_total_working_time(job.ended_at - job.started_at, recorder)
+        result_ttl = job.get_result_ttl(worker.default_result_ttl)
+        if result_ttl != 0:
+            job._handle_success(
+                result_ttl,
+                pipeline=recorder,
+                worker_name=worker.name,
+                execution_id=run.execution.id,
+                execution_started_at=run.execution.created_at,
+                execution_ended_at=job.ended_at,
+            )
+        job.cleanup(result_ttl, pipeline=recorder, remove_from_queue=False)
+        run.execution.delete(job=job, pipeline=recorder)
+    commands = [args for args, _ in recorder.command_stack]
+    recorder.reset()
+    return commands
 
 
 def after_success(worker: BaseWorker, run: Running) -> None:
-    """After a recorded success committed: what RQ does after its EXEC (rate-limit slot, webhooks)."""
+    """After `success_commands` committed: what RQ does after its EXEC (rate-limit slot, webhooks)."""
     release(worker, run.execution)
     release_slot(run.job)
     run.job.send_webhooks(JobStatus.FINISHED)
 
 
-def batchable(run: Running) -> bool:
-    """Whether `record_success` may store this job (else `succeed`: repeats and rate limits need RQ's handler)."""
-    left = run.job.repeats_left
-    return not (left is not None and left > 0) and not run.job.has_rate_limit
+# ---- failure, stop, cancel ------------------------------------------------------------------------------------
 
 
-def fail(worker: BaseWorker, run: Running, exc_string: str, *, retry: bool = True) -> bool:
-    """Fail the job through RQ's `handle_job_failure` (Retry unless `retry=False`, FailedJobRegistry, result,
-    dependents, rate-limit slot, webhooks). Returns whether RQ requeued/scheduled it for a retry."""
+def fail(
+    worker: BaseWorker,
+    run: Running,
+    exc: BaseException,
+    *,
+    retry: bool = True,
+    callbacks: bool = True,
+) -> bool:
+    """Fail the job as RQ's worker does: its failure callback (unless `callbacks=False`: an untrusted payload),
+    then `handle_job_failure` (Retry unless `retry=False`, FailedJobRegistry, result, dependents, rate-limit slot,
+    webhooks). Returns whether RQ requeued / scheduled it for a retry."""
     job = run.job
+    job.ended_at = now()
     job._status = JobStatus.FAILED
     if not retry:
         job.retries_left = None
+    if callbacks:
+        try:
+            execute_failure_callback(job, worker.death_penalty_class, type(exc), exc, None)
+        except Exception:
+            log.exception("job %s: failure callback failed", job.id)
     will_retry = bool(job.should_retry)
     worker.handle_job_failure(
         job,
         run.queue,
         started_job_registry=run.queue.started_job_registry,
-        exc_string=exc_string,
+        exc_string=f"{type(exc).__name__}: {exc}\n",
         execution=run.execution,
     )
     return will_retry
 
 
 def stop(worker: BaseWorker, run: Running) -> None:
-    """`send_stop_job_command` / `send_stop_execution_command`: status `stopped`, as RQ's own worker does."""
-    worker._stopped_job_id = run.job.id
+    """`send_stop_job_command` / `send_stop_execution_command`: status `stopped` and the job's stopped callback, as
+    RQ's own worker does."""
+    job = run.job
+    job.ended_at = now()
+    worker._stopped_job_id = job.id
     worker.handle_job_failure(
-        run.job,
+        job,
         run.queue,
         started_job_registry=run.queue.started_job_registry,
         exc_string="Job stopped by user, work-horse terminated.",
         execution=run.execution,
     )
+    if job.stopped_callback is not None:
+        try:
+            execute_stopped_callback(job, worker.death_penalty_class)
+        except Exception:
+            log.exception("job %s: stopped callback failed", job.id)
 
 
 def cancel(conn: Redis, worker: BaseWorker, run: Running) -> None:
@@ -246,18 +357,6 @@ def cancel(conn: Redis, worker: BaseWorker, run: Running) -> None:
         run.execution.delete(run.job, pipeline=pipe)
         pipe.execute()
     release(worker, run.execution)
-
-
-def run_success_callback(worker: BaseWorker, job: Job, result: Any) -> None:
-    execute_success_callback(job, worker.death_penalty_class, result)
-
-
-def run_failure_callback(worker: BaseWorker, job: Job, exc_class: type, exc: BaseException) -> None:
-    execute_failure_callback(job, worker.death_penalty_class, exc_class, exc, None)
-
-
-def run_stopped_callback(worker: BaseWorker, job: Job) -> None:
-    execute_stopped_callback(job, worker.death_penalty_class)
 
 
 # ---- requeue and recovery -------------------------------------------------------------------------------------
@@ -269,7 +368,7 @@ def requeue_started(
     """Queue putting a started job back on its queue as queued: its execution (hash, the job's execution registry,
     StartedJobRegistry, `owner`'s execution index) removed, the job queued without a worker."""
     drop_execution(pipe, composite, owner, queue)
-    pipe.hset(job.key, mapping={"status": JobStatus.QUEUED.value, "worker_name": ""})
+    pipe.hset(job.key, mapping={JOB_STATUS_FIELD: QUEUED, JOB_OWNER_FIELD: ""})
     pipe.sadd(Queue.redis_queues_keys, queue.key)
     if at_front:
         pipe.lpush(queue.key, job.id)
@@ -288,14 +387,30 @@ def drop_execution(pipe: Pipeline, composite: str, owner: str, queue: Queue | No
         pipe.srem(worker_executions_key(owner), composite)
 
 
+def started_entries(conn: Redis, queue: Queue) -> list[tuple[str, str]]:
+    """(job id, execution id) of `queue`'s StartedJobRegistry, raw: RQ's cleanup would FAIL expired entries."""
+    return queue.started_job_registry.get_job_and_execution_ids(cleanup=False)
+
+
+def execution_owners(conn: Redis, entries: list[tuple[str, str]]) -> list[str]:
+    """The worker named by each (job id, execution id): the execution's hash, else the job's."""
+    with conn.pipeline(transaction=False) as pipe:
+        for job_id, execution_id in entries:
+            pipe.hget(execution_key(f"{job_id}:{execution_id}"), JOB_OWNER_FIELD)
+            pipe.hget(Job.key_for(job_id), JOB_OWNER_FIELD)
+        replies = pipe.execute()
+    return [_text(replies[2 * i] or replies[2 * i + 1] or b"") or "" for i in range(len(entries))]
+
+
 def claim_orphan(conn: Redis, queue: Queue, composite: str) -> bool:
     """ZREM is the claim: when several live workers scan at once, only one gets True."""
     return bool(conn.zrem(queue.started_job_registry.key, composite))
 
 
-def started_entries(conn: Redis, queue: Queue) -> list[tuple[str, str]]:
-    """(job id, execution id) of `queue`'s StartedJobRegistry, raw: RQ's cleanup would FAIL expired entries."""
-    return queue.started_job_registry.get_job_and_execution_ids(cleanup=False)
+def orphan_execution(conn: Redis, composite: str, owner: str) -> Execution:
+    execution = Execution.from_composite_key(composite, conn)
+    execution.worker_name = owner  # its execution index loses it when it ends
+    return execution
 
 
 def mark_requeued(pipe: Pipeline, worker: BaseWorker, job: Job, meta: dict[str, Any]) -> None:
@@ -305,4 +420,16 @@ def mark_requeued(pipe: Pipeline, worker: BaseWorker, job: Job, meta: dict[str, 
 
 
 def is_started(job: Job) -> bool:
-    return job.get_status(refresh=False) == STARTED
+    return job.get_status(refresh=False) == JobStatus.STARTED
+
+
+def registration(conn: Redis, name: str) -> tuple[bool, bool, float | None]:
+    """(registered, dead, seconds since its last heartbeat or None) of the worker named `name`."""
+    key = worker_key(name)
+    with conn.pipeline(transaction=False) as pipe:
+        pipe.exists(key)
+        pipe.hexists(key, "death")
+        pipe.hget(key, "last_heartbeat")
+        exists, dead, beat = pipe.execute()
+    age = (now() - utcparse(_text(beat))).total_seconds() if beat else None  # type: ignore[arg-type]
+    return bool(exists), bool(dead), age

@@ -18,7 +18,7 @@ from worker_helpers import FakeEngine, check_stream, enqueue, status, stream_eve
 
 from rose.jobs import keys
 from rose.jobs.client import Client, JobCanceled, JobFailed
-from rose.worker.intake import ORPHAN_GRACE_S
+from rose.worker.running import ORPHAN_GRACE_S
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -248,9 +248,9 @@ def test_with_scheduler_runs_scheduled_jobs_and_retry_intervals(run_worker, r, q
     assert status(r, later) == "scheduled"
     wait_status(r, retried, "finished", timeout=30)  # moved back to the queue by RQ's scheduler, then run
     wait_status(r, later, "finished", timeout=30)
-    assert worker.worker.scheduler is not None
+    assert worker.worker.rq.scheduler is not None
     worker.stop()
-    assert worker.worker.scheduler._process is None or not worker.worker.scheduler._process.is_alive()
+    assert worker.worker.rq.scheduler._process is None or not worker.worker.rq.scheduler._process.is_alive()
 
 
 def test_drain_requeues_unfinished_jobs_in_order(run_worker, r, q):
@@ -474,13 +474,13 @@ def test_busy_loop_never_waits_for_queue_lengths(run_worker, r, q, monkeypatch):
     from rose.worker import intake
 
     asked = []
-    real_take = intake.take
+    real_take = intake.Intake.take
 
-    def take(worker, limit, lengths=None):
+    def take(self, room, lengths, block_s=0.0):
         asked.append(lengths)
-        return real_take(worker, limit, lengths)
+        return real_take(self, room, lengths, block_s)
 
-    monkeypatch.setattr(intake, "take", take)
+    monkeypatch.setattr(intake.Intake, "take", take)
     engine = FakeEngine(max_num_seqs=4, step_delay=0.01)
     first = enqueue(q, prompt="x", max_tokens=60)
     run_worker(engine=engine)

@@ -1,0 +1,219 @@
+"""How a job ends on this worker: finished, failed, canceled, stopped. Each ending is written through RQ's own
+handlers (rose.worker.rq_store), so callbacks, dependents, Retry, result_ttl and failure_ttl behave as RQ
+documents; then the job's terminal event is queued (rose.worker.outbox), its metrics counted and its last log line
+written. An ending raises on a Redis error before anything is queued: the caller decides what is still owed.
+
+Endings never touch the loop's running jobs: the loop lets a job go (rose.worker.loop) before or after calling
+them, as each of its callers documents.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from rq.job import Job
+
+from rose.jobs.events import CanceledEvent, DoneEvent, ErrorEvent, Usage
+from rose.worker import rq_store
+from rose.worker.logs import job_fields
+from rose.worker.metrics import WorkerMetrics
+from rose.worker.outbox import Outbox
+from rose.worker.rq_worker import RQWorker
+from rose.worker.running import Running
+
+log = logging.getLogger(__name__)
+
+
+class RoseJobError(Exception):
+    """Raised (for failure callbacks' exc_info) when rose-worker fails a job."""
+
+
+class RoseJobTimeout(RoseJobError):
+    """The job ran past its RQ job timeout."""
+
+
+def queue_seconds(job: Job) -> float | None:
+    if job.enqueued_at is None or job.started_at is None:
+        return None
+    return max(0.0, (job.started_at - job.enqueued_at).total_seconds())
+
+
+def result_dict(run: Running, worker_name: str) -> dict[str, Any]:
+    """The job's RQ result (docs/jobs.md), from the engine's final output."""
+    out = run.output
+    m = out.metrics
+    start = m.arrival_time or run.started_wall
+    finished = m.finished_time or time.time()
+    generation_s = max(0.0, finished - start)
+    completion = len(out.token_ids)
+    if "".join(run.text) != out.text:
+        log.error("job %s: streamed text differs from the engine's final text (engine bug?)", run.id)
+    return {
+        "text": out.text,
+        "token_ids": list(out.token_ids),
+        "finish_reason": out.finish_reason,
+        "usage": {"prompt_tokens": len(out.prompt_token_ids), "completion_tokens": completion},
+        "metrics": {
+            "queue_s": queue_seconds(run.job),
+            "ttft_s": (m.first_token_time - start) if m.first_token_time else None,
+            "generation_s": generation_s,
+            "tokens_per_s": completion / generation_s if generation_s > 0 else None,
+        },
+        "worker": worker_name,
+        "metadata": run.request.metadata if run.request is not None else None,
+    }
+
+
+class Endings:
+    def __init__(self, rq: RQWorker, outbox: Outbox, metrics: WorkerMetrics) -> None:
+        self.rq = rq
+        self.outbox = outbox
+        self.metrics = metrics
+        self.completed = 0  # jobs stored as finished by this worker
+
+    # ---- milestones (log lines and metrics of a running job) ------------------------------------------------
+
+    def taken(self, run: Running) -> None:
+        run.queue_s = queue_seconds(run.job)
+        self.metrics.on_started(run.queue_s)
+        if log.isEnabledFor(logging.INFO):  # the fields are built per job, at every level otherwise
+            log.info(
+                "job %s taken from %s (%.2f s on the queue)",
+                run.id,
+                run.queue.name,
+                run.queue_s or 0.0,
+                extra=job_fields(run, "taken", queue_s=run.queue_s, restarted=run.restarted or None),
+            )
+        if run.restarted:
+            self.outbox.reset(run)
+
+    def first_token(self, run: Running, now: float) -> None:
+        run.ttft_s = max(0.0, now - run.started_wall)
+        self.metrics.on_first_token(run.ttft_s)
+        if log.isEnabledFor(logging.INFO):
+            log.info(
+                "job %s first token after %.2f s",
+                run.id,
+                run.ttft_s,
+                extra=job_fields(run, "first_token", queue_s=run.queue_s, ttft_s=run.ttft_s),
+            )
+
+    # ---- ends ---------------------------------------------------------------------------------------------------
+
+    def run_success_callback(self, run: Running) -> Exception | None:
+        """The job's success callback, before RQ's handler stores it; what it raised, if it did (RQ then fails the
+        job)."""
+        try:
+            rq_store.run_success_callback(self.rq, run.job, run.result)
+        except Exception as exc:
+            log.exception("job %s: success callback failed", run.id)
+            return exc
+        return None
+
+    def succeed(self, run: Running) -> None:
+        """Store the finished job through RQ's `handle_job_success` (jobs with dependents, repeats, a success
+        callback, or handed back by the retirer; rose.worker.retirer stores the others in batches)."""
+        rq_store.succeed(self.rq, run, run.result)  # type: ignore[arg-type]
+        self.stored(run)
+
+    def stored(self, run: Running) -> None:
+        """The job's result is stored (by `succeed` or a retirer batch): its `done` event, metrics, log line."""
+        result = run.result or result_dict(run, self.rq.name)
+        self.outbox.terminal(
+            run,
+            DoneEvent(
+                job_id=run.id,
+                seq=run.next_seq(),
+                finish_reason=result["finish_reason"] or "stop",
+                usage=Usage(**result["usage"]),
+            ),
+        )
+        self.completed += 1
+        self.metrics.on_success(result)
+        if not log.isEnabledFor(logging.INFO):
+            return
+        usage, m = result["usage"], result["metrics"]
+        log.info(
+            "job %s finished (%s, %d tokens, %.2f s)",
+            run.id,
+            result["finish_reason"],
+            usage["completion_tokens"],
+            m["generation_s"],
+            extra=job_fields(
+                run,
+                "finished",
+                finish_reason=result["finish_reason"],
+                prompt_tokens=usage["prompt_tokens"],
+                completion_tokens=usage["completion_tokens"],
+                queue_s=m["queue_s"],
+                ttft_s=m["ttft_s"],
+                generation_s=m["generation_s"],
+                tokens_per_s=m["tokens_per_s"],
+            ),
+        )
+
+    def fail(
+        self,
+        run: Running,
+        message: str,
+        *,
+        retry: bool = True,
+        exc_class: type[RoseJobError] = RoseJobError,
+        callbacks: bool = True,
+    ) -> None:
+        """Fail the job through RQ. `retry=False` for deterministic errors (bad input) where RQ's Retry would
+        only fail again; `callbacks=False` when the payload is untrusted (not a rose job)."""
+        will_retry = rq_store.fail(self.rq, run, exc_class(message), retry=retry, callbacks=callbacks)
+        self.metrics.failure.inc()
+        log.warning(
+            "job %s failed%s: %s",
+            run.id,
+            " (RQ will retry it)" if will_retry else "",
+            message,
+            extra=self._end_fields(run, "failed", error=message, will_retry=will_retry),
+        )
+        if not will_retry:  # a retried job's stream goes on with a reset when it restarts
+            self.outbox.terminal(run, ErrorEvent(job_id=run.id, seq=run.next_seq(), message=message))
+
+    def cancel(self, run: Running, reason: str) -> None:
+        """The job was canceled (job.cancel(), client cancel) or deleted: clean up, tell subscribers."""
+        rq_store.cancel(self.rq.connection, self.rq, run)
+        self.outbox.terminal(run, CanceledEvent(job_id=run.id, seq=run.next_seq(), reason=reason))
+        self.metrics.canceled.inc()
+        log.info("job %s %s", run.id, reason, extra=self._end_fields(run, "canceled", reason=reason))
+
+    def stop(self, run: Running) -> None:
+        """`rq`'s stop commands: status `stopped`, as RQ's own worker does."""
+        rq_store.stop(self.rq, run)
+        self.outbox.terminal(run, CanceledEvent(job_id=run.id, seq=run.next_seq(), reason="stopped"))
+        self.metrics.canceled.inc()
+        log.info(
+            "job %s stopped by command", run.id, extra=self._end_fields(run, "canceled", reason="stopped")
+        )
+
+    def fail_orphan(self, run: Running, owner: str, requeues: int) -> None:
+        """A job whose workers died `requeues` times already: failed instead of requeued again."""
+        message = (
+            f"the job was requeued {requeues} times after its worker died while running it (last: {owner or '?'}); "
+            f"failing it instead of retrying forever, as it may be what crashes workers (--max-requeues)"
+        )
+        self.outbox.reset(run, reason="worker died")
+        self.fail(run, message, retry=False)
+
+    def requeued(self, run: Running, reason: str) -> None:
+        self.metrics.requeued.inc()
+        log.info("job %s requeued", run.id, extra=self._end_fields(run, "requeued", reason=reason))
+
+    def _end_fields(self, run: Running, event: str, **fields: Any) -> dict[str, Any]:
+        """Fields of a job's last log line, from what the worker saw of it."""
+        return job_fields(
+            run,
+            event,
+            completion_tokens=len(run.token_ids),
+            queue_s=run.queue_s,
+            ttft_s=run.ttft_s,
+            generation_s=max(0.0, time.monotonic() - run.started_mono),
+            **fields,
+        )

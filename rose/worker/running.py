@@ -1,0 +1,113 @@
+"""A job this worker has started, from its start in RQ to the moment its end is stored: `Running`, whose `phase`
+says where it is, and the job's timeout arithmetic.
+
+    TAKEN ──> GENERATING ──> FINISHED ──> RETIRING ──> (stored: done)
+      │           │             │  │          │
+      │           │             │  └──> CHECKING <──┘ (handed back by the retirer)
+      │           │             │          │
+      │           │             │       STORING ──> CALLED_BACK ──> (stored by RQ's handler: done)
+      │           │             │          │  ^          │
+      │           │             │          └──┴─ RECHECKING (a Redis error after the callback ran)
+      └───────────┴─────────────┴──> STOPPING (`rq`'s stop commands) / failed, canceled, lost: let go
+
+FINISHED jobs go to the retirer in batches; jobs with a success callback, and those the retirer hands back, are
+stored by RQ's own `handle_job_success` on the loop's thread once a probe has read their status (CHECKING ->
+STORING): a canceled job is never stored as finished, and a success callback never runs twice. Only the loop
+(rose.worker.loop) moves a job from phase to phase.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from rq.executions import Execution
+from rq.job import Job
+from rq.queue import Queue
+
+from rose.jobs.schemas import GenerateRequest
+
+DEFAULT_JOB_TIMEOUT = Queue.DEFAULT_TIMEOUT  # what RQ applies when neither job nor queue sets one
+# Registry entries outlive a dead worker by this much: long enough for a rose-worker to requeue its jobs
+# (RQ's cleanup would FAIL them as abandoned once the score passes).
+ORPHAN_GRACE_S = 3600
+
+
+class Phase(enum.Enum):
+    TAKEN = "taken"  # started in RQ, not in the engine yet
+    GENERATING = "generating"  # in the engine
+    FINISHED = "finished"  # the engine is done with it: its result is to be stored
+    RETIRING = "retiring"  # in a retirer batch (out of the loop's running jobs)
+    CHECKING = "checking"  # to be stored by RQ's handler once a probe has read its status
+    STORING = "storing"  # checked: RQ's handler stores it (its success callback first)
+    CALLED_BACK = "called_back"  # its success callback ran: RQ's handler stores it
+    RECHECKING = "rechecking"  # storing failed after the callback ran: its status is read again
+    STOPPING = (
+        "stopping"  # an `rq` stop command names it: stored as stopped (tried again after a Redis error)
+    )
+
+
+# phases of a job whose status must be read before RQ's handler may store it, and the phase each goes to once read
+CHECKED_PHASE = {Phase.CHECKING: Phase.STORING, Phase.RECHECKING: Phase.CALLED_BACK}
+# phases in which RQ's handler stores the job on the loop's thread, and the phase each goes back to on a Redis error
+STORE_RETRY_PHASE = {Phase.STORING: Phase.CHECKING, Phase.CALLED_BACK: Phase.RECHECKING}
+
+
+def job_timeout(job: Job) -> int | None:
+    """The job's RQ timeout in seconds (the queue's default when unset), None for no limit (RQ's -1)."""
+    timeout = job.timeout if job.timeout is not None else DEFAULT_JOB_TIMEOUT
+    return None if timeout is None or int(timeout) < 0 else int(timeout)
+
+
+@dataclass(slots=True, eq=False)
+class Running:
+    """A job this worker has started (it may still be waiting in the engine)."""
+
+    job: Job
+    queue: Queue
+    execution: Execution
+    started_wall: float
+    started_mono: float
+    timeout: int | None  # seconds, None = no limit
+    phase: Phase = Phase.TAKEN
+    request: GenerateRequest | None = None
+    restarted: bool = (
+        False  # an earlier attempt left events in the job's stream: this one begins with a reset
+    )
+    seq: int = 0  # next event seq in the current attempt
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    output: Any = None  # the engine's RequestOutput once FINISHED
+    result: dict[str, Any] | None = None  # the job's result, built once it is FINISHED
+    stream_ttl_due: float = 0.0  # monotonic time at which the next event (re)sets the stream's expiry
+    queue_s: float | None = None  # seconds on the queue (enqueued to started), when RQ recorded both
+    ttft_s: float | None = None  # seconds from start to the first token
+    # The job's id and hash key, read once: RQ's properties recompute them, and the loop reads them for every
+    # running job at every step (events, probe).
+    id: str = field(init=False)
+    key: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.id = self.job.id
+        self.key = self.job.key
+
+    @property
+    def composite_key(self) -> str:
+        return self.execution.composite_key
+
+    def registry_ttl(self) -> int:
+        """How long the job's StartedJobRegistry entry and execution live without a heartbeat."""
+        return (self.timeout or 0) + ORPHAN_GRACE_S
+
+    def timed_out(self, now_mono: float) -> bool:
+        """Whether the job ran past its timeout without finishing (a finished job's result is stored regardless)."""
+        return (
+            self.timeout is not None
+            and self.phase in (Phase.TAKEN, Phase.GENERATING)
+            and now_mono - self.started_mono > self.timeout
+        )
+
+    def next_seq(self) -> int:
+        self.seq += 1
+        return self.seq - 1

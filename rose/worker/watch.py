@@ -1,0 +1,158 @@
+"""What the worker watches about its running jobs, and how often; it answers with findings the loop applies.
+
+Every `check_interval` seconds (0: every engine step) the probe (rose.worker.probe) is sent before a step and read
+after it: cancels, deletions and jobs no longer ours (taken over by another worker, or finished by a retirement
+whose reply was lost); timeouts are judged at the same time. Between probes nothing about the running jobs is read,
+so a cancel stops a job's generation within about `check_interval` plus one step. `rq`'s stop commands
+(`send_stop_job_command`, RQ 3's `send_stop_execution_command`) come by pub/sub and are found at the next iteration.
+
+Storing a result never depends on that delay: the retirer reads each finishing job's status under WATCH before it
+writes, and a job to be stored by RQ's handler (phases CHECKING / RECHECKING: a success callback, or handed back by
+the retirer) is owed a probe of its own: one goes out before the next step (at once when the engine is idle), and
+`Checked.checked` lists the jobs a probe read while they were owed one.
+
+The probe also sizes the queues for the next intake; on a step without a probe, and when the probe saw empty queues,
+only the queue lengths are asked after the step (read at the next intake), so a busy loop never waits for a round
+trip to learn whether jobs came. Watch never changes a job: the loop (rose.worker.loop) applies what it reports.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from rose.worker import probe, rq_store
+from rose.worker.running import CHECKED_PHASE, Running
+
+log = logging.getLogger(__name__)
+
+
+class Verdict(enum.Enum):
+    DELETED = "deleted"  # the job's hash is gone
+    CANCELED = "canceled"  # job.cancel() / a client's cancel
+    STORED = "stored"  # finished by our own retirement, whose reply was lost: only its announcement is left
+    LOST = "lost"  # another worker runs it now (this one was taken for dead): drop our copy
+    TIMED_OUT = "timed_out"  # ran past its RQ job timeout
+    STOP = "stop"  # an `rq` stop command names it
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    run: Running
+    verdict: Verdict
+    detail: str = ""  # LOST: the job's status and owner now
+
+
+@dataclass(slots=True)
+class Checked:
+    findings: list[Finding] = field(default_factory=list)
+    checked: list[Running] = field(default_factory=list)  # owed a check, and read by this one
+
+
+def owed(runs: Iterable[Running]) -> bool:
+    return any(run.phase in CHECKED_PHASE for run in runs)
+
+
+class Watch:
+    def __init__(self, target: probe.Target, check_interval: float) -> None:
+        self.check_interval = check_interval
+        self._target = target
+        self._probe = probe.InFlightProbe(target)
+        self._lengths_probe = probe.InFlightProbe(
+            target
+        )  # queue lengths only: sent after a step, read at intake
+        self._next_check = 0.0  # monotonic time the next probe is due
+        self._owed: list[Running] = []  # jobs owed a check when the probe in flight was sent
+        self._lengths: list[int] | None = None  # as of the last probe, for the next intake
+        self._stops: collections.deque[tuple[str, str]] = (
+            collections.deque()
+        )  # appended by RQ's pub/sub thread
+
+    # ---- stop commands ----------------------------------------------------------------------------------------
+
+    def stop_command(self, job_id: str, execution_id: str = "") -> None:
+        """An `rq` stop command (any thread). `execution_id` empty: whatever execution runs the job."""
+        self._stops.append((job_id, execution_id))
+
+    def stops(self, running: dict[str, Running]) -> list[Finding]:
+        """The stop commands received since the last call that name a running job (and its execution, if given)."""
+        found: list[Finding] = []
+        while self._stops:
+            job_id, execution_id = self._stops.popleft()
+            run = running.get(job_id)
+            if run is not None and execution_id in ("", run.execution.id):
+                found.append(Finding(run, Verdict.STOP))
+        return found
+
+    # ---- the probe ----------------------------------------------------------------------------------------------
+
+    def before_step(self, running: dict[str, Running]) -> None:
+        """Send the probe if it is due or owed (its answer is read by `check` after the step)."""
+        t = time.monotonic()
+        runs = list(running.values())
+        if runs and (t >= self._next_check or owed(runs)):
+            self._next_check = t + self.check_interval
+            self._probe.send(runs)
+            self._owed = [run for run in runs if run.phase in CHECKED_PHASE]
+
+    def due(self, running: dict[str, Running], engine_busy: bool) -> bool:
+        """After a step: whether `check` runs now (its probe is in, or an owed check cannot wait for a step)."""
+        if not running:
+            return False
+        return self._probe.pending or (owed(running.values()) and not engine_busy)
+
+    def check(self, running: dict[str, Running]) -> Checked:
+        """Cancels, deletions, lost ownership and timeouts. Reads the probe in flight, or probes now (one round trip,
+        which also sizes the queues for the next intake)."""
+        if self._probe.pending:
+            asked = self._owed
+            found, self._lengths = self._probe.receive()
+        else:
+            asked = [run for run in running.values() if run.phase in CHECKED_PHASE]
+            found, self._lengths = probe.probe(self._target, list(running.values()))
+        self._owed = []
+        result = Checked(checked=[run for run in asked if run.phase in CHECKED_PHASE])
+        for item in found:
+            result.findings.append(_judge(item, self._target.worker_name))
+        seen = {finding.run.id for finding in result.findings}
+        t = time.monotonic()
+        for run in running.values():
+            if run.id not in seen and run.timed_out(t):
+                result.findings.append(Finding(run, Verdict.TIMED_OUT))
+        return result
+
+    # ---- queue lengths for the intake ---------------------------------------------------------------------------
+
+    def ask_lengths(self) -> None:
+        """After a step: ask the queue lengths for the next intake unless the probe brought them (non-empty) or a
+        question is in flight; the reply is read at the intake, so the loop waits for no round trip."""
+        if self._lengths_probe.pending:
+            return
+        if self._lengths is None or not any(self._lengths):
+            self._lengths_probe.send([])
+
+    def queue_lengths(self) -> list[int] | None:
+        """The queue lengths learnt since the last intake (None: unknown, the intake asks)."""
+        lengths, self._lengths = self._lengths, None
+        if self._lengths_probe.pending:
+            asked = self._lengths_probe.receive()[1]
+            lengths = lengths if lengths is not None and any(lengths) else asked
+        return lengths
+
+    def abandon_lengths(self) -> None:
+        self._lengths_probe.abandon()  # no intake to read it (draining, suspended)
+
+
+def _judge(item: probe.Attention, me: str) -> Finding:
+    run, status, owner = item.run, item.status, item.owner
+    if status is None:
+        return Finding(run, Verdict.DELETED)
+    if status in (rq_store.CANCELED, rq_store.STOPPED):
+        return Finding(run, Verdict.CANCELED)
+    if status == rq_store.FINISHED and owner == me and run.output is not None:
+        return Finding(run, Verdict.STORED)
+    return Finding(run, Verdict.LOST, f"{status} on {owner!r}")
