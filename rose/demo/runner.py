@@ -82,7 +82,7 @@ class Demo:
         from rose.config import WorkerSettings
         from rose.engine.presets import is_preset
         from rose.worker.cli import build_engine
-        from rose.worker.loop import RoseWorker
+        from rose.worker.worker import RoseWorker
 
         assert self.redis is not None
         longest = max(len(p.encode()) for p in self.opts.prompts)

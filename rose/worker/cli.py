@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     conn = connect(settings.redis_url)
 
     from rose.worker import recovery
-    from rose.worker.loop import NameInUse, RoseWorker
+    from rose.worker.worker import NameInUse, RoseWorker
 
     if settings.name and not recovery.wait_for_name(conn, settings.name, settings.heartbeat_timeout):
         print(

@@ -1,7 +1,6 @@
-"""RoseWorker: the loop that feeds many RQ jobs at once into a continuous-batching engine.
+"""The job loop: the worker's running jobs, and one iteration over them. rose.worker.worker runs it.
 
-One thread owns the engine and the running jobs (`running`: job id -> rose.worker.running.Running, whose phase only
-this module changes). Each iteration reads top to bottom:
+`JobLoop.iterate` reads top to bottom, like an engine step:
 
     take     jobs while the engine has room (rose.worker.intake; blocking on the queues only when idle)
     step     the engine; each job's tokens queued as events (rose.worker.outbox)
@@ -10,333 +9,132 @@ this module changes). Each iteration reads top to bottom:
     publish  the iteration's events (rose.worker.publisher: sent at once, acknowledged at the next send)
 
 On a busy loop nothing waits for a Redis round trip: the probe and the retirer's rounds are sent before a step and
-read after it. Heartbeats, orphan recovery (rose.worker.recovery) and RQ's maintenance run on timers. What RQ sees
-of the worker (registration, state, executions, commands, scheduler) is an RQ 3 worker it holds
-(rose.worker.rq_worker); every write into RQ's data goes through rose.worker.rq_store.
+read after it. `running` (job id -> rose.worker.running.Running) is owned here: only this module adds or removes a
+job, or changes its phase. Each stage touching Redis runs through the worker's RedisGuard: while Redis is down the
+engine keeps stepping, and whatever a failed stage owed (a check, a store, a stop) is tried again later.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import signal
-import threading
 import time
 from typing import Any
 
-import redis
-from rq.worker import WorkerStatus
-
-from rose import __version__
 from rose.config import WorkerSettings
-from rose.jobs import keys
-from rose.worker import intake, metrics, probe, recovery, rq_store
+from rose.worker import intake, probe, rq_store
 from rose.worker.endings import Endings, RoseJobTimeout, result_dict
 from rose.worker.intake import Intake
 from rose.worker.isolate import isolate
+from rose.worker.metrics import WorkerMetrics
 from rose.worker.outbox import Outbox
-from rose.worker.publisher import Publisher
+from rose.worker.redis_guard import REDIS_ERRORS, RedisGuard
 from rose.worker.retirer import Retired, Retirer
-from rose.worker.rq_worker import Command, RQWorker
+from rose.worker.rq_worker import RQWorker
 from rose.worker.running import CHECKED_PHASE, STORE_RETRY_PHASE, Phase, Running
 from rose.worker.watch import Finding, Verdict, Watch, owed
 
 log = logging.getLogger(__name__)
 
-_REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError)
-IDLE_BLOCK_S = 1  # longest blocking dequeue: bounds how late a signal, heartbeat or recovery scan can be
 
-
-class NameInUse(RuntimeError):
-    pass
-
-
-class RoseWorker:
-    """`RoseWorker(["rose"], engine=engine, connection=r, settings=WorkerSettings(...)).work()`."""
-
+class JobLoop:
     def __init__(
         self,
-        queues: Any,
-        *,
         engine: Any,
-        connection: redis.Redis,
-        settings: WorkerSettings | None = None,
-        name: str | None = None,
-        **rq_kwargs: Any,
-    ):
-        self.settings = settings or WorkerSettings()
-        name = name or self.settings.name
-        if name and recovery.name_in_use(connection, name, self.settings.heartbeat_timeout):
-            raise NameInUse(f"a live worker named {name!r} is already running; give this one another --name")
-        rq_kwargs.setdefault("worker_ttl", self.settings.heartbeat_timeout)
-        self.rq = RQWorker(
-            queues,
-            name=name,
-            connection=connection,
-            on_command=self._command,
-            socket_timeout=IDLE_BLOCK_S + 9,
-            **rq_kwargs,
-        )
+        rq: RQWorker,
+        settings: WorkerSettings,
+        outbox: Outbox,
+        endings: Endings,
+        guard: RedisGuard,
+        metrics: WorkerMetrics,
+    ) -> None:
         self.engine = engine
+        self.rq = rq
+        self.settings = settings
+        self.outbox = outbox
+        self.endings = endings
+        self.guard = guard
+        self.metrics = metrics
         self.running: dict[str, Running] = {}
-        self.metrics = metrics.for_worker(self)
-        self.outbox = Outbox(Publisher(self.connection), self.rq.default_result_ttl)
-        self.endings = Endings(self.rq, self.outbox, self.metrics)
-        self.intake = Intake(self.rq)
-        target = probe.Target(self.connection, self.name, tuple(q.key for q in self.rq.queues))
-        self.watch = Watch(target, self.settings.check_interval)
-        self.retirer = Retirer(self.rq)
-        self._intermediate = recovery.IntermediateWatch()
-        self._drain_deadline: float | None = None
-        self._force_stop = False
-        self._suspended = False
-        self._redis_down_until = 0.0
-        self._redis_backoff = 0.5
-        self._next_heartbeat = 0.0
-        self._next_recovery = 0.0
-        self.started_at = time.time()
-        self.metrics_server: metrics.HealthServer | None = None
-        self.loop_beat = time.monotonic()  # each loop iteration: /health's liveness
-        self.redis_ok = True  # the last Redis-touching stage worked: /health's readiness
-        self.started = False  # registered and serving (the loop runs)
-        self.stopped = False
-
-    # ---- what the worker is ------------------------------------------------------------------------------------
+        self.intake = Intake(rq)
+        self.watch = Watch(
+            probe.Target(rq.connection, rq.name, tuple(q.key for q in rq.queues)), settings.check_interval
+        )
+        self.retirer = Retirer(rq)
 
     @property
-    def name(self) -> str:
-        return self.rq.name
-
-    @property
-    def connection(self) -> redis.Redis:
-        return self.rq.connection
-
-    def queue_names(self) -> list[str]:
-        return self.rq.queue_names()
-
-    @property
-    def completed(self) -> int:
-        return self.endings.completed
-
-    @property
-    def draining(self) -> bool:
-        return self._drain_deadline is not None
+    def busy(self) -> bool:
+        """Jobs running, or results being stored."""
+        return bool(self.running) or self.retirer.busy
 
     def held_executions(self) -> set[str]:
         """The executions this process holds: running jobs, and finished ones whose results are being stored."""
         return {run.composite_key for run in self.running.values()} | self.retirer.held_executions()
 
-    def serve_metrics(self) -> None:
-        """Start the /metrics + /health server (--metrics-port), once. Raises OSError if the port is taken."""
-        if self.metrics_server is None:
-            self.metrics_server = metrics.serve(self)
+    def mine(self) -> set[str]:
+        """What no recovery scan may take from this worker: its executions and the ids it may have started."""
+        return self.held_executions() | self.intake.limbo_ids()
 
-    # ---- start, run, stop ----------------------------------------------------------------------------------------
-
-    def work(
-        self, burst: bool = False, max_idle_time: int | None = None, with_scheduler: bool | None = None
-    ) -> bool:
-        """Run until a signal (or, with burst=True, until the queues are empty and nothing runs).
-
-        with_scheduler (default: --with-scheduler): also run RQ's scheduler for these queues, as `rq worker
-        --with-scheduler` does, so scheduled jobs (`enqueue_in`/`enqueue_at`) and `Retry(interval=...)` run.
-        """
-        main = threading.current_thread() is threading.main_thread()
-        self.rq.choose_death_penalty(main_thread=main)
-        if main:
-            signal.signal(signal.SIGINT, self.request_stop)
-            signal.signal(signal.SIGTERM, self.request_stop)
-        self.serve_metrics()
-        self._startup()
-        if self.settings.with_scheduler if with_scheduler is None else with_scheduler:
-            # RQ's own scheduler process (one per queue set across all workers, by Redis lock); maintenance
-            # restarts it if it dies and another worker does not hold the lock.
-            self.rq.start_scheduler(burst, logging_level=self.settings.log_level)
-        idle_since = time.monotonic()
-        try:
-            while not self._should_exit():
-                took = self._iteration(block=not burst)
-                if self.running or took:
-                    idle_since = time.monotonic()
-                    continue
-                if burst and not self.engine.has_unfinished() and not any(self._queue_lengths()):
-                    break
-                if max_idle_time is not None and time.monotonic() - idle_since > max_idle_time:
-                    break
-        finally:
-            self._shutdown()
-        return self.completed > 0
-
-    def request_stop(self, signum: int, frame: Any) -> None:
-        """First signal: stop taking jobs and drain; second: stop waiting. Never raises (unlike RQ's)."""
-        if self._drain_deadline is None:
-            self._drain_deadline = time.monotonic() + self.settings.drain_timeout
-            self.rq.shutdown_requested()
-            log.warning(
-                "signal %s: draining %d running jobs (up to %.0f s); signal again to stop now",
-                signum,
-                len(self.running),
-                self.settings.drain_timeout,
-            )
-        else:
-            self._force_stop = True
-            log.warning("signal %s again: requeueing running jobs and stopping now", signum)
-
-    def _command(self, command: Command) -> None:
-        """RQ's worker commands (pub/sub thread): stops go to the watch, read by the loop."""
-        kind, job_id, execution_id = command
-        if kind in ("stop-job", "stop-execution"):
-            self.watch.stop_command(job_id, execution_id)
-        elif kind == "shutdown":
-            self.request_stop(signal.SIGTERM, None)
-        else:
-            log.info("ignoring worker command %r", kind)
-
-    def _startup(self) -> None:
-        self.rq.start()
-        self._recover()  # jobs our predecessor held (same name) are orphans now: requeued before anything else
-        self._next_recovery = time.monotonic() + self.settings.recovery_interval
-        log.info(
-            "worker %s: serving %s with %s (max %d jobs at once)",
-            self.name,
-            ", ".join(self.queue_names()),
-            getattr(self.engine, "model_name", type(self.engine).__name__),
-            self._max_jobs(),
-        )
-        self.started = True
-
-    def _should_exit(self) -> bool:
-        if self._drain_deadline is None:
-            return False
-        if self._force_stop or time.monotonic() >= self._drain_deadline:
-            return True
-        return not self.running and not self.retirer.busy
-
-    def _shutdown(self) -> None:
-        """Store what finished, requeue what still runs at the front of its queue (start order kept), unregister."""
-        try:
-            self._redis("stops", self._stop_commanded)
-            if self.running:
-                self._redis("checks", self._check)
-                self._redis("retire", self._retire)
-            self._retired(self.retirer.drain())
-            if owed(self.running.values()):  # handed back: checked, one more try
-                self._redis("checks", self._check)
-                self._redis("retire", self._retire)
-            left = sorted(self.running.values(), key=lambda r: r.started_mono)
-            for run in left:
-                self._let_go(run)
-            if left:
-                self._requeue_on_exit(left)
-            self.outbox.flush()
-            self.outbox.publisher.close(timeout=10)
-        finally:
-            with contextlib.suppress(_REDIS_ERRORS):  # it lapses on its own
-                self.connection.delete(keys.worker_info_key(self.name))
-            self.rq.stop()
-            self.stopped = True
-            if self.metrics_server is not None:
-                self.metrics_server.close()
-            log.info("worker %s: stopped (%d jobs completed)", self.name, self.completed)
-
-    def _requeue_on_exit(self, runs: list[Running]) -> None:
-        delay = 0.5
-        for attempt in range(5):
-            try:
-                with self.connection.pipeline() as pipe:
-                    for run in reversed(runs):  # LPUSH in reverse: the first started ends up first
-                        rq_store.requeue_started(
-                            pipe, run.job, run.queue, run.composite_key, self.name, at_front=True
-                        )
-                    self.rq.sync_state(busy=False, pipe=pipe)
-                    pipe.execute()
-                for run in runs:
-                    self.endings.requeued(run, "shutdown")
-                log.warning("requeued %d unfinished jobs at the front of their queues", len(runs))
-                return
-            except _REDIS_ERRORS as exc:
-                log.error("could not requeue %d jobs (%s), attempt %d", len(runs), exc, attempt + 1)
-                time.sleep(delay)
-                delay *= 2
-        log.error("gave up requeueing; live workers will requeue them once this worker's heartbeat lapses")
+    def stop_job(self, job_id: str, execution_id: str = "") -> None:
+        """An `rq` stop command (any thread): the job is stopped at the next iteration."""
+        self.watch.stop_command(job_id, execution_id)
 
     # ---- one iteration -------------------------------------------------------------------------------------------
 
-    def _iteration(self, block: bool) -> int:
-        self.loop_beat = time.monotonic()
-        self._timers()
-        took = self._take_stage(block)
+    def iterate(self, taking: bool, block_s: float = 0.0) -> int:
+        """One iteration. `taking`: jobs may be taken (not draining, not suspended); `block_s`: how long an idle
+        worker may wait on the queues. Returns how many jobs were taken."""
+        took = (self.guard.run("intake", self._take, block_s) or 0) if taking else 0
+        if not taking:
+            self.watch.abandon_lengths()
         if self.engine.has_unfinished():
-            self._redis("checks", self.watch.before_step, self.running)  # answered while the model runs
+            self.guard.run("checks", self.watch.before_step, self.running)  # answered while the model runs
             self._step()
         if self.watch.due(self.running, self.engine.has_unfinished()):  # before any retirement
-            self._redis("checks", self._check)
-        if self.engine.has_unfinished() and self._wants_jobs() and self._room() > 0:
-            self._redis("checks", self.watch.ask_lengths)  # ahead of the retirement's writes: answered first
+            self.guard.run("checks", self._check)
+        if taking and self.engine.has_unfinished() and self.room() > 0:
+            self.guard.run(
+                "checks", self.watch.ask_lengths
+            )  # ahead of the retirement's writes: answered first
         if self.retirer.busy:  # results sent earlier: collect Redis's replies, send the next round
-            self._redis("retire", self._advance_retirer)
-        self._redis("stops", self._stop_commanded)
+            self.guard.run("retire", self._advance_retirer)
+        self.guard.run("stops", self._stop_commanded)
         if self.running:
-            self._redis("retire", self._retire)
-        if not self.running and not self.retirer.busy and not self.intake.limbo_ids():
-            self._redis("state", self.rq.sync_state, False)  # busy since the first start (rq_store)
+            self.guard.run("retire", self._retire)
+        if not self.busy and not self.intake.limbo_ids():
+            self.guard.run("state", self.rq.sync_state, False)  # busy since the first start (rq_store)
         self.outbox.flush()
-        if time.monotonic() < self._redis_down_until and not self.engine.has_unfinished():
-            time.sleep(min(0.5, self._redis_down_until - time.monotonic()))
         return took
 
-    def _redis(self, stage: str, fn: Any, *args: Any) -> Any:
-        """Run a Redis-touching stage; while Redis is unreachable, back off and keep stepping the engine."""
-        if time.monotonic() < self._redis_down_until:
-            return None
-        try:
-            result = fn(*args)
-        except _REDIS_ERRORS as exc:
-            self.redis_ok = False
-            log.error("Redis unreachable during %s (%s); retrying in %.1f s", stage, exc, self._redis_backoff)
-            self._redis_down_until = time.monotonic() + self._redis_backoff
-            self._redis_backoff = min(self._redis_backoff * 2, 30.0)
-            return None
-        self._redis_backoff = 0.5
-        self.redis_ok = True
-        return result
-
-    def _timers(self) -> None:
-        t = time.monotonic()
-        if t >= self._next_heartbeat and self._redis("heartbeat", self._heartbeat) is not None:
-            self._next_heartbeat = t + self.settings.heartbeat_interval
-        if t >= self._next_recovery and not self.draining:
-            self._redis("recovery", self._recover)
-            self._next_recovery = t + self.settings.recovery_interval
-        if self.rq.should_run_maintenance_tasks and not self.draining:
-            self._redis("maintenance", self.rq.run_maintenance_tasks)
+    def wind_down(self) -> list[Running]:
+        """At shutdown: apply stop commands, store what finished (waiting for Redis), and let go of the jobs still
+        running, returned in start order for the caller to requeue."""
+        self.guard.run("stops", self._stop_commanded)
+        if self.running:
+            self.guard.run("checks", self._check)
+            self.guard.run("retire", self._retire)
+        self._retired(self.retirer.drain())
+        if owed(self.running.values()):  # handed back: checked, one more try
+            self.guard.run("checks", self._check)
+            self.guard.run("retire", self._retire)
+        left = sorted(self.running.values(), key=lambda r: r.started_mono)
+        for run in left:
+            self._let_go(run)
+        self.outbox.flush()
+        return left
 
     # ---- take ----------------------------------------------------------------------------------------------------
 
-    def _wants_jobs(self) -> bool:
-        return not self.draining and not self._suspended
-
-    def _max_jobs(self) -> int:
+    def max_jobs(self) -> int:
         return int(getattr(self.engine, "max_num_seqs", 1))
 
-    def _room(self) -> int:
-        return self._max_jobs() - int(self.engine.num_running) - int(self.engine.num_waiting)
+    def room(self) -> int:
+        """How many more jobs the engine can take now."""
+        return self.max_jobs() - int(self.engine.num_running) - int(self.engine.num_waiting)
 
-    def _take_stage(self, block: bool) -> int:
-        if not self.running and not self.draining:
-            # Idle: `rq suspend` / `rq resume` are noticed within a second (busy: at each heartbeat).
-            self._redis("suspension", self._check_suspension)
-        if not self._wants_jobs():
-            self.watch.abandon_lengths()
-            if self._suspended and not self.running:
-                time.sleep(IDLE_BLOCK_S)
-            return 0
-        return self._redis("intake", self._take, block) or 0
-
-    def _take(self, block: bool) -> int:
+    def _take(self, block_s: float) -> int:
         lengths = self.watch.queue_lengths()
         idle = not self.running and not self.engine.has_unfinished()
-        runs = self.intake.take(self._room(), lengths, IDLE_BLOCK_S if block and idle else 0.0)
+        runs = self.intake.take(self.room(), lengths, block_s if idle else 0.0)
         for run in runs:
             self._admit(run)
         return len(runs)
@@ -347,7 +145,7 @@ class RoseWorker:
             self._let_go(stale)
         self.endings.taken(run)
         request = intake.parse(
-            run.job, run.queue.name, self.queue_names(), self.settings.trust_request_chat_template
+            run.job, run.queue.name, self.rq.queue_names(), self.settings.trust_request_chat_template
         )
         if isinstance(request, str):
             self._fail(run, request, retry=False, callbacks=intake.may_run_callbacks(run.job))
@@ -404,10 +202,12 @@ class RoseWorker:
                 run.phase = Phase.FINISHED  # out of the engine
                 if out.finish_reason == "error":  # the request could not run (its grammar failed to compile)
                     # deterministic (a grammar that will not compile): RQ's Retry would fail the same way
-                    self._redis("engine failure", self._fail, run, out.output.error or "engine error", False)
+                    self.guard.run(
+                        "engine failure", self._fail, run, out.output.error or "engine error", False
+                    )
                     continue
                 run.output = out.output
-                run.result = result_dict(run, self.name)
+                run.result = result_dict(run, self.rq.name)
         self.metrics.on_step(self.engine, step_s, tokens, steady, now)
 
     def _isolate(self) -> list[Any]:
@@ -424,7 +224,7 @@ class RoseWorker:
             failed.update((run.id, found.error) for run in in_engine if run.id not in fresh)
         for rid, error in failed.items():
             # out of the engine even if Redis is down now (recovery requeues the job then)
-            self._redis("engine failure", self._fail, self.running[rid], f"engine error: {error!r}")
+            self.guard.run("engine failure", self._fail, self.running[rid], f"engine error: {error!r}")
         return found.outputs
 
     # ---- watch ---------------------------------------------------------------------------------------------------
@@ -501,7 +301,7 @@ class RoseWorker:
             run.phase = Phase.CALLED_BACK
         try:
             self.endings.succeed(run)
-        except _REDIS_ERRORS:
+        except REDIS_ERRORS:
             run.phase = STORE_RETRY_PHASE[run.phase]  # stored meanwhile? canceled? read again before retrying
             raise
         self._let_go(run)
@@ -538,67 +338,3 @@ class RoseWorker:
         """Fail the job, let go first: out of the engine even if Redis is down (recovery requeues it then)."""
         self._let_go(run)
         self.endings.fail(run, message, retry=retry, **kwargs)
-
-    # ---- timers --------------------------------------------------------------------------------------------------
-
-    def _recover(self) -> None:
-        mine = self.held_executions() | self.intake.limbo_ids()
-        found = recovery.recover(self.rq, self._intermediate, mine, self.settings.max_requeues)
-        self.metrics.requeued.inc(found.requeued)
-        for poison in found.poison:
-            self.endings.fail_orphan(poison.run, poison.owner, poison.requeues)
-        self.outbox.flush()
-
-    def _check_suspension(self) -> None:
-        suspended = self.rq.check_suspended()
-        if suspended != self._suspended:
-            log.warning(
-                "worker %s: %s",
-                self.name,
-                "suspended (rq suspend): taking no new jobs" if suspended else "resumed",
-            )
-        self._suspended = suspended
-
-    def _queue_lengths(self) -> list[int]:
-        return rq_store.queue_lengths(self.connection, self.rq.queues)
-
-    def _heartbeat(self) -> bool:
-        busy = self.running or self.retirer.busy
-        state = (
-            WorkerStatus.SUSPENDED if self._suspended else WorkerStatus.BUSY if busy else WorkerStatus.IDLE
-        )
-        with self.connection.pipeline(transaction=False) as pipe:
-            rq_store.heartbeat(pipe, self.rq, self.running.values(), state)  # reply 1: the key had lapsed
-            pipe.hset(keys.worker_info_key(self.name), mapping=self._info())
-            pipe.expire(keys.worker_info_key(self.name), self.rq.worker_ttl)
-            replies = pipe.execute()
-        if replies[0] == 1:
-            # Our key had lapsed (Redis outage longer than the heartbeat timeout): register again.
-            log.warning("worker %s: registration had expired; registering again", self.name)
-            with self.connection.pipeline() as pipe:
-                rq_store.reregister(pipe, self.rq, self.held_executions())
-                pipe.execute()
-        self._check_suspension()
-        return True
-
-    def _info(self) -> dict[str, Any]:
-        """The worker's `rose:worker:<name>` hash (`rose status`)."""
-        e = self.engine
-        self.metrics.gauges(e)  # also when no step ran since the last jobs ended (e.g. canceled)
-        info = {
-            "model": str(getattr(e, "model_name", "")),
-            "device": str(getattr(e, "device", "")),
-            "dtype": metrics.dtype_name(e),
-            "max_num_seqs": self._max_jobs(),
-            "running_jobs": len(self.running),
-            "updated_at": time.time(),
-            "started_at": self.started_at,
-            "tokens_per_s": round(self.metrics.rate(), 3),
-            "queues": ",".join(self.queue_names()),
-            "version": __version__,
-        }
-        for attr in ("max_model_len", "num_running", "num_waiting", "kv_slots_used", "kv_slots_total"):
-            value = getattr(e, attr, None)
-            if value is not None:
-                info[attr] = int(value)
-        return info

@@ -1,5 +1,6 @@
-"""rose.worker.checks: running jobs are checked every check_interval, not at every step, and a job canceled while it
-runs is never stored as finished, whatever path its result takes (batched retirement, RQ's handler, a callback)."""
+"""rose.worker.watch: running jobs are checked every check_interval, not at every step, and a job canceled while it
+runs is never stored as finished, whatever path its result takes (batched retirement, RQ's handler, a callback),
+Redis errors included."""
 
 from __future__ import annotations
 
@@ -15,14 +16,19 @@ from worker_helpers import (
     FakeEngine,
     check_stream,
     enqueue,
-    registered_worker,
+    probe_target,
+    registered_rq_worker,
+    start_jobs,
     status,
     stream_events,
     wait_for,
     wait_status,
 )
 
-from rose.worker import intake, probe
+from rose.jobs.client import Client
+from rose.worker import probe, rq_store
+from rose.worker.running import Phase, Running
+from rose.worker.watch import Verdict, Watch
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -123,52 +129,113 @@ def test_recovery_never_takes_jobs_whose_results_are_being_stored(run_worker, r,
     assert not [m for m in caplog.messages if "requeued" in m or "dropping our copy" in m], caplog.messages
 
 
-@pytest.fixture
-def worker(redis_server, request):
-    w = registered_worker(redis_server, f"checks-{request.node.name}")
-    yield w
-    w.publisher.close(timeout=1)
-    w.connection.close()
+def fail_once(monkeypatch, module, name: str, after: bool = False) -> list[str]:
+    """`module.name` raises a Redis ConnectionError on its first call (after doing its work if `after`: a reply
+    lost on the way back); returns the ids of the jobs it was called for."""
+    real, calls = getattr(module, name), []
 
-
-def started_run(worker, q):
-    job = enqueue(q, prompt="x", max_tokens=5)
-    (run,) = intake.start(worker, intake.take(worker, 1))
-    worker._admit(run)
-    assert worker.running[job.id] is run
-    return run
-
-
-def test_a_stop_command_hit_by_a_redis_error_is_tried_again(worker, r, q, monkeypatch):
-    run = started_run(worker, q)
-    worker._stop_job_ids.append(run.id)
-    real = type(worker).handle_job_failure
-
-    def blip(self, *args, **kwargs):
-        monkeypatch.setattr(type(worker), "handle_job_failure", real)  # once
+    def once(*args, **kwargs):
+        run = next(a for a in args if isinstance(a, Running))
+        calls.append(run.id)
+        if len(calls) > 1:
+            return real(*args, **kwargs)
+        if after:
+            real(*args, **kwargs)
         raise redis.ConnectionError("blip")
 
-    monkeypatch.setattr(type(worker), "handle_job_failure", blip)
-    worker._redis("checks", worker._apply_stops)
-    assert worker.running[run.id] is run and list(worker._stop_job_ids) == [run.id]
-    worker._apply_stops()
-    assert not worker.running and status(r, run.job) == "stopped"
+    monkeypatch.setattr(module, name, once)
+    return calls
 
 
-def test_shutdown_applies_pending_stop_commands(worker, r, q):
-    run = started_run(worker, q)
-    worker._stop_job_ids.append(run.id)
-    worker._shutdown()
-    assert status(r, run.job) == "stopped"
-    assert r.llen(q.key) == 0  # stopped, not requeued
+def test_a_cancel_hit_by_a_redis_error_is_checked_again(run_worker, r, q, monkeypatch):
+    """The job is canceled while it runs and owes a check when it finishes (a success callback): the cancel's
+    write fails once, and the check is owed until it goes through."""
+    succeeded.clear()
+    calls = fail_once(monkeypatch, rq_store, "cancel")
+    job = q.enqueue(
+        "rose.jobs.generate",
+        kwargs={"prompt": "x", "max_tokens": 40},
+        on_success=Callback("test_checks.on_success"),
+    )
+    run_worker(engine=FakeEngine(max_num_seqs=4, step_delay=0.01), check_interval=NEVER)
+    cancel_after_tokens(r, job)
+    assert_canceled_not_stored(r, job)
+    assert calls == [job.id, job.id] and succeeded == []
 
 
-def test_no_queue_length_questions_while_suspended(worker, q):
-    started_run(worker, q)
-    worker._suspended = True
-    worker._ask_lengths()
-    assert not worker._lengths_probe.pending
-    worker._suspended = False
-    worker._ask_lengths()
-    assert worker._lengths_probe.pending
-    worker._lengths_probe.abandon()
+def test_a_result_stored_by_rqs_handler_whose_reply_is_lost_is_stored_once(run_worker, r, q, monkeypatch):
+    """RQ's handler stores the job (it has a dependent) but the reply is lost: the check that follows finds the job
+    finished by this worker, and the worker announces it without storing it again."""
+    calls = fail_once(monkeypatch, rq_store, "succeed", after=True)
+    parent = enqueue(q, prompt="x", max_tokens=3)
+    child = q.enqueue("rose.jobs.generate", kwargs={"prompt": "y", "max_tokens": 2}, depends_on=parent)
+    run_worker(engine=FakeEngine(max_num_seqs=4, step_delay=0.01))
+    wait_status(r, child, "finished")
+    check_stream(r, parent.id, "done")
+    assert calls == [parent.id]  # RQ's handler ran once for it (the child, with no dependents, was batched)
+    assert len(Job.fetch(parent.id, connection=r, serializer=JSONSerializer).results()) == 1
+
+
+def test_a_stop_command_hit_by_a_redis_error_is_tried_again(run_worker, r, q, monkeypatch):
+    calls = fail_once(monkeypatch, rq_store, "stop")
+    engine = FakeEngine(max_num_seqs=4, step_delay=0.02)
+    job = enqueue(q, prompt="x", max_tokens=60)
+    run_worker(engine=engine)
+    wait_for(lambda: len(stream_events(r, job.id)) >= 3, what="tokens")
+    send_stop_job_command(r, job.id, serializer=JSONSerializer)
+    wait_status(r, job, "stopped")
+    assert check_stream(r, job.id, "canceled")[-1]["reason"] == "stopped"
+    assert calls == [job.id, job.id] and job.id in engine.aborted and engine.steps < 60
+
+
+@pytest.fixture
+def rq(redis_server):
+    worker = registered_rq_worker(redis_server, "watcher")
+    yield worker
+    worker.connection.close()
+
+
+def test_a_check_never_reads_a_probe_sent_before_the_job_owed_it(rq, r):
+    """A job handed back for RQ's handler after the probe went out is not covered by that probe's answer."""
+    for i in range(2):
+        Client(r).submit(f"p{i}", max_tokens=5)
+    generating, finished = start_jobs(rq, 2)
+    generating.phase, finished.phase = Phase.GENERATING, Phase.FINISHED
+    running = {generating.id: generating, finished.id: finished}
+    watch = Watch(probe_target(rq), check_interval=NEVER)
+    watch.before_step(running)  # sent before a step
+    finished.phase = Phase.CHECKING  # handed back by the retirer meanwhile...
+    Client(r).cancel(finished.id)  # ...and canceled
+    assert watch.due(running, engine_busy=True)
+    first = watch.check(running)
+    assert first.checked == [] and watch.due(running, engine_busy=False)  # still owed a check of its own
+    watch.before_step(running)  # owed: sent at once despite the interval
+    second = watch.check(running)
+    assert second.checked == [finished] and not watch.due(running, engine_busy=True)
+    assert [(f.run, f.verdict) for f in second.findings] == [(finished, Verdict.CANCELED)]
+
+
+def test_timeouts_are_judged_at_each_check(rq, r):
+    Client(r).submit("p", max_tokens=5, job_timeout=1)
+    (run,) = start_jobs(rq, 1)
+    run.phase = Phase.GENERATING
+    watch = Watch(probe_target(rq), check_interval=NEVER)
+    assert watch.check({run.id: run}).findings == []
+    run.started_mono -= 2
+    assert [f.verdict for f in watch.check({run.id: run}).findings] == [Verdict.TIMED_OUT]
+    run.phase = Phase.FINISHED  # a finished job's result is stored, however late
+    assert watch.check({run.id: run}).findings == []
+
+
+def test_stop_commands_name_a_job_and_optionally_its_execution(rq, r):
+    for i in range(2):
+        Client(r).submit(f"p{i}", max_tokens=5)
+    a, b = start_jobs(rq, 2)
+    running = {a.id: a, b.id: b}
+    watch = Watch(probe_target(rq), check_interval=NEVER)
+    watch.stop_command(a.id)
+    watch.stop_command(b.id, "another-execution")
+    watch.stop_command("unknown-job")
+    assert [(f.run, f.verdict) for f in watch.stops(running)] == [(a, Verdict.STOP)]
+    watch.stop_command(b.id, b.execution.id)
+    assert [f.run for f in watch.stops(running)] == [b] and watch.stops(running) == []

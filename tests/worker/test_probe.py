@@ -7,17 +7,17 @@ import pytest
 import redis
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
-from worker_helpers import registered_worker
+from worker_helpers import probe_target, registered_rq_worker, start_jobs
 
 from rose.jobs.client import Client
-from rose.worker import intake, probe
+from rose.worker import probe
 
 pytestmark = pytest.mark.timeout(60)
 
 
 @pytest.fixture
 def worker(redis_server):
-    w = registered_worker(redis_server, "prober", queues=("rose", "low"))
+    w = registered_rq_worker(redis_server, "prober", queues=("rose", "low"))
     yield w
     w.connection.close()
 
@@ -26,9 +26,7 @@ def started_runs(worker, r, n: int):
     client = Client(r, queue="rose")
     for i in range(n):
         client.submit(f"prompt {i}", max_tokens=4)
-    runs = intake.start(worker, intake.take(worker, n))
-    assert len(runs) == n
-    return runs
+    return start_jobs(worker, n)
 
 
 def set_status(r, run, status: str, owner: str | None = None) -> None:
@@ -45,14 +43,14 @@ def test_reports_only_jobs_that_are_not_ours_any_more(worker, r):
     runs = started_runs(worker, r, 5)
     Client(r, queue="low").submit("waiting", max_tokens=1)
     Client(r, queue="low").submit("waiting", max_tokens=1)
-    found, lengths = probe.probe(worker, runs)
+    found, lengths = probe.probe(probe_target(worker), runs)
     assert found == [] and lengths == [0, 2]
 
     Job.fetch(runs[0].id, connection=r, serializer=JSONSerializer).cancel()
     r.delete(runs[1].job.key)
     set_status(r, runs[2], JobStatus.STARTED.value, owner="someone-else")
     set_status(r, runs[3], JobStatus.FINISHED.value)
-    found, lengths = probe.probe(worker, runs)
+    found, lengths = probe.probe(probe_target(worker), runs)
     assert describe(found) == {
         runs[0].id: ("canceled", "prober"),
         runs[1].id: (None, ""),
@@ -65,7 +63,7 @@ def test_reports_only_jobs_that_are_not_ours_any_more(worker, r):
 def test_in_flight_probe_matches_the_plain_one_even_after_a_script_flush(worker, r):
     runs = started_runs(worker, r, 3)
     Job.fetch(runs[1].id, connection=r, serializer=JSONSerializer).cancel()
-    flight = probe.InFlightProbe(worker)
+    flight = probe.InFlightProbe(probe_target(worker))
     for flush in (False, True):
         if flush:
             r.script_flush()  # a restarted Redis forgets its scripts: the probe sends its body each time
@@ -77,12 +75,12 @@ def test_in_flight_probe_matches_the_plain_one_even_after_a_script_flush(worker,
         assert lengths == [0, 0]
     # the connection went back to the pool in a clean state: the next commands get their own replies
     assert worker.connection.ping() is True
-    assert probe.probe(worker, [])[1] == [0, 0]
+    assert probe.probe(probe_target(worker), [])[1] == [0, 0]
 
 
 def test_abandoned_probe_leaves_no_stray_reply(worker, r):
     runs = started_runs(worker, r, 2)
-    flight = probe.InFlightProbe(worker)
+    flight = probe.InFlightProbe(probe_target(worker))
     flight.send(runs)
     flight.abandon()
     assert not flight.pending
@@ -91,9 +89,8 @@ def test_abandoned_probe_leaves_no_stray_reply(worker, r):
 
 
 def test_unreachable_redis_raises_a_connection_error(worker):
-    dead = redis.Redis(port=1, socket_connect_timeout=0.2)
-    worker.connection = dead
+    dead = probe.Target(redis.Redis(port=1, socket_connect_timeout=0.2), worker.name, ("rq:queue:rose",))
     with pytest.raises(redis.ConnectionError):
-        probe.InFlightProbe(worker).send([])
+        probe.InFlightProbe(dead).send([])
     with pytest.raises(redis.ConnectionError):
-        probe.probe(worker, [])
+        probe.probe(dead, [])

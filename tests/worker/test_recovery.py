@@ -5,22 +5,22 @@ from __future__ import annotations
 import pytest
 from rq.job import Job
 from rq.serializers import JSONSerializer
-from worker_helpers import FakeEngine, registered_worker, stream_events, wait_for
+from worker_helpers import FakeEngine, registered_rq_worker, start_jobs, stream_events, wait_for
 
 from rose.config import WorkerSettings
 from rose.jobs import keys
 from rose.jobs.client import Client, JobFailed
-from rose.worker import NameInUse, RoseWorker, intake
+from rose.worker import NameInUse, RoseWorker
+from rose.worker.rq_worker import RQWorker
 
 pytestmark = pytest.mark.timeout(60)
 
 
-def ghost_takes_jobs(redis_server, n: int, name: str = "ghost") -> RoseWorker:
+def ghost_takes_jobs(redis_server, n: int, name: str = "ghost") -> RQWorker:
     """A worker that registers, starts `n` jobs and emits a token for each, then 'dies' (connections dropped)."""
-    ghost = registered_worker(redis_server, name)
+    ghost = registered_rq_worker(redis_server, name)
     conn = ghost.connection
-    runs = intake.start(ghost, intake.take(ghost, n))
-    assert len(runs) == n
+    runs = start_jobs(ghost, n)
     for run in runs:
         conn.xadd(
             keys.stream_key(run.id),
@@ -67,9 +67,9 @@ def test_dead_workers_jobs_are_requeued_by_a_live_worker(redis_server, r, run_wo
 
 def test_live_workers_jobs_are_left_alone(redis_server, r, run_worker):
     job = Client(r).submit("a b", max_tokens=3)
-    other = registered_worker(redis_server, "busy")
+    other = registered_rq_worker(redis_server, "busy")
     other.heartbeat()
-    intake.start(other, intake.take(other, 1))
+    start_jobs(other, 1)
     wt = run_worker(name="scanner", recovery_interval=0.2)
     import time
 

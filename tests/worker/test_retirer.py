@@ -1,39 +1,77 @@
 """rose.worker.retirer: the jobs of a step retired as one batch in two pipelined rounds, leaving Redis exactly as RQ's
-own handle_job_success does; dependents, a WATCH abort and Redis errors fall back to RQ's handler."""
+own handle_job_success does; dependents, a WATCH abort and Redis errors hand the jobs back, and the watch's check
+says which of them are still ours to store through RQ's handler (rose.worker.endings)."""
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import pytest
-import redis
 from rq.job import Job, JobStatus
 from rq.registry import FinishedJobRegistry, StartedJobRegistry
 from rq.results import Result
 from rq.serializers import JSONSerializer
-from worker_helpers import registered_worker
+from worker_helpers import probe_target, registered_rq_worker, start_jobs, stream_events, wait_for
 
 from rose.engine.outputs import RequestMetrics, RequestOutput
 from rose.jobs.client import Client
-from rose.worker import intake
+from rose.worker.endings import Endings, result_dict
+from rose.worker.metrics import WorkerMetrics
+from rose.worker.outbox import Outbox
+from rose.worker.publisher import Publisher
+from rose.worker.retirer import Retirer
+from rose.worker.rq_worker import RQWorker
+from rose.worker.running import Phase
+from rose.worker.watch import Verdict, Watch
 
 pytestmark = pytest.mark.timeout(60)
 
 
+@dataclass
+class Parts:
+    """The worker's parts a retirement goes through, on a registered RQ worker with no loop."""
+
+    rq: RQWorker
+    retirer: Retirer
+    endings: Endings
+    outbox: Outbox
+    watch: Watch
+
+    def announce(self, runs) -> None:
+        """What the loop does with stored jobs: their done events, published."""
+        for run in runs:
+            self.endings.stored(run)
+        self.outbox.flush()
+        assert self.outbox.publisher.flush(timeout=5)
+
+    def check(self, runs) -> dict[str, Verdict]:
+        """What the loop does with handed-back jobs: their status read; returns the findings by job id."""
+        for run in runs:
+            run.phase = Phase.CHECKING
+        checked = self.watch.check({run.id: run for run in runs})
+        assert {run.id for run in checked.checked} == {run.id for run in runs}
+        return {f.run.id: f.verdict for f in checked.findings}
+
+
 @pytest.fixture
-def worker(redis_server, r):
-    w = registered_worker(redis_server, "retirer")
-    yield w
-    w.connection.close()
+def parts(redis_server, r):
+    rq = registered_rq_worker(redis_server, "retirer")
+    outbox = Outbox(Publisher(rq.connection), rq.default_result_ttl)
+    metrics = WorkerMetrics(
+        name=rq.name, model="fake", device="cpu", dtype="", queues=["rose"], version="test"
+    )
+    yield Parts(rq, Retirer(rq), Endings(rq, outbox, metrics), outbox, Watch(probe_target(rq), 3600))
+    outbox.publisher.close(timeout=1)
+    rq.connection.close()
 
 
-def finished_runs(worker, r, n: int, **submit):
+def finished_runs(parts, r, n: int, **submit):
     client = Client(r, queue="rose")
     jobs = [client.submit(f"prompt {i}", max_tokens=2, **submit) for i in range(n)]
-    runs = intake.start(worker, intake.take(worker, n))
+    runs = start_jobs(parts.rq, n)
     assert [run.id for run in runs] == [job.id for job in jobs]
     for run in runs:
-        assert intake.validate(worker, run) is None
         run.text, run.token_ids = ["a", "b"], [5, 6]
         run.output = RequestOutput(
             request_id=run.id,
@@ -44,7 +82,18 @@ def finished_runs(worker, r, n: int, **submit):
             finish_reason="length",
             metrics=RequestMetrics(arrival_time=time.time(), num_prompt_tokens=2),
         )
+        run.result = result_dict(run, parts.rq.name)
+        run.phase = Phase.FINISHED
     return runs
+
+
+def watching(r, parts) -> None:
+    """Wait until Redis has run the batch's first round (WATCH ... HMGET, the last command of its connection)."""
+    wait_for(
+        lambda: any(c["name"] == parts.rq.name and c["cmd"] == "hmget" for c in r.client_list()),
+        5,
+        what="the retirer's WATCH round",
+    )
 
 
 def job_state(r, run) -> dict:
@@ -77,187 +126,99 @@ def job_state(r, run) -> dict:
     }
 
 
-def test_a_batch_leaves_redis_as_rqs_handler_does(worker, r):
-    by_handler, *batch = finished_runs(worker, r, 4)
-    worker.running = {run.id: run for run in [by_handler, *batch]}
-    worker._succeed(by_handler)  # RQ's handle_job_success
-    for run in batch:
-        worker.running.pop(run.id)
-    worker._retirer.submit(batch)
-    assert worker._retirer.busy
-    worker._retirer.advance(wait=True)  # WATCH + SMEMBERS read, MULTI/EXEC sent
-    assert worker._retirer.busy
-    worker._retirer.advance(wait=True)  # EXEC read
-    assert not worker._retirer.busy and worker._retirer.batched_jobs == 3
+def test_a_batch_leaves_redis_as_rqs_handler_does(parts, r):
+    by_handler, *batch = finished_runs(parts, r, 4)
+    parts.endings.succeed(by_handler)  # RQ's handle_job_success
+    assert not parts.retirer.submit(batch).handed_back
+    assert parts.retirer.busy
+    first = parts.retirer.advance(wait=True)  # WATCH + SMEMBERS read, MULTI/EXEC sent
+    assert not first.stored and not first.handed_back and parts.retirer.busy
+    second = parts.retirer.advance(wait=True)  # EXEC read
+    assert second.stored == batch and not second.handed_back
+    assert not parts.retirer.busy and parts.retirer.batched_jobs == 3
     expected = job_state(r, by_handler)
     assert expected["status"] == JobStatus.FINISHED and expected["finished"] and not expected["started"]
     for run in batch:
         assert job_state(r, run) == expected
         assert Client(r, queue="rose").job(run.id).result(timeout=1)["token_ids"] == [5, 6]
-    counts = r.hmget(worker.key, "successful_job_count", "total_working_time")
+    counts = r.hmget(parts.rq.key, "successful_job_count", "total_working_time")
     assert int(counts[0]) == 4 and float(counts[1]) > 0
-    assert worker.completed == 4 and not worker.running
-    done = [e for e in worker._outbox if '"type":"done"' in e.data.replace(" ", "")]
-    assert len(done) == 4
+    parts.announce(batch)
+    assert parts.endings.completed == 4
+    for run in [by_handler, *batch]:
+        assert [e["type"] for e in stream_events(r, run.id)] == ["done"]
 
 
-def test_rounds_wait_for_replies_unless_told_to(worker, r):
-    runs = finished_runs(worker, r, 2)
-    worker._retirer.submit(runs)
-    batch = worker._retirer._batches[0]
-    deadline = time.monotonic() + 5
-    while not batch.conn.can_read(timeout=0.01):  # Redis answers while "the model runs"
-        assert time.monotonic() < deadline
-    worker._retirer.advance()
-    assert batch.phase == 2
-    deadline = time.monotonic() + 5
-    while worker._retirer.busy:
-        worker._retirer.advance()
-        assert time.monotonic() < deadline
-    assert worker._retirer.batched_jobs == 2
+def test_rounds_are_read_only_once_redis_has_answered(parts, r):
+    runs = finished_runs(parts, r, 2)
+    r.client_pause(300, all=True)  # Redis answers nothing for a while: the loop must not wait for it
+    assert not parts.retirer.submit(runs).handed_back
+    assert not parts.retirer.advance().stored and parts.retirer.busy
+    stored = []
+    wait_for(
+        lambda: stored.extend(parts.retirer.advance().stored) or not parts.retirer.busy, 5, what="rounds"
+    )
+    assert stored == runs and parts.retirer.batched_jobs == 2
 
 
-def test_jobs_with_dependents_go_through_rqs_handler(worker, r):
-    parent, other = finished_runs(worker, r, 2)
+def test_jobs_with_dependents_are_handed_back_for_rqs_handler(parts, r):
+    parent, other = finished_runs(parts, r, 2)
     dependent = Client(r, queue="rose").submit("after", max_tokens=1, depends_on=parent.id)
     assert dependent.status() == "deferred"
-    worker._retirer.submit([parent, other])
-    worker._retirer.drain()
-    assert worker._retirer.batched_jobs == 0
-    assert {run.id for run in worker.running.values() if run.retire_inline} == {parent.id, other.id}
-    worker._checks()  # handed back: the loop checks them first
-    worker._retire()  # the loop's next retirement: RQ's handler, which enqueues the dependent
-    assert not worker.running
+    parts.retirer.submit([parent, other])
+    retired = parts.retirer.drain()
+    assert retired.handed_back == [parent, other] and not retired.stored and parts.retirer.batched_jobs == 0
+    assert parts.check([parent, other]) == {}  # still ours: RQ's handler stores them
+    for run in (parent, other):
+        parts.endings.succeed(run)  # enqueues the dependent
     assert Job.fetch(dependent.id, connection=r, serializer=JSONSerializer).get_status() == JobStatus.QUEUED
     assert job_state(r, other)["status"] == JobStatus.FINISHED
 
 
-def test_a_dependent_added_between_the_rounds_aborts_the_batch(worker, r):
-    (run,) = finished_runs(worker, r, 1)
-    worker._retirer.submit([run])
-    batch = worker._retirer._batches[0]
-    assert batch.conn.can_read(timeout=5)  # WATCHing, and no dependents seen...
+def test_a_dependent_added_between_the_rounds_aborts_the_batch(parts, r):
+    (run,) = finished_runs(parts, r, 1)
+    parts.retirer.submit([run])
+    watching(r, parts)  # no dependents seen...
     r.sadd(run.job.dependents_key, "late-dependent")  # ...but one comes before the transaction
-    worker._retirer.advance(wait=True)  # MULTI/EXEC sent
-    worker._retirer.advance(wait=True)  # the EXEC was aborted by the WATCH
-    assert worker._retirer.batched_jobs == 0 and not worker._retirer.busy
-    assert worker.running[run.id].retire_inline
-    worker._checks()  # handed back: the loop checks them first
-    worker._retire()  # RQ's handler, which sees the dependent
+    assert not parts.retirer.advance(wait=True).handed_back  # MULTI/EXEC sent
+    retired = parts.retirer.advance(wait=True)  # the EXEC was aborted by the WATCH
+    assert retired.handed_back == [run] and parts.retirer.batched_jobs == 0 and not parts.retirer.busy
+    assert job_state(r, run)["status"] == JobStatus.STARTED
+    assert parts.check([run]) == {}
+    parts.endings.succeed(run)  # RQ's handler, which sees the dependent
     assert job_state(r, run)["status"] == JobStatus.FINISHED
 
 
-def test_redis_errors_hand_the_jobs_back_to_the_loop(worker, r):
-    runs = finished_runs(worker, r, 2)
-    worker._retirer.submit(runs)
+def test_redis_errors_hand_the_jobs_back(parts, r):
+    runs = finished_runs(parts, r, 2)
+    parts.retirer.submit(runs)
     r.client_kill_filter(_type="normal", skipme=True)
-    worker._retirer.drain()
-    assert not worker._retirer.busy
-    assert {run.id for run in worker.running.values() if run.retire_inline} == {run.id for run in runs}
-    worker._checks()  # handed back: the loop checks them first
-    worker._retire()  # the loop retries them through RQ's handler
-    assert not worker.running and worker.completed == 2
+    assert parts.retirer.drain().handed_back == runs and not parts.retirer.busy
+    assert parts.check(runs) == {}
     for run in runs:
+        parts.endings.succeed(run)
         assert job_state(r, run)["status"] == JobStatus.FINISHED
 
 
-def test_a_job_no_longer_ours_sends_the_batch_back_to_be_checked(worker, r):
-    canceled, other = finished_runs(worker, r, 2)
+def test_a_job_no_longer_ours_sends_the_batch_back_to_be_checked(parts, r):
+    canceled, other = finished_runs(parts, r, 2)
     Client(r, queue="rose").cancel(canceled.id)
-    worker._retirer.submit([canceled, other])
-    worker._retirer.drain()
-    assert worker._retirer.batched_jobs == 0 and worker._check_forced
-    assert {run.id for run in worker.running.values() if run.retire_inline} == {canceled.id, other.id}
-    worker._checks()  # what the loop runs first when a check is forced
-    assert not worker._check_forced and set(worker.running) == {other.id}
-    worker._retire()
+    parts.retirer.submit([canceled, other])
+    assert parts.retirer.drain().handed_back == [canceled, other] and parts.retirer.batched_jobs == 0
+    assert parts.check([canceled, other]) == {canceled.id: Verdict.CANCELED}
+    parts.endings.cancel(canceled, "canceled")
+    parts.endings.succeed(other)
     assert job_state(r, other)["status"] == JobStatus.FINISHED
-    assert (
-        job_state(r, canceled)["status"] == JobStatus.CANCELED
-        and job_state(r, canceled)["result_type"] is None
-    )
+    state = job_state(r, canceled)
+    assert state["status"] == JobStatus.CANCELED and state["result_type"] is None and not state["execution"]
 
 
-def test_a_job_canceled_between_the_rounds_aborts_the_batch(worker, r):
-    (run,) = finished_runs(worker, r, 1)
-    worker._retirer.submit([run])
-    assert worker._retirer._batches[0].conn.can_read(timeout=5)  # WATCHing, and the job read as ours...
-    Client(r, queue="rose").cancel(run.id)  # ...but it is canceled before the transaction
-    worker._retirer.advance(wait=True)  # MULTI/EXEC sent
-    worker._retirer.advance(wait=True)  # the EXEC was aborted by the WATCH on the job's hash
-    assert worker._retirer.batched_jobs == 0 and worker._check_forced
-    worker._checks()
-    assert not worker.running
+def test_a_job_canceled_between_the_rounds_aborts_the_batch(parts, r):
+    (run,) = finished_runs(parts, r, 1)
+    parts.retirer.submit([run])
+    watching(r, parts)  # the job read as ours...
+    Client(r, queue="rose").cancel(run.id)  # ...but canceled before the transaction
+    parts.retirer.advance(wait=True)  # MULTI/EXEC sent
+    assert parts.retirer.advance(wait=True).handed_back == [run]  # aborted by the WATCH on the job's hash
+    assert parts.check([run]) == {run.id: Verdict.CANCELED}
     assert job_state(r, run)["status"] == JobStatus.CANCELED and job_state(r, run)["result_type"] is None
-
-
-def test_a_forced_check_interrupted_by_redis_stays_owed(worker, r, monkeypatch):
-    runs = finished_runs(worker, r, 2)
-    for run in runs:
-        Client(r, queue="rose").cancel(run.id)
-    worker._retirer.submit(runs)
-    worker._retirer.drain()
-    real_cancel = worker._cancel
-
-    def blip(run, reason):
-        monkeypatch.setattr(worker, "_cancel", real_cancel)  # fails once
-        raise redis.ConnectionError("blip")
-
-    monkeypatch.setattr(worker, "_cancel", blip)
-    worker._redis("checks", worker._checks)  # the loop's wrapper: logs, backs off
-    assert worker._check_forced
-    worker._retire()  # stores nothing while the check is owed
-    worker._checks()
-    worker._retire()
-    assert not worker.running
-    assert [job_state(r, run)["status"] for run in runs] == [JobStatus.CANCELED] * 2
-
-
-def test_a_forced_check_never_reads_a_probe_sent_before_the_hand_back(worker, r):
-    canceled, other = finished_runs(worker, r, 2)
-    other.output = None  # still generating
-    worker._probe.send([other])  # sent before a step, not read yet
-    Client(r, queue="rose").cancel(canceled.id)
-    worker._retirer.submit([canceled])
-    worker._retirer.drain()  # handed back: the probe in flight does not cover it
-    worker._checks()
-    worker._retire()
-    assert canceled.needs_check and worker._check_forced and worker.running[canceled.id] is canceled
-    worker._checks()  # the next probe covers it
-    assert not worker.running and not worker._check_forced
-    assert job_state(r, canceled)["status"] == JobStatus.CANCELED
-
-
-def test_a_checked_job_is_stored_even_while_later_ones_wait_for_their_check(worker, r):
-    """Hand-backs in every iteration must not starve the jobs already checked."""
-    first, second = finished_runs(worker, r, 2)
-    Client(r, queue="rose").submit("after", max_tokens=1, depends_on=first.id)
-    Client(r, queue="rose").submit("after", max_tokens=1, depends_on=second.id)
-    worker._retirer.submit([first])
-    worker._retirer.drain()  # dependents: handed back
-    worker._checks()  # first checked
-    worker._retirer.submit([second])
-    worker._retirer.drain()  # handed back too, not checked yet
-    worker._retire()
-    assert job_state(r, first)["status"] == JobStatus.FINISHED
-    assert set(worker.running) == {second.id} and second.needs_check
-
-
-def test_a_redis_error_in_rqs_handler_owes_a_new_check(worker, r, monkeypatch):
-    (run,) = finished_runs(worker, r, 1)
-    Client(r, queue="rose").submit("after", max_tokens=1, depends_on=run.id)
-    worker._retirer.submit([run])
-    worker._retirer.drain()
-    worker._checks()
-    monkeypatch.setattr(type(worker), "handle_job_success", _raise_connection_error)
-    worker._redis("retire", worker._retire)
-    assert run.needs_check and worker.running[run.id] is run
-    monkeypatch.undo()
-    Client(r, queue="rose").cancel(run.id)  # during the back-off
-    worker._checks()
-    worker._retire()
-    assert not worker.running and job_state(r, run)["status"] == JobStatus.CANCELED
-
-
-def _raise_connection_error(*args, **kwargs):
-    raise redis.ConnectionError("blip")

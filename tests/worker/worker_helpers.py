@@ -10,14 +10,20 @@ from rose.engine.outputs import RequestMetrics, RequestOutput, StepOutput
 from rose.engine.sampling_params import SamplingParams
 from rose.jobs import keys
 from rose.worker import RoseWorker
+from rose.worker.intake import Intake, parse
+from rose.worker.probe import Target
 from rose.worker.process import wait_for
+from rose.worker.rq_worker import RQWorker
+from rose.worker.running import Running
 
 __all__ = [
     "FakeEngine",
     "WorkerThread",
     "check_stream",
     "enqueue",
-    "registered_worker",
+    "probe_target",
+    "registered_rq_worker",
+    "start_jobs",
     "status",
     "stream_events",
     "wait_for",
@@ -62,17 +68,34 @@ def check_stream(r, job_id: str, terminal: str) -> list[dict]:
     return events
 
 
-def registered_worker(redis_server, name: str, queues=("rose",)) -> RoseWorker:
-    """A RoseWorker on its own connection, registered with RQ but with no loop running: the test drives its parts."""
-    worker = RoseWorker(
+def registered_rq_worker(redis_server, name: str, queues=("rose",)) -> RQWorker:
+    """RQ's side of a rose-worker (rose.worker.rq_worker), registered with RQ, with no loop: tests start jobs with
+    `start_jobs` and drive the worker's parts (retirer, watch, endings) through their public methods."""
+    worker = RQWorker(
         list(queues),
-        engine=FakeEngine(),
-        connection=redis_server.client(),
         name=name,
-        settings=WorkerSettings(redis_url=redis_server.url),
+        connection=redis_server.client(),
+        on_command=lambda command: None,
+        socket_timeout=10,
+        worker_ttl=60,
     )
     worker.register_birth()
     return worker
+
+
+def start_jobs(rq: RQWorker, n: int) -> list[Running]:
+    """Start `n` queued jobs on `rq`, as rose-worker's intake does (phase TAKEN, requests parsed)."""
+    runs = Intake(rq).take(n, None)
+    assert len(runs) == n, runs
+    for run in runs:
+        request = parse(run.job, run.queue.name, rq.queue_names(), trust_chat_template=False)
+        assert not isinstance(request, str), request
+        run.request = request
+    return runs
+
+
+def probe_target(rq: RQWorker) -> Target:
+    return Target(rq.connection, rq.name, tuple(q.key for q in rq.queues))
 
 
 class WorkerThread:

@@ -1,0 +1,329 @@
+"""RoseWorker: the rose-worker daemon. It holds what RQ sees of it (an RQ 3 worker, rose.worker.rq_worker) and the job
+loop (rose.worker.loop), and runs the loop until a signal, with heartbeats, orphan recovery (rose.worker.recovery)
+and RQ's maintenance on timers, and a drain at the end: jobs that finish in time are stored, the others requeued at
+the front of their queues.
+
+Ownership: the job loop owns the running jobs; this class owns the lifecycle (started, draining, suspended,
+stopped), the timers and the Redis guard every Redis-touching stage runs through; the RQ worker owns RQ's state of
+the worker (registration, executions, scheduler).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import threading
+import time
+from typing import Any
+
+import redis
+from rq.worker import WorkerStatus
+
+from rose import __version__
+from rose.config import WorkerSettings
+from rose.jobs import keys
+from rose.worker import metrics, recovery, rq_store
+from rose.worker.endings import Endings
+from rose.worker.loop import JobLoop
+from rose.worker.outbox import Outbox
+from rose.worker.publisher import Publisher
+from rose.worker.redis_guard import REDIS_ERRORS, RedisGuard
+from rose.worker.rq_worker import Command, RQWorker
+from rose.worker.running import Running
+
+log = logging.getLogger(__name__)
+
+IDLE_BLOCK_S = 1  # longest blocking dequeue: bounds how late a signal, heartbeat or recovery scan can be
+
+
+class NameInUse(RuntimeError):
+    pass
+
+
+class RoseWorker:
+    """`RoseWorker(["rose"], engine=engine, connection=r, settings=WorkerSettings(...)).work()`."""
+
+    def __init__(
+        self,
+        queues: Any,
+        *,
+        engine: Any,
+        connection: redis.Redis,
+        settings: WorkerSettings | None = None,
+        name: str | None = None,
+        **rq_kwargs: Any,
+    ):
+        self.settings = settings or WorkerSettings()
+        name = name or self.settings.name
+        if name and recovery.name_in_use(connection, name, self.settings.heartbeat_timeout):
+            raise NameInUse(f"a live worker named {name!r} is already running; give this one another --name")
+        rq_kwargs.setdefault("worker_ttl", self.settings.heartbeat_timeout)
+        self.rq = RQWorker(
+            queues,
+            name=name,
+            connection=connection,
+            on_command=self._command,
+            socket_timeout=IDLE_BLOCK_S + 9,
+            **rq_kwargs,
+        )
+        self.engine = engine
+        self.metrics = metrics.for_worker(self)
+        self.guard = RedisGuard()
+        self.outbox = Outbox(Publisher(self.connection), self.rq.default_result_ttl)
+        self.endings = Endings(self.rq, self.outbox, self.metrics)
+        self.jobs = JobLoop(
+            engine, self.rq, self.settings, self.outbox, self.endings, self.guard, self.metrics
+        )
+        self._intermediate = recovery.IntermediateWatch()
+        self._drain_deadline: float | None = None
+        self._force_stop = False
+        self._suspended = False
+        self._next_heartbeat = 0.0
+        self._next_recovery = 0.0
+        self.started_at = time.time()
+        self.metrics_server: metrics.HealthServer | None = None
+        self.loop_beat = time.monotonic()  # each loop iteration: /health's liveness
+        self.started = False  # registered and serving (the loop runs)
+        self.stopped = False
+
+    # ---- what the worker is ------------------------------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        return self.rq.name
+
+    @property
+    def connection(self) -> redis.Redis:
+        return self.rq.connection
+
+    @property
+    def running(self) -> dict[str, Running]:
+        """The jobs being run (read-only: the job loop owns them)."""
+        return self.jobs.running
+
+    def queue_names(self) -> list[str]:
+        return self.rq.queue_names()
+
+    @property
+    def completed(self) -> int:
+        return self.endings.completed
+
+    @property
+    def draining(self) -> bool:
+        return self._drain_deadline is not None
+
+    @property
+    def redis_ok(self) -> bool:
+        """The last Redis-touching stage worked: /health's readiness."""
+        return self.guard.ok
+
+    def held_executions(self) -> set[str]:
+        return self.jobs.held_executions()
+
+    def serve_metrics(self) -> None:
+        """Start the /metrics + /health server (--metrics-port), once. Raises OSError if the port is taken."""
+        if self.metrics_server is None:
+            self.metrics_server = metrics.serve(self)
+
+    # ---- start, run, stop ----------------------------------------------------------------------------------------
+
+    def work(
+        self, burst: bool = False, max_idle_time: int | None = None, with_scheduler: bool | None = None
+    ) -> bool:
+        """Run until a signal (or, with burst=True, until the queues are empty and nothing runs).
+
+        with_scheduler (default: --with-scheduler): also run RQ's scheduler for these queues, as `rq worker
+        --with-scheduler` does, so scheduled jobs (`enqueue_in`/`enqueue_at`) and `Retry(interval=...)` run.
+        """
+        main = threading.current_thread() is threading.main_thread()
+        self.rq.choose_death_penalty(main_thread=main)
+        if main:
+            signal.signal(signal.SIGINT, self.request_stop)
+            signal.signal(signal.SIGTERM, self.request_stop)
+        self.serve_metrics()
+        self._startup()
+        if self.settings.with_scheduler if with_scheduler is None else with_scheduler:
+            # RQ's own scheduler process (one per queue set across all workers, by Redis lock); maintenance
+            # restarts it if it dies and another worker does not hold the lock.
+            self.rq.start_scheduler(burst, logging_level=self.settings.log_level)
+        idle_since = time.monotonic()
+        try:
+            while not self._should_exit():
+                took = self._iteration(block=not burst)
+                if self.running or took:
+                    idle_since = time.monotonic()
+                    continue
+                queues_empty = not any(rq_store.queue_lengths(self.connection, self.rq.queues))
+                if burst and not self.engine.has_unfinished() and queues_empty:
+                    break
+                if max_idle_time is not None and time.monotonic() - idle_since > max_idle_time:
+                    break
+        finally:
+            self._shutdown()
+        return self.completed > 0
+
+    def request_stop(self, signum: int, frame: Any) -> None:
+        """First signal: stop taking jobs and drain; second: stop waiting. Never raises (unlike RQ's)."""
+        if self._drain_deadline is None:
+            self._drain_deadline = time.monotonic() + self.settings.drain_timeout
+            self.rq.shutdown_requested()
+            log.warning(
+                "signal %s: draining %d running jobs (up to %.0f s); signal again to stop now",
+                signum,
+                len(self.running),
+                self.settings.drain_timeout,
+            )
+        else:
+            self._force_stop = True
+            log.warning("signal %s again: requeueing running jobs and stopping now", signum)
+
+    def _command(self, command: Command) -> None:
+        """RQ's worker commands (pub/sub thread)."""
+        kind, job_id, execution_id = command
+        if kind in ("stop-job", "stop-execution"):
+            self.jobs.stop_job(job_id, execution_id)
+        elif kind == "shutdown":
+            self.request_stop(signal.SIGTERM, None)
+        else:
+            log.info("ignoring worker command %r", kind)
+
+    def _startup(self) -> None:
+        self.rq.start()
+        self._recover()  # jobs our predecessor held (same name) are orphans now: requeued before anything else
+        self._next_recovery = time.monotonic() + self.settings.recovery_interval
+        log.info(
+            "worker %s: serving %s with %s (max %d jobs at once)",
+            self.name,
+            ", ".join(self.queue_names()),
+            getattr(self.engine, "model_name", type(self.engine).__name__),
+            self.jobs.max_jobs(),
+        )
+        self.started = True
+
+    def _should_exit(self) -> bool:
+        if self._drain_deadline is None:
+            return False
+        if self._force_stop or time.monotonic() >= self._drain_deadline:
+            return True
+        return not self.jobs.busy
+
+    def _shutdown(self) -> None:
+        """Store what finished, requeue what still runs at the front of its queue (start order kept), unregister."""
+        try:
+            left = self.jobs.wind_down()
+            if left:
+                self._requeue_on_exit(left)
+            self.outbox.publisher.close(timeout=10)
+        finally:
+            with contextlib.suppress(*REDIS_ERRORS):  # it lapses on its own
+                self.connection.delete(keys.worker_info_key(self.name))
+            self.rq.stop()
+            self.stopped = True
+            if self.metrics_server is not None:
+                self.metrics_server.close()
+            log.info("worker %s: stopped (%d jobs completed)", self.name, self.completed)
+
+    def _requeue_on_exit(self, runs: list[Running]) -> None:
+        delay = 0.5
+        for attempt in range(5):
+            try:
+                with self.connection.pipeline() as pipe:
+                    for run in reversed(runs):  # LPUSH in reverse: the first started ends up first
+                        rq_store.requeue_started(
+                            pipe, run.job, run.queue, run.composite_key, self.name, at_front=True
+                        )
+                    self.rq.sync_state(busy=False, pipe=pipe)
+                    pipe.execute()
+                for run in runs:
+                    self.endings.requeued(run, "shutdown")
+                log.warning("requeued %d unfinished jobs at the front of their queues", len(runs))
+                return
+            except REDIS_ERRORS as exc:
+                log.error("could not requeue %d jobs (%s), attempt %d", len(runs), exc, attempt + 1)
+                time.sleep(delay)
+                delay *= 2
+        log.error("gave up requeueing; live workers will requeue them once this worker's heartbeat lapses")
+
+    # ---- each iteration ------------------------------------------------------------------------------------------
+
+    def _iteration(self, block: bool) -> int:
+        self.loop_beat = time.monotonic()
+        self._timers()
+        if not self.running and not self.draining:
+            # Idle: `rq suspend` / `rq resume` are noticed within a second (busy: at each heartbeat).
+            self.guard.run("suspension", self._check_suspension)
+        if self._suspended and not self.running:
+            time.sleep(IDLE_BLOCK_S)
+        took = self.jobs.iterate(
+            taking=not self.draining and not self._suspended, block_s=IDLE_BLOCK_S if block else 0.0
+        )
+        if not self.engine.has_unfinished():
+            self.guard.pause()  # while Redis is down, an idle loop would spin
+        return took
+
+    def _timers(self) -> None:
+        t = time.monotonic()
+        if t >= self._next_heartbeat and self.guard.run("heartbeat", self._heartbeat) is not None:
+            self._next_heartbeat = t + self.settings.heartbeat_interval
+        if t >= self._next_recovery and not self.draining:
+            self.guard.run("recovery", self._recover)
+            self._next_recovery = t + self.settings.recovery_interval
+        if self.rq.should_run_maintenance_tasks and not self.draining:
+            self.guard.run("maintenance", self.rq.run_maintenance_tasks)
+
+    def _recover(self) -> None:
+        found = recovery.recover(self.rq, self._intermediate, self.jobs.mine(), self.settings.max_requeues)
+        self.metrics.requeued.inc(found.requeued)
+        for poison in found.poison:
+            self.endings.fail_orphan(poison.run, poison.owner, poison.requeues)
+        self.outbox.flush()
+
+    def _check_suspension(self) -> None:
+        suspended = self.rq.check_suspended()
+        if suspended != self._suspended:
+            log.warning(
+                "worker %s: %s",
+                self.name,
+                "suspended (rq suspend): taking no new jobs" if suspended else "resumed",
+            )
+        self._suspended = suspended
+
+    def _heartbeat(self) -> bool:
+        busy = WorkerStatus.BUSY if self.jobs.busy else WorkerStatus.IDLE
+        state = WorkerStatus.SUSPENDED if self._suspended else busy
+        with self.connection.pipeline(transaction=False) as pipe:
+            rq_store.heartbeat(pipe, self.rq, self.running.values(), state)  # reply 1: the key had lapsed
+            pipe.hset(keys.worker_info_key(self.name), mapping=self._info())
+            pipe.expire(keys.worker_info_key(self.name), self.rq.worker_ttl)
+            replies = pipe.execute()
+        if replies[0] == 1:
+            # Our key had lapsed (Redis outage longer than the heartbeat timeout): register again.
+            log.warning("worker %s: registration had expired; registering again", self.name)
+            with self.connection.pipeline() as pipe:
+                rq_store.reregister(pipe, self.rq, self.held_executions())
+                pipe.execute()
+        self._check_suspension()
+        return True
+
+    def _info(self) -> dict[str, Any]:
+        """The worker's `rose:worker:<name>` hash (`rose status`)."""
+        e = self.engine
+        self.metrics.gauges(e)  # also when no step ran since the last jobs ended (e.g. canceled)
+        info = {
+            "model": str(getattr(e, "model_name", "")),
+            "device": str(getattr(e, "device", "")),
+            "dtype": metrics.dtype_name(e),
+            "max_num_seqs": self.jobs.max_jobs(),
+            "running_jobs": len(self.running),
+            "updated_at": time.time(),
+            "started_at": self.started_at,
+            "tokens_per_s": round(self.metrics.rate(), 3),
+            "queues": ",".join(self.queue_names()),
+            "version": __version__,
+        }
+        for attr in ("max_model_len", "num_running", "num_waiting", "kv_slots_used", "kv_slots_total"):
+            value = getattr(e, attr, None)
+            if value is not None:
+                info[attr] = int(value)
+        return info
