@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from rose.redis_server import RedisServerError, RedisServerProcess, free_port
+from rose.harness.redis_server import RedisServerError, RedisServerProcess, free_port
 
 
 class RedisServer(RedisServerProcess):

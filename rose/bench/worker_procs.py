@@ -1,11 +1,12 @@
-"""Throwaway processes for `rose bench worker`: a redis-server on a free port and a `rose-worker` serving it."""
+"""Throwaway processes for `rose bench worker`: the harness's redis-server and rose-worker (rose.harness), set up
+for the benchmark, their failures to start turned into BenchProcessError (one clear line from `rose bench`)."""
 
 from __future__ import annotations
 
 import os
 
-from rose.redis_server import RedisServerError, RedisServerProcess
-from rose.worker import process
+from rose.harness import worker_process
+from rose.harness.redis_server import RedisServerError, RedisServerProcess
 
 
 class BenchProcessError(RuntimeError):
@@ -13,7 +14,8 @@ class BenchProcessError(RuntimeError):
 
 
 class RedisProcess(RedisServerProcess):
-    """A throwaway redis-server for the benchmark (missing binary or failed start: BenchProcessError)."""
+    """A throwaway redis-server for the benchmark, started at once (missing binary or failed start:
+    BenchProcessError); use it as a context manager, which stops it and removes its directory."""
 
     def __init__(self, binary: str | None = None, start_timeout: float = 10.0) -> None:
         try:
@@ -22,15 +24,8 @@ class RedisProcess(RedisServerProcess):
         except RedisServerError as exc:
             raise BenchProcessError(f"`rose bench worker` needs a local Redis: {exc}") from None
 
-    def stop(self, timeout: float = 10.0) -> None:
-        """Stop the server and remove its directory (a benchmark never restarts it)."""
-        super().stop(timeout)
-        if self._tmpdir is not None:
-            self._tmpdir.cleanup()
-            self._tmpdir = None
 
-
-class WorkerProcess(process.WorkerProcess):
+class WorkerProcess(worker_process.WorkerProcess):
     """A `rose-worker` subprocess on one queue; ready once registered with RQ and its engine described in Redis
     (`rose:worker:<name>`). `num_threads` is passed as OMP_NUM_THREADS / MKL_NUM_THREADS (torch reads them)."""
 
@@ -68,7 +63,7 @@ class WorkerProcess(process.WorkerProcess):
         super().__init__(redis_url, name, args, env=env)
         try:
             self.wait_ready(start_timeout, engine_info=True)
-        except (process.WorkerExited, TimeoutError) as exc:
+        except (worker_process.WorkerExited, TimeoutError) as exc:
             self.stop()
             raise BenchProcessError(str(exc)) from None
         except BaseException:

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 import redis
 
-from rose.redis_server import RedisServerError, RedisServerProcess
+from rose.harness.redis_server import RedisServerError, RedisServerProcess
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from rose.worker.process import WorkerProcess, wait_for
+from rose.harness.worker_process import WorkerProcess, wait_for
 
 __all__ = ["SERVED", "WORKER_NAME", "CliWorker", "checkout_env", "interrupt_when", "rose_cmd", "wait_for"]
 

@@ -22,8 +22,8 @@ from rose.engine.engine import Engine
 from rose.engine.llm import LLM
 from rose.engine.presets import build_preset
 from rose.engine.sampling_params import SamplingParams
-from rose.redis_server import RedisServerProcess
-from rose.worker.process import WorkerProcess, wait_for
+from rose.harness.redis_server import RedisServerProcess
+from rose.harness.worker_process import WorkerProcess, wait_for
 
 pytestmark = pytest.mark.timeout(400)
 

@@ -17,18 +17,19 @@ from rq import Queue, Worker
 from rq.job import Job
 from rq.registry import StartedJobRegistry
 from rq.serializers import JSONSerializer
-from worker_helpers import stream_events, wait_for
+from worker_helpers import stream_events
 
+from rose.harness import worker_process
+from rose.harness.worker_process import wait_for
 from rose.jobs import keys
 from rose.jobs.client import Client, JobCanceled, JobFailed
-from rose.worker import process
 
 # Generous bounds: the machine's speed varies a lot (2 shared cores), and long jobs are sized by the context
 # (max_tokens=None) so that they cannot finish early on a fast machine.
 pytestmark = pytest.mark.timeout(400)
 
 
-class WorkerProcess(process.WorkerProcess):
+class WorkerProcess(worker_process.WorkerProcess):
     """The real rose-worker on tiny-llama, logging to `log_path`."""
 
     def __init__(self, server, log_path, *args: str, name: str | None = None):
@@ -245,7 +246,7 @@ def test_sigterm_drains_and_exits_0(server, spawn):
 def test_unreachable_redis_is_one_clear_line(unused_port):
     url = f"redis://127.0.0.1:{unused_port}/0"
     proc = subprocess.run(
-        [*process.worker_command(), "--redis-url", url], capture_output=True, text=True, timeout=60
+        [*worker_process.worker_command(), "--redis-url", url], capture_output=True, text=True, timeout=60
     )
     assert proc.returncode == 2  # as every start-up error
     lines = proc.stderr.strip().splitlines()
@@ -259,7 +260,7 @@ def test_wrong_redis_password_is_one_clear_line_and_exit_2(server):
     try:
         url = f"redis://rose-w:wrong@127.0.0.1:{server.port}/0"
         proc = subprocess.run(
-            [*process.worker_command(), "--redis-url", url],
+            [*worker_process.worker_command(), "--redis-url", url],
             capture_output=True,
             text=True,
             timeout=60,

@@ -231,7 +231,7 @@ def test_real_worker_metrics_endpoint(new_redis_server, tmp_path, unused_port):
 def test_port_in_use_is_one_clear_line(new_redis_server):
     import socket
 
-    from rose.worker.process import worker_command as worker_cmd
+    from rose.harness.worker_process import worker_command as worker_cmd
 
     with socket.socket() as s:
         s.bind(("0.0.0.0", 0))

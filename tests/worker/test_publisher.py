@@ -9,6 +9,7 @@ import time
 import pytest
 import redis
 
+from rose.harness.worker_process import wait_for
 from rose.jobs import keys
 from rose.worker import publisher as publisher_mod
 from rose.worker.publisher import KEEP_TTL, NO_EXPIRY, Outgoing, Publisher
@@ -23,13 +24,6 @@ def ev(job_id: str, seq: int, ttl: int | None = 100) -> Outgoing:
 
 def seqs(r, job_id: str) -> list[int]:
     return [json.loads(f[b"event"])["seq"] for _, f in r.xrange(keys.stream_key(job_id))]
-
-
-def wait_until(cond, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.01)
 
 
 def test_batches_reach_stream_and_pubsub_in_order(r):
@@ -56,9 +50,9 @@ def test_send_does_not_wait_for_the_reply(r):
     pub = Publisher(r)
     pub.send([ev("a", 0)])
     assert pub.backlog == 1  # sent, reply not read yet
-    wait_until(lambda: seqs(r, "a") == [0])  # Redis applied it all the same
+    wait_for(lambda: seqs(r, "a") == [0], 5, "event 0 in the stream")  # Redis applied it all the same
     # the reply is collected later, by poll (it may reach the socket a moment after the effect is visible)
-    wait_until(lambda: pub.poll() or pub.backlog == 0)
+    wait_for(lambda: pub.poll() or pub.backlog == 0, 5, "the reply to be read")
     assert pub.sent_events == 1
     pub.close()
 
@@ -81,7 +75,7 @@ def test_a_batch_sent_again_is_not_applied_twice(r):
 def test_a_lost_connection_loses_and_repeats_nothing(r):
     pub = Publisher(r)
     pub.send([ev("a", 0), ev("a", 1)])
-    wait_until(lambda: seqs(r, "a") == [0, 1])  # applied, reply unread...
+    wait_for(lambda: seqs(r, "a") == [0, 1], 5, "events 0, 1 in the stream")  # applied, reply unread...
     r.client_kill_filter(_type="normal", skipme=True)  # ...and lost with the connection
     for i in range(2, 6):
         pub.send([ev("a", i)])

@@ -1,4 +1,5 @@
-"""A throwaway local `redis-server` on a free port: for `rose demo`, `rose bench worker` and the tests."""
+"""A throwaway local `redis-server` on a free port (part of the harness: for `rose demo`, `rose bench worker`
+and the tests, never for rose-worker itself)."""
 
 from __future__ import annotations
 
@@ -9,11 +10,12 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import redis
+
+from rose.harness.worker_process import wait_for
 
 
 class RedisServerError(RuntimeError):
@@ -74,13 +76,15 @@ class RedisServerProcess:
         return redis.Redis(port=self.port, **kwargs)
 
     def start(self, timeout: float = 10.0) -> RedisServerProcess:
+        """Run the server and wait until it answers PING; RedisServerError (with its stderr) if it exits or is
+        still silent after `timeout` s (it is stopped then)."""
         persistence = (
             ["--appendonly", "yes", "--appendfsync", "always"] if self.persistent else ["--appendonly", "no"]
         )
         argv = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", *persistence]
         argv += ["--dir", self.dir, "--daemonize", "no", "--loglevel", "warning"]
         linux = sys.platform.startswith("linux")
-        self.proc = subprocess.Popen(
+        self.proc = proc = subprocess.Popen(
             argv,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
@@ -88,24 +92,29 @@ class RedisServerProcess:
             start_new_session=self.detach,
             preexec_fn=_die_with_parent if self.detach and linux else None,
         )
-        deadline = time.monotonic() + timeout
-        with contextlib.closing(redis.Redis(port=self.port, socket_connect_timeout=0.2)) as probe:
-            while True:
-                try:
-                    probe.ping()
-                    return self
-                except redis.ConnectionError:
-                    if self.proc.poll() is not None or time.monotonic() > deadline:
-                        err = (
-                            self.proc.stderr.read().decode(errors="replace")
-                            if self.proc.poll() is not None
-                            else ""
-                        )
-                        self.stop()
-                        raise RedisServerError(
-                            f"redis-server did not start on port {self.port}: {err.strip()[-500:]}"
-                        ) from None
-                    time.sleep(0.05)
+
+        def answers() -> bool:
+            if proc.poll() is not None:
+                err = proc.stderr.read().decode(errors="replace").strip()[-500:]
+                raise RedisServerError(f"redis-server did not start on port {self.port}: {err}")
+            try:
+                return bool(probe.ping())
+            except redis.ConnectionError:
+                return False
+
+        try:
+            with contextlib.closing(redis.Redis(port=self.port, socket_connect_timeout=0.2)) as probe:
+                wait_for(
+                    answers,
+                    timeout,
+                    f"redis-server on port {self.port} to answer PING",
+                    0.05,
+                    RedisServerError,
+                )
+        except BaseException:
+            self.stop()
+            raise
+        return self
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop the server (idempotent); a later start() runs it again on the same port."""

@@ -1,5 +1,6 @@
-"""A `rose-worker` process driven from outside, as benchmarks and end-to-end tests use it: start it, wait until it
-has registered with RQ, read its log, stop it (SIGTERM, then SIGKILL)."""
+"""A `rose-worker` process driven from outside (part of the harness), as benchmarks and end-to-end tests use it:
+start it, wait until it has registered with RQ, read its log, stop it (SIGTERM, then SIGKILL). Also `wait_for`,
+the polling wait every test and benchmark uses instead of a loop of its own."""
 
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
-"""rose.worker.process: the helper benchmarks and end-to-end tests drive rose-worker with."""
+"""rose.harness.worker_process: the helper benchmarks and end-to-end tests drive rose-worker with."""
 
 from __future__ import annotations
 
 import pytest
 
-from rose.worker.process import WorkerExited, WorkerProcess, wait_for
+from rose.harness.worker_process import WorkerExited, WorkerProcess, wait_for
 
 
 def test_wait_for_returns_the_value_or_raises_the_given_error():
