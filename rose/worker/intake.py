@@ -1,6 +1,6 @@
 """Taking jobs off the queues and starting them, and the job contract a started job is checked against.
 
-`Intake.take(room, lengths, block)` returns the jobs it started, as `Running` records (phase TAKEN): ids are moved
+`Intake.take(room, lengths, block_s)` returns the jobs it started, as `Running` records (phase TAKEN): ids are moved
 into RQ's intermediate list of their queue (rq_store.dequeue), and starting a job removes its id from there in the
 same transaction that records its execution, so a crash at any point leaves the job findable (rose.worker.recovery
 puts it back). A start whose reply was lost (Redis dropped the connection) stays in limbo and is settled by the next

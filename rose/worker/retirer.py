@@ -14,7 +14,7 @@ Both rounds' commands come from rose.worker.rq_store; this module only pipelines
 `drain` return what became of the jobs (`Retired`: stored, or handed back to the loop).
 
 A batch in which a job is no longer `started` by this worker (canceled, stopped, deleted, taken over), or has
-dependents or repeats, or whose EXEC the WATCH aborted (a job or its dependents changed meanwhile), is handed back to
+dependents, repeats or a rate limit, or whose EXEC the WATCH aborted (a job or its dependents changed meanwhile), is handed back to
 the loop, which checks its jobs (rose.worker.watch) and stores what is still ours through `handle_job_success`
 itself, job by job: a canceled job is never stored as finished. When the engine has nothing to run the rounds are read at
 once, so a job's result is never stored later than two steps after its last token. On a Redis error the batch's jobs

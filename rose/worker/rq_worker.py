@@ -3,8 +3,9 @@
 It is what RQ and its tools see of a rose-worker: the registration hash `rq:worker:<name>` (birth, heartbeats, state,
 death, counters), the worker's executions (`Worker.get_current_executions()`), the pub/sub channel of worker commands
 (`send_stop_job_command`, `send_stop_execution_command`, `send_shutdown_command`), RQ's scheduler and maintenance,
-and RQ's job handlers (`handle_job_success` / `handle_job_failure`), which rose.worker.rq_store calls. The loop never
-touches RQ's attributes: it calls the methods below. With rq_store.py, the only module that knows RQ's internals.
+and RQ's job handlers (`handle_job_success` / `handle_job_failure`), which rose.worker.rq_store calls. The rest of the
+worker uses RQ's public worker API on it (name, connection, queues, default_result_ttl, worker_ttl, maintenance) and
+the methods below; RQ's private attributes are touched only here and in rq_store.py.
 """
 
 from __future__ import annotations

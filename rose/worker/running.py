@@ -2,18 +2,20 @@
 says where it is, and the job's timeout arithmetic.
 
     TAKEN ──> GENERATING ──> FINISHED ──> RETIRING ──> (stored: done)
-      │           │             │  │          │
-      │           │             │  └──> CHECKING <──┘ (handed back by the retirer)
-      │           │             │          │
-      │           │             │       STORING ──> CALLED_BACK ──> (stored by RQ's handler: done)
-      │           │             │          │  ^          │
-      │           │             │          └──┴─ RECHECKING (a Redis error after the callback ran)
-      └───────────┴─────────────┴──> STOPPING (`rq`'s stop commands) / failed, canceled, lost: let go
+                                │             │
+                                └──> CHECKING <──┘ (a success callback; handed back by the retirer)
+                                        │
+                                     STORING ──> CALLED_BACK ──> (stored by RQ's handler: done)
+                                        ^             │
+                                        └─ CHECKING / RECHECKING (a Redis error while storing)
 
-FINISHED jobs go to the retirer in batches; jobs with a success callback, and those the retirer hands back, are
-stored by RQ's own `handle_job_success` on the loop's thread once a probe has read their status (CHECKING ->
-STORING): a canceled job is never stored as finished, and a success callback never runs twice. Only the loop
-(rose.worker.loop) moves a job from phase to phase.
+TAKEN is a started job being admitted: it fails at once (a bad payload, a prompt the engine refuses) or enters the
+engine, and only then the loop's running jobs. Every phase in the running jobs (all but TAKEN and RETIRING) can end
+otherwise: STOPPING (`rq`'s stop commands: stored as stopped, tried again after a Redis error), failed (timeout,
+step error), canceled or deleted, lost to another worker. FINISHED jobs go to the retirer in batches; jobs with a
+success callback, and those the retirer hands back, are stored by RQ's own `handle_job_success` on the loop's thread
+once a probe has read their status (CHECKING -> STORING): a canceled job is never stored as finished, and a success
+callback never runs twice. Only the job loop (rose.worker.loop) moves a job from phase to phase.
 """
 
 from __future__ import annotations

@@ -8,11 +8,11 @@ import time
 from rose.config import WorkerSettings
 from rose.engine.outputs import RequestMetrics, RequestOutput, StepOutput
 from rose.engine.sampling_params import SamplingParams
+from rose.harness.worker_process import wait_for
 from rose.jobs import keys
 from rose.worker import RoseWorker
 from rose.worker.intake import Intake, parse
 from rose.worker.probe import Target
-from rose.worker.process import wait_for
 from rose.worker.rq_worker import RQWorker
 from rose.worker.running import Running
 
