@@ -13,6 +13,9 @@ FUNC_PATH = "rose.jobs.generate"
 TOKENS_CHANNEL_PREFIX = "rose:tokens:"
 STREAM_PREFIX = "rose:stream:"
 WORKER_INFO_PREFIX = "rose:worker:"
+# Jobs whose end is stored in RQ but whose terminal event may not be in their stream yet: job id -> worker name
+# (rose.worker.seal). Normally empty but for the jobs ending this instant.
+SEALS_KEY = "rose:seals"
 
 STREAM_FIELD = "event"  # each stream entry holds the event JSON in this field
 

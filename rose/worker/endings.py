@@ -16,7 +16,7 @@ from typing import Any
 from rq.job import Job
 
 from rose.jobs.events import CanceledEvent, DoneEvent, ErrorEvent, Usage
-from rose.worker import rq_store
+from rose.worker import faults, rq_store, seal
 from rose.worker.logs import job_fields
 from rose.worker.metrics import WorkerMetrics
 from rose.worker.outbox import Outbox
@@ -115,11 +115,13 @@ class Endings:
     def succeed(self, run: Running) -> None:
         """Store the finished job through RQ's `handle_job_success` (jobs with dependents, repeats, a success
         callback, or handed back by the retirer; rose.worker.retirer stores the others in batches)."""
+        seal.mark(self.rq.connection, run, self.rq.name)
         rq_store.succeed(self.rq, run, run.result)  # type: ignore[arg-type]
         self.stored(run)
 
     def stored(self, run: Running) -> None:
         """The job's result is stored (by `succeed` or a retirer batch): its `done` event, metrics, log line."""
+        faults.point("result_stored")
         result = run.result or result_dict(run, self.rq.name)
         self.outbox.terminal(
             run,
@@ -165,6 +167,10 @@ class Endings:
     ) -> None:
         """Fail the job through RQ. `retry=False` for deterministic errors (bad input) where RQ's Retry would
         only fail again; `callbacks=False` when the payload is untrusted (not a rose job)."""
+        if not rq_store.will_retry(
+            run.job, retry
+        ):  # it ends here: its error event is owed (rose.worker.seal)
+            seal.mark(self.rq.connection, run, self.rq.name)
         will_retry = rq_store.fail(self.rq, run, exc_class(message), retry=retry, callbacks=callbacks)
         self.metrics.failure.inc()
         log.warning(
@@ -179,6 +185,7 @@ class Endings:
 
     def cancel(self, run: Running, reason: str) -> None:
         """The job was canceled (job.cancel(), client cancel) or deleted: clean up, tell subscribers."""
+        seal.mark(self.rq.connection, run, self.rq.name)
         rq_store.cancel(self.rq.connection, self.rq, run)
         self.outbox.terminal(run, CanceledEvent(job_id=run.id, seq=run.next_seq(), reason=reason))
         self.metrics.canceled.inc()
@@ -186,6 +193,7 @@ class Endings:
 
     def stop(self, run: Running) -> None:
         """`rq`'s stop commands: status `stopped`, as RQ's own worker does."""
+        seal.mark(self.rq.connection, run, self.rq.name)
         rq_store.stop(self.rq, run)
         self.outbox.terminal(run, CanceledEvent(job_id=run.id, seq=run.next_seq(), reason="stopped"))
         self.metrics.canceled.inc()

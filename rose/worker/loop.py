@@ -21,7 +21,7 @@ import time
 from typing import Any
 
 from rose.config import WorkerSettings
-from rose.worker import intake, probe, rq_store
+from rose.worker import faults, intake, probe, rq_store
 from rose.worker.endings import Endings, RoseJobTimeout, result_dict
 from rose.worker.intake import Intake
 from rose.worker.isolate import isolate
@@ -276,6 +276,7 @@ class JobLoop:
         if not finished:
             return
         self.outbox.flush()  # their last token events reach the publisher before their `done` events
+        faults.point("events_sent")
         batch: list[Running] = []
         for run in finished:
             if run.phase is Phase.FINISHED:

@@ -19,13 +19,17 @@ from rose.worker.running import Running
 STREAM_TTL_REFRESH_S = 60  # a running job's events re-set its stream's expiry this often (it is hours long)
 
 
+def ended_stream_ttl(result_ttl: int | None) -> int:
+    """The expiry of an ended job's stream, from its result TTL (NO_EXPIRY for RQ's -1)."""
+    if result_ttl is not None and result_ttl < 0:
+        return NO_EXPIRY
+    return max(1, result_ttl or 0)
+
+
 def stream_ttl(default_result_ttl: int, job: Job, run: Running | None = None) -> int:
     """The expiry of the job's stream: its result TTL once ended, plus its registry TTL while `run` runs."""
-    ttl = job.get_result_ttl(default_result_ttl)
-    if ttl is not None and ttl < 0:
-        return NO_EXPIRY
-    ttl = max(1, ttl or 0)
-    if run is not None:
+    ttl = ended_stream_ttl(job.get_result_ttl(default_result_ttl))
+    if run is not None and ttl != NO_EXPIRY:
         ttl += run.registry_ttl()
     return ttl
 
@@ -50,8 +54,10 @@ class Outbox:
         )
 
     def terminal(self, run: Running, event: Any) -> None:
-        """The job's last event (done, error, canceled): its stream now expires with the job's result."""
-        self._events.append(Outgoing(run.id, event.to_json(), stream_ttl(self.default_result_ttl, run.job)))
+        """The job's last event (done, error, canceled), its end stored in RQ and the job marked
+        (rose.worker.seal): written while the mark holds. Its stream now expires with the job's result."""
+        ttl = stream_ttl(self.default_result_ttl, run.job)
+        self._events.append(Outgoing(run.id, event.to_json(), ttl, seals=True))
 
     def flush(self) -> None:
         """Hand the queued events to the publisher (which also collects Redis's replies, or retries after an

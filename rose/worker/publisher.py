@@ -11,6 +11,10 @@ Batches are applied in order and none is dropped: on a connection error every ba
 again, with backoff, at a later `send`/`poll`. The script is numbered (a per-publisher counter key), so a batch that
 did reach Redis before the connection broke is a no-op the second time: subscribers see every seq exactly once,
 without gaps, even across Redis blips. Used by the engine loop's thread only (not thread-safe).
+
+A terminal event of a job whose end is stored in RQ `seals` the job (rose.worker.seal): it is written only if the
+job's seal marker is still there, and removes it in the same script, so the worker and a repair after its death
+never both write it.
 """
 
 from __future__ import annotations
@@ -40,26 +44,30 @@ MAX_IN_FLIGHT = (
 _REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError)
 CONNECT_TIMEOUT_S = 1.0  # longest a (re)connect may hold the engine loop; Redis is local or on the LAN
 
-# KEYS[1]: this publisher's batch counter; KEYS[1 + i]: stream of event i.
-# ARGV[1]: batch number; ARGV[2]: counter TTL; ARGV[3]: channel prefix; ARGV[4]: stream key prefix length;
-# then per event: data, stream TTL ('' = keep, -1 = persist). The channel is the prefix + the job id.
+# KEYS[1]: this publisher's batch counter; KEYS[2]: the seal markers (job id -> worker); KEYS[2 + i]: stream of
+# event i. ARGV[1]: batch number; ARGV[2]: counter TTL; ARGV[3]: channel prefix; ARGV[4]: stream key prefix length;
+# then per event: data, stream TTL ('' = keep, -1 = persist), seal ('1': written only if the job's seal marker is
+# there, which it removes). The channel is the prefix + the job id.
 _SCRIPT = """
 local batch = tonumber(ARGV[1])
 local last = tonumber(redis.call('GET', KEYS[1]) or '0')
 if batch <= last then return 0 end
 redis.call('SET', KEYS[1], batch, 'EX', ARGV[2])
 local channel, skip = ARGV[3], tonumber(ARGV[4])
-for i = 2, #KEYS do
-  local a = 5 + (i - 2) * 2
+for i = 3, #KEYS do
+  local a = 5 + (i - 3) * 3
   local data, ttl = ARGV[a], ARGV[a + 1]
-  redis.call('XADD', KEYS[i], '*', 'event', data)
-  if ttl ~= '' then
-    ttl = tonumber(ttl)
-    if ttl < 0 then redis.call('PERSIST', KEYS[i]) else redis.call('EXPIRE', KEYS[i], ttl) end
+  local job = string.sub(KEYS[i], skip + 1)
+  if ARGV[a + 2] == '' or redis.call('HDEL', KEYS[2], job) == 1 then
+    redis.call('XADD', KEYS[i], '*', 'event', data)
+    if ttl ~= '' then
+      ttl = tonumber(ttl)
+      if ttl < 0 then redis.call('PERSIST', KEYS[i]) else redis.call('EXPIRE', KEYS[i], ttl) end
+    end
+    redis.call('PUBLISH', channel .. job, data)
   end
-  redis.call('PUBLISH', channel .. string.sub(KEYS[i], skip + 1), data)
 end
-return #KEYS - 1
+return #KEYS - 2
 """
 
 
@@ -68,6 +76,7 @@ class Outgoing:
     job_id: str
     data: str  # event JSON
     stream_ttl: int | None  # seconds; NO_EXPIRY to persist the stream; KEEP_TTL to leave it as it is
+    seals: bool = False  # the job's terminal event, its end stored in RQ: written only by the seal's holder
 
 
 @dataclass(slots=True)
@@ -139,12 +148,16 @@ class Publisher:
         self._batch_no += 1
         # EVAL, not EVALSHA: Redis caches the script by its hash either way, and never answers NOSCRIPT after a
         # restart. Packed by resp.pack_command: a step's batch has a few hundred arguments.
-        items: list[str | int] = ["EVAL", _SCRIPT, len(events) + 1, self._counter_key]
+        items: list[str | int] = ["EVAL", _SCRIPT, len(events) + 2, self._counter_key, keys.SEALS_KEY]
         items += [keys.stream_key(e.job_id) for e in events]
         items += [self._batch_no, _COUNTER_TTL_S, keys.TOKENS_CHANNEL_PREFIX, len(keys.STREAM_PREFIX)]
         for e in events:
             ttl = e.stream_ttl
-            items += [e.data, "" if ttl is KEEP_TTL else ttl if ttl == NO_EXPIRY else max(1, ttl)]
+            items += [
+                e.data,
+                "" if ttl is KEEP_TTL else ttl if ttl == NO_EXPIRY else max(1, ttl),
+                "1" if e.seals else "",
+            ]
         return _Batch(resp.pack_command(items), len(events))
 
     def _pump(self, wait_s: float = 0.0) -> None:

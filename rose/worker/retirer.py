@@ -32,7 +32,7 @@ from typing import Any
 
 import redis
 
-from rose.worker import resp, rq_store
+from rose.worker import resp, rq_store, seal
 from rose.worker.rq_worker import RQWorker
 from rose.worker.running import Running
 
@@ -133,7 +133,12 @@ class Retirer:
             # what is still ours through RQ's handler
             self._release(batch, unwatch=True)
             return self._by_handler(batch)
-        commands = [("MULTI",), *rq_store.success_commands(self.rq, batch.runs), ("EXEC",)]
+        commands = [
+            ("MULTI",),
+            *rq_store.success_commands(self.rq, batch.runs),
+            *seal.mark_commands(batch.runs, self.rq.name),  # their done events are owed (rose.worker.seal)
+            ("EXEC",),
+        ]
         _send(batch.conn, commands)
         batch.round, batch.replies = Round.COMMITTING, len(commands)
         return Retired()

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from rq.version import VERSION
@@ -45,6 +46,7 @@ from rq.executions import WORKER_EXECUTIONS_KEY_TEMPLATE, Execution, ExecutionRe
 from rq.job import Job, JobStatus
 from rq.queue import Queue
 from rq.rate_limit import release_slot
+from rq.results import Result
 from rq.utils import now, parse_composite_key, utcparse
 from rq.worker import BaseWorker, WorkerStatus
 
@@ -59,7 +61,7 @@ log = logging.getLogger(__name__)
 
 JOB_STATUS_FIELD, JOB_OWNER_FIELD = "status", "worker_name"  # fields of RQ's job hash
 STARTED, QUEUED, FINISHED = JobStatus.STARTED.value, JobStatus.QUEUED.value, JobStatus.FINISHED.value
-CANCELED, STOPPED = JobStatus.CANCELED.value, JobStatus.STOPPED.value
+CANCELED, STOPPED, FAILED = JobStatus.CANCELED.value, JobStatus.STOPPED.value, JobStatus.FAILED.value
 
 
 def _text(value: bytes | str | None) -> str | None:
@@ -299,6 +301,11 @@ def after_success(worker: BaseWorker, run: Running) -> None:
 # ---- failure, stop, cancel ------------------------------------------------------------------------------------
 
 
+def will_retry(job: Job, retry: bool) -> bool:
+    """Whether failing the job makes RQ retry it (`retry=False`: never; else its Retry has attempts left)."""
+    return retry and bool(job.should_retry)
+
+
 def fail(
     worker: BaseWorker,
     run: Running,
@@ -421,6 +428,33 @@ def mark_requeued(pipe: Pipeline, worker: BaseWorker, job: Job, meta: dict[str, 
 
 def is_started(job: Job) -> bool:
     return job.get_status(refresh=False) == JobStatus.STARTED
+
+
+@dataclass(frozen=True, slots=True)
+class JobEnd:
+    """How a job ended, as RQ stored it: `status` (None: the job is gone), its latest result's return value (a
+    finished job) or error text (a failed one), and how long its stream must live."""
+
+    status: str | None
+    return_value: Any = None
+    error: str | None = None
+    result_ttl: int | None = None
+
+
+def job_end(conn: Redis, job_id: str, worker: BaseWorker) -> JobEnd:
+    """The end of `job_id` as RQ stored it (rose.worker.seal repairs the job's stream from it)."""
+    try:
+        job = Job.fetch(job_id, connection=conn, serializer=worker.serializer)
+    except Exception:  # deleted, or unreadable: there is nothing to read an end from
+        return JobEnd(None)
+    status = job.get_status(refresh=False)
+    result = Result.fetch_latest(job, serializer=worker.serializer)
+    ttl = job.get_result_ttl(worker.default_result_ttl)
+    if result is None:
+        return JobEnd(status.value if status else None, result_ttl=ttl)
+    if result.type == Result.Type.SUCCESSFUL:
+        return JobEnd(status.value, return_value=result.return_value, result_ttl=ttl)
+    return JobEnd(status.value, error=result.exc_string, result_ttl=ttl)
 
 
 def registration(conn: Redis, name: str) -> tuple[bool, bool, float | None]:

@@ -11,6 +11,7 @@ the worker (registration, executions, scheduler).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import signal
 import threading
@@ -23,7 +24,7 @@ from rq.worker import WorkerStatus
 from rose import __version__
 from rose.config import WorkerSettings
 from rose.jobs import keys
-from rose.worker import metrics, recovery, rq_store
+from rose.worker import metrics, recovery, rq_store, seal
 from rose.worker.endings import Endings
 from rose.worker.loop import JobLoop
 from rose.worker.outbox import Outbox
@@ -76,6 +77,7 @@ class RoseWorker:
             engine, self.rq, self.settings, self.outbox, self.endings, self.guard, self.metrics
         )
         self._intermediate = recovery.IntermediateWatch()
+        self._seals = seal.SealWatch()
         self._drain_deadline: float | None = None
         self._force_stop = False
         self._suspended = False
@@ -190,7 +192,9 @@ class RoseWorker:
 
     def _startup(self) -> None:
         self.rq.start()
-        self._recover()  # jobs our predecessor held (same name) are orphans now: requeued before anything else
+        self._recover(
+            startup=True
+        )  # our predecessor's (same name) jobs are orphans now: requeued before anything
         self._next_recovery = time.monotonic() + self.settings.recovery_interval
         log.info(
             "worker %s: serving %s with %s (max %d jobs at once)",
@@ -272,12 +276,15 @@ class RoseWorker:
         if self.rq.should_run_maintenance_tasks and not self.draining:
             self.guard.run("maintenance", self.rq.run_maintenance_tasks)
 
-    def _recover(self) -> None:
+    def _recover(self, startup: bool = False) -> None:
+        """Requeue dead workers' jobs, fail poison ones, repair the streams of jobs a worker died ending."""
         found = recovery.recover(self.rq, self._intermediate, self.jobs.mine(), self.settings.max_requeues)
         self.metrics.requeued.inc(found.requeued)
         for poison in found.poison:
             self.endings.fail_orphan(poison.run, poison.owner, poison.requeues)
         self.outbox.flush()
+        alive = functools.partial(recovery.worker_alive, self.connection)
+        self._seals.scan(self.rq, alive, predecessor=startup)
 
     def _check_suspension(self) -> None:
         suspended = self.rq.check_suspended()

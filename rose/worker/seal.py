@@ -1,0 +1,185 @@
+"""The seal: a job's end stored in RQ and its last stream events become visible together, whatever the instant of a
+kill -9.
+
+The worker writes a job's end into RQ first (its result, failure, stop or cancel) and the job's terminal event after,
+at the next publish. In between, the job is marked in `rose:seals` (job id -> worker name): in the same MULTI/EXEC as
+a batched result (rose.worker.retirer), or just before any other end is written (rose.worker.endings). The terminal
+event is written only while the marker is there, and removes it in the same script (rose.worker.publisher). So a
+kill at any instant leaves either no end stored, or the terminal event written, or the marker. A marker whose worker
+is dead is claimed (HDEL: one claimant) by a live worker's recovery scan, at once by a restart under the same name,
+and the job's stream is repaired from what RQ stored: the token events the stream lacks after its last reset (the
+stored text beyond the streamed text), then the terminal event. A job stored as ended thus always ends its stream
+with exactly one terminal event after its last reset, and its streamed text equals its stored text: at once, or once
+repaired (at a same-name restart, else within two recovery scans after the dead worker's heartbeat lapsed).
+
+A job that will run again (RQ's Retry, requeued) is never marked: its next attempt starts its stream with a reset.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import redis
+
+from rose.jobs import keys
+from rose.jobs.events import TERMINAL_TYPES, CanceledEvent, DoneEvent, ErrorEvent, Usage, token_event_json
+from rose.worker import rq_store
+from rose.worker.outbox import ended_stream_ttl
+from rose.worker.rq_worker import RQWorker
+from rose.worker.running import Running
+
+log = logging.getLogger(__name__)
+
+# KEYS[1]: the seal markers; ARGV[1]: job id; ARGV[2]: the owner it was seen with. The claim of a dead worker's
+# marker: only if nobody (a live worker that reran the job) marked the job since.
+_CLAIM = """
+if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then return redis.call('HDEL', KEYS[1], ARGV[1]) end
+return 0
+"""
+# KEYS[1]: the seal markers; KEYS[2]: the job's stream. ARGV[1]: job id; ARGV[2]: the stream's last entry id as read
+# ('' if empty); ARGV[3]: the stream's TTL (-1: persist); ARGV[4]: the job's channel; ARGV[5...]: events. Written only
+# if no worker holds a marker for the job and nothing was appended since the stream was read.
+_APPEND = """
+if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 then return 0 end
+local last = redis.call('XREVRANGE', KEYS[2], '+', '-', 'COUNT', 1)
+local id = ''
+if #last > 0 then id = last[1][1] end
+if id ~= ARGV[2] then return 0 end
+for i = 5, #ARGV do
+  redis.call('XADD', KEYS[2], '*', 'event', ARGV[i])
+  redis.call('PUBLISH', ARGV[4], ARGV[i])
+end
+local ttl = tonumber(ARGV[3])
+if ttl < 0 then redis.call('PERSIST', KEYS[2]) else redis.call('EXPIRE', KEYS[2], ttl) end
+return #ARGV - 4
+"""
+
+
+def mark_commands(runs: list[Running], worker_name: str) -> list[tuple[Any, ...]]:
+    """Commands marking these jobs, for the transaction that stores their results."""
+    if not runs:
+        return []
+    return [("HSET", keys.SEALS_KEY, *(x for run in runs for x in (run.id, worker_name)))]
+
+
+def mark(conn: redis.Redis, run: Running, worker_name: str) -> None:
+    """Mark the job before its end is written by RQ's handler (one round trip: those ends are the rare ones)."""
+    conn.hset(keys.SEALS_KEY, run.id, worker_name)
+
+
+class SealWatch:
+    """Repairs the streams of jobs whose worker died between storing their end and writing their terminal event.
+
+    A marker of another worker is repaired once its worker has been seen dead in two scans in a row, so that a live
+    worker whose registration lapsed in a Redis outage has time to come back and write its own event (its marker
+    claimed by a repair, its event would be dropped, and its last tokens sent twice)."""
+
+    def __init__(self) -> None:
+        self._dead: set[str] = set()
+
+    def scan(self, rq: RQWorker, alive: Callable[[str], bool], predecessor: bool = False) -> int:
+        """One scan; `predecessor`: markers under this worker's own name are a killed predecessor's (at start-up).
+        Returns how many streams were repaired."""
+        conn = rq.connection
+        markers = {_text(job): _text(owner) for job, owner in conn.hgetall(keys.SEALS_KEY).items()}
+        dead, due = set(), set()
+        verdicts: dict[str, bool] = {}
+        for job_id, owner in markers.items():
+            if owner == rq.name:
+                if predecessor:
+                    due.add(job_id)
+                continue
+            if owner not in verdicts:
+                verdicts[owner] = alive(owner)
+            if not verdicts[owner]:
+                dead.add(job_id)
+        due |= dead & self._dead
+        self._dead = dead - due
+        repaired = 0
+        for job_id in sorted(due):
+            if conn.eval(_CLAIM, 1, keys.SEALS_KEY, job_id, markers[job_id]):
+                repaired += repair(conn, rq, job_id, markers[job_id])
+        return repaired
+
+
+def repair(conn: redis.Redis, rq: RQWorker, job_id: str, owner: str = "") -> bool:
+    """Append what the job's stream lacks after its last reset, from the end RQ stored. Returns whether anything
+    was written."""
+    end = rq_store.job_end(conn, job_id, rq)
+    raw = conn.xrange(keys.stream_key(job_id))
+    last_id = _text(raw[-1][0]) if raw else ""
+    entries = [json.loads(f[keys.STREAM_FIELD.encode()]) for _, f in raw]
+    resets = [i for i, e in enumerate(entries) if e.get("type") == "reset"]
+    attempt = entries[resets[-1] + 1 :] if resets else entries
+    if any(e.get("type") in TERMINAL_TYPES for e in attempt):
+        return False
+    seq = max((e["seq"] for e in attempt if "seq" in e), default=-1) + 1
+    events: list[str] = []
+    if end.status == rq_store.FINISHED and isinstance(end.return_value, dict):
+        tail = _missing_tokens(job_id, attempt, end.return_value)
+        if tail is not None:
+            events.append(token_event_json(job_id, seq, *tail))
+            seq += 1
+        value = end.return_value
+        usage = (
+            Usage(**value["usage"])
+            if isinstance(value.get("usage"), dict)
+            else Usage(prompt_tokens=0, completion_tokens=len(value.get("token_ids") or []))
+        )
+        done = DoneEvent(
+            job_id=job_id, seq=seq, finish_reason=value.get("finish_reason") or "stop", usage=usage
+        )
+        events.append(done.to_json())
+    elif end.status == rq_store.FAILED:
+        events.append(ErrorEvent(job_id=job_id, seq=seq, message=_message(end.error)).to_json())
+    elif end.status in (rq_store.CANCELED, rq_store.STOPPED):
+        reason = "stopped" if end.status == rq_store.STOPPED else "canceled"
+        events.append(CanceledEvent(job_id=job_id, seq=seq, reason=reason).to_json())
+    elif end.status is None and entries:
+        events.append(CanceledEvent(job_id=job_id, seq=seq, reason="deleted").to_json())
+    else:  # queued, started, scheduled, deferred: it runs again, and its next attempt begins with a reset
+        return False
+    ttl = ended_stream_ttl(end.result_ttl)
+    stream, channel = keys.stream_key(job_id), keys.tokens_channel(job_id)
+    if not conn.eval(_APPEND, 2, keys.SEALS_KEY, stream, job_id, last_id, ttl, channel, *events):
+        log.info("job %s: its stream moved on meanwhile (a live worker holds it); not repaired", job_id)
+        return False
+    log.warning(
+        "job %s: its worker %s died between storing its end and streaming it; appended %d events from RQ's record",
+        job_id,
+        owner or "?",
+        len(events),
+        extra={"event": "sealed", "job_id": job_id, "owner": owner},
+    )
+    return True
+
+
+def _missing_tokens(job_id: str, attempt: list[dict], value: dict) -> tuple[str, list[int]] | None:
+    """(text, token ids) the stream lacks to equal the stored result, None if nothing (or if they disagree)."""
+    tokens = [e for e in attempt if e.get("type") == "token"]
+    streamed_text = "".join(e.get("text", "") for e in tokens)
+    streamed_ids = [i for e in tokens for i in e.get("token_ids", [])]
+    text, ids = value.get("text") or "", list(value.get("token_ids") or [])
+    if not text.startswith(streamed_text) or ids[: len(streamed_ids)] != streamed_ids:
+        log.error("job %s: its stream disagrees with its stored result; appending only its end", job_id)
+        return None
+    if len(text) == len(streamed_text) and len(ids) == len(streamed_ids):
+        return None
+    return text[len(streamed_text) :], ids[len(streamed_ids) :]
+
+
+def _message(exc_string: str | None) -> str:
+    """The failure's message from RQ's stored exception text (`RoseJobError: message`, or a traceback)."""
+    text = (exc_string or "").strip()
+    name, sep, message = text.partition(": ")
+    if sep and name.replace(".", "").isidentifier():  # `RoseJobError: message`, as rose-worker writes it
+        return message
+    lines = text.splitlines()
+    return lines[-1] if lines else "the job failed"
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
