@@ -106,8 +106,8 @@ class SealWatch:
 
 
 def repair(conn: redis.Redis, rq: RQWorker, job_id: str, owner: str = "") -> bool:
-    """Append what the job's stream lacks after its last reset, from the end RQ stored. Returns whether anything
-    was written."""
+    """Append what the job's stream lacks after its last reset, from the end RQ stored. The caller has claimed the
+    job's marker (nothing is written while a worker holds one). Returns whether anything was written."""
     end = rq_store.job_end(conn, job_id, rq)
     raw = conn.xrange(keys.stream_key(job_id))
     last_id = _text(raw[-1][0]) if raw else ""

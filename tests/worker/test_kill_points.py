@@ -1,0 +1,120 @@
+"""kill -9 at the worst instants of a job's end (rose.worker.faults: the real rose-worker process SIGKILLs itself at
+a chosen point), then every job is audited as a producer and a subscriber see it (rose.harness.job_audit): finished
+exactly once, its stream ends with exactly one terminal event after its last reset, streamed text equals stored
+text (rose.worker.seal)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+from rq.job import Job
+from rq.serializers import JSONSerializer
+
+from rose.harness import worker_process
+from rose.harness.job_audit import audit
+from rose.harness.worker_process import wait_for
+from rose.jobs import keys
+from rose.jobs.client import Client
+
+pytestmark = pytest.mark.timeout(400)
+
+REPAIRED = "died between storing its end and streaming it"
+
+
+class Worker(worker_process.WorkerProcess):
+    """The real rose-worker on tiny-llama; `fault`: ROSE_FAULT_POINT for this process."""
+
+    def __init__(self, server, log_path, name: str, *args: str, fault: str | None = None):
+        env = {**os.environ, "ROSE_FAULT_POINT": fault} if fault else None
+        defaults = [
+            "--model",
+            "tiny-llama",
+            "--device",
+            "cpu",
+            "--max-model-len",
+            "256",
+            "--max-num-seqs",
+            "4",
+        ]
+        super().__init__(
+            server.url, name, [*defaults, "--recovery-interval", "1", *args], log_path=log_path, env=env
+        )
+
+
+@pytest.fixture
+def spawn(new_redis_server, tmp_path):
+    procs: list[Worker] = []
+
+    def start(name: str, *args: str, fault: str | None = None) -> Worker:
+        p = Worker(new_redis_server, tmp_path / f"worker{len(procs)}.log", name, *args, fault=fault)
+        procs.append(p)
+        return p
+
+    yield start
+    for p in procs:
+        p.kill()
+
+
+def submit(r, n: int) -> list[str]:
+    jobs = Client(r).submit_many(
+        [{"prompt": f"job {i}", "max_tokens": 12 + 3 * i, "ignore_eos": True} for i in range(n)]
+    )
+    return [j.id for j in jobs]
+
+
+def all_finished(r, ids: list[str], timeout: float = 180) -> None:
+    wait_for(
+        lambda: all(r.hget(Job.key_for(i), "status") == b"finished" for i in ids),
+        timeout,
+        interval=0.1,
+        what="every job finished",
+    )
+
+
+def died(worker: Worker) -> None:
+    wait_for(lambda: worker.proc.poll() is not None, 120, interval=0.05, what="the worker's kill -9")
+    assert worker.proc.returncode == -9, worker.output(3000)
+
+
+@pytest.mark.parametrize("count", [1, 3])
+def test_killed_after_storing_results_before_their_events(new_redis_server, spawn, count):
+    """The result is in RQ, its done event (and the last tokens of its step) not yet in the stream: the restart
+    under the same name repairs the stream from the stored result at once."""
+    r = new_redis_server.client()
+    ids = submit(r, 8)
+    died(spawn("sealed", fault=f"result_stored:{count}"))
+    assert r.hlen(keys.SEALS_KEY) >= 1  # a stored end whose terminal event never came
+    restarted = spawn("sealed").wait_ready()
+    all_finished(r, ids)
+    wait_for(lambda: not any(audit(r, i) for i in ids), 10, what=f"{[audit(r, i) for i in ids]}")
+    assert REPAIRED in restarted.output() and r.hlen(keys.SEALS_KEY) == 0
+
+
+def test_killed_after_sending_the_last_tokens_before_storing_results(new_redis_server, spawn):
+    """The last tokens are sent, the results not stored: the jobs run again from a reset, nothing is sealed."""
+    r = new_redis_server.client()
+    ids = submit(r, 6)
+    died(spawn("unsealed", fault="events_sent:2"))
+    assert r.hlen(keys.SEALS_KEY) == 0
+    spawn("unsealed").wait_ready()
+    all_finished(r, ids)
+    wait_for(lambda: not any(audit(r, i) for i in ids), 10, what=f"{[audit(r, i) for i in ids]}")
+    restarted = [
+        i for i in ids if Job.fetch(i, connection=r, serializer=JSONSerializer).meta.get(keys.META_REQUEUES)
+    ]
+    assert restarted  # at least the jobs that were finishing ran again
+
+
+def test_another_worker_repairs_a_dead_workers_streams(new_redis_server, spawn):
+    """No restart: a live worker repairs the streams once the dead worker's heartbeat has lapsed."""
+    r = new_redis_server.client()
+    ids = submit(r, 8)
+    died(spawn("doomed", "--heartbeat-timeout", "10", fault="result_stored:2"))
+    killed = time.monotonic()
+    assert r.hlen(keys.SEALS_KEY) >= 1
+    spawn("rescuer").wait_ready()
+    all_finished(r, ids)
+    wait_for(lambda: not any(audit(r, i) for i in ids), 60, what=f"{[audit(r, i) for i in ids]}")
+    assert time.monotonic() - killed < 60 and r.hlen(keys.SEALS_KEY) == 0

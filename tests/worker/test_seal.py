@@ -1,0 +1,105 @@
+"""rose.worker.seal: a job's terminal event is written by exactly one of its worker (while the job's marker holds)
+and a repair (once the worker is dead), and a repair makes the stream end as the stored end says."""
+
+from __future__ import annotations
+
+import pytest
+from worker_helpers import enqueue, registered_rq_worker, stream_events, wait_status
+
+from rose.harness.job_audit import audit
+from rose.jobs import keys
+from rose.jobs.client import Client
+from rose.worker import seal
+from rose.worker.publisher import KEEP_TTL, Outgoing, Publisher
+
+pytestmark = pytest.mark.timeout(60)
+
+DEAD = lambda owner: False  # noqa: E731 - a liveness oracle for which every other worker is dead
+
+
+@pytest.fixture
+def rq(redis_server):
+    worker = registered_rq_worker(redis_server, "repairer")
+    yield worker
+    worker.connection.close()
+
+
+def test_a_sealing_event_is_written_only_while_its_marker_holds(r):
+    r.hset(keys.SEALS_KEY, "held", "w")
+    publisher = Publisher(r)
+    publisher.send(
+        [
+            Outgoing("held", '{"type":"done","seq":0}', KEEP_TTL, seals=True),
+            Outgoing("claimed", '{"type":"token","seq":0}', KEEP_TTL),
+            Outgoing(
+                "claimed", '{"type":"done","seq":1}', KEEP_TTL, seals=True
+            ),  # no marker: a repair has it
+        ]
+    )
+    assert publisher.flush(timeout=5)
+    assert [e["type"] for e in stream_events(r, "held")] == ["done"]
+    assert [e["type"] for e in stream_events(r, "claimed")] == ["token"]
+    assert not r.exists(keys.SEALS_KEY)
+    publisher.close()
+
+
+def lose_the_end(r, job_id: str, keep: int, marked: bool = True) -> None:
+    """What a kill -9 between storing the job's end and streaming it leaves: the stream cut after `keep` entries,
+    the job marked by a worker that is gone (`marked=False`: the marker already claimed by a repair)."""
+    for entry_id, _ in r.xrange(keys.stream_key(job_id))[keep:]:
+        r.xdel(keys.stream_key(job_id), entry_id)
+    if marked:
+        r.hset(keys.SEALS_KEY, job_id, "ghost")
+
+
+def test_a_dead_workers_finished_job_is_repaired_from_its_result(run_worker, r, q, rq):
+    job = enqueue(q, prompt="x", max_tokens=6)
+    worker = run_worker()
+    wait_status(r, job, "finished")
+    worker.stop()
+    lose_the_end(r, job.id, keep=2)
+    watch = seal.SealWatch()
+    assert watch.scan(rq, DEAD) == 0  # seen dead once: its worker may only have lapsed in an outage
+    assert watch.scan(rq, DEAD) == 1
+    assert audit(r, job.id) == [] and not r.exists(keys.SEALS_KEY)
+    assert [e["type"] for e in stream_events(r, job.id)] == ["token", "token", "token", "done"]
+    assert watch.scan(rq, DEAD) == 0 and seal.repair(r, rq, job.id) is False  # sealed once
+
+
+def test_failed_and_canceled_jobs_get_their_terminal_events(run_worker, r, q, rq):
+    bad = enqueue(q, prompt="x", max_tokens=6, temperature=-1)
+    canceled = enqueue(q, prompt="x", max_tokens=6)
+    Client(r).cancel(canceled.id)
+    worker = run_worker()
+    wait_status(r, bad, "failed")
+    worker.stop()
+    for job_id in (bad.id, canceled.id):
+        lose_the_end(r, job_id, keep=0, marked=False)
+        assert seal.repair(r, rq, job_id, "ghost")
+    (error,) = stream_events(r, bad.id)
+    assert (
+        error["type"] == "error"
+        and "temperature" in error["message"]
+        and "RoseJobError" not in error["message"]
+    )
+    assert [(e["type"], e["reason"]) for e in stream_events(r, canceled.id)] == [("canceled", "canceled")]
+
+
+def test_a_job_that_runs_again_or_is_held_is_left_alone(r, q, rq):
+    queued = enqueue(q, prompt="x", max_tokens=6)
+    assert seal.repair(r, rq, queued.id) is False and stream_events(r, queued.id) == []
+    r.hset(keys.SEALS_KEY, queued.id, "someone")  # a live worker holds its end: nothing is written under it
+    r.hset(queued.key, "status", "finished")
+    assert seal.repair(r, rq, queued.id) is False and stream_events(r, queued.id) == []
+
+
+def test_a_live_workers_marker_and_this_workers_own_are_not_repaired(r, rq):
+    r.hset(keys.SEALS_KEY, mapping={"a": "alive", "b": rq.name})
+    watch = seal.SealWatch()
+    for _ in range(3):
+        assert watch.scan(rq, lambda owner: owner == "alive") == 0
+    assert r.hgetall(keys.SEALS_KEY) == {b"a": b"alive", b"b": rq.name.encode()}
+    assert (
+        watch.scan(rq, DEAD, predecessor=True) == 0
+    )  # a predecessor's marker of a job gone: claimed, no event
+    assert r.hgetall(keys.SEALS_KEY) == {b"a": b"alive"}
