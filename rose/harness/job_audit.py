@@ -3,7 +3,7 @@ whatever happened to the workers (docs/jobs.md's guarantees).
 
 For each job: finished, with exactly one successful result; its stream, after its last reset, numbered 0, 1, 2, ...
 without gaps, ends with exactly one terminal event (`done`), and its token events' text and ids equal the stored
-result's.
+result's. A job expected to fail (`failed=True`): failed, its stream ending with exactly one `error` event.
 """
 
 from __future__ import annotations
@@ -23,11 +23,13 @@ def stream_events(r: Any, job_id: str) -> list[dict]:
     return [json.loads(f[keys.STREAM_FIELD.encode()]) for _, f in r.xrange(keys.stream_key(job_id))]
 
 
-def audit(r: Any, job_id: str) -> list[str]:
-    """What is wrong with the finished job `job_id` (empty: nothing)."""
+def audit(r: Any, job_id: str, failed: bool = False) -> list[str]:
+    """What is wrong with the finished (`failed`: failed) job `job_id` (empty: nothing)."""
     problems: list[str] = []
     job = Job.fetch(job_id, connection=r, serializer=JSONSerializer)
     status = job.get_status()
+    if failed:
+        return _audit_failed(r, job_id, status)
     if status != "finished":
         return [f"{job_id}: status {status}, not finished"]
     results = [res for res in job.results() if res.type == Result.Type.SUCCESSFUL]
@@ -48,3 +50,16 @@ def audit(r: Any, job_id: str) -> list[str]:
     if text != value.get("text") or ids != value.get("token_ids"):
         problems.append(f"{job_id}: streamed {len(ids)} tokens {text!r}, stored {value.get('text')!r}")
     return problems
+
+
+def _audit_failed(r: Any, job_id: str, status: str) -> list[str]:
+    if status != "failed":
+        return [f"{job_id}: status {status}, not failed"]
+    events = stream_events(r, job_id)
+    resets = [i for i, e in enumerate(events) if e["type"] == "reset"]
+    attempt = events[resets[-1] + 1 :] if resets else events
+    if [e["type"] for e in attempt if e["type"] in TERMINAL_TYPES] != ["error"] or attempt[-1][
+        "type"
+    ] != "error":
+        return [f"{job_id}: stream after its last reset ends {[e['type'] for e in attempt[-3:]]}"]
+    return []

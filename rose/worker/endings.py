@@ -172,6 +172,7 @@ class Endings:
         ):  # it ends here: its error event is owed (rose.worker.seal)
             seal.mark(self.rq.connection, run, self.rq.name)
         will_retry = rq_store.fail(self.rq, run, exc_class(message), retry=retry, callbacks=callbacks)
+        faults.point("failure_stored")
         self.metrics.failure.inc()
         log.warning(
             "job %s failed%s: %s",
@@ -190,6 +191,17 @@ class Endings:
         self.outbox.terminal(run, CanceledEvent(job_id=run.id, seq=run.next_seq(), reason=reason))
         self.metrics.canceled.inc()
         log.info("job %s %s", run.id, reason, extra=self._end_fields(run, "canceled", reason=reason))
+
+    def failed_elsewhere(self, run: Running) -> None:
+        """Someone else stored the job as failed while it ran here (RQ's cleanup of a registry entry it took for
+        abandoned, after a long outage): its subscribers get the error event."""
+        message = (
+            "the job was failed by RQ while this worker ran it (its registry entry was taken for abandoned)"
+        )
+        seal.mark(self.rq.connection, run, self.rq.name)
+        self.outbox.terminal(run, ErrorEvent(job_id=run.id, seq=run.next_seq(), message=message))
+        self.metrics.failure.inc()
+        log.warning("job %s: %s", run.id, message, extra=self._end_fields(run, "failed", error=message))
 
     def stop(self, run: Running) -> None:
         """`rq`'s stop commands: status `stopped`, as RQ's own worker does."""

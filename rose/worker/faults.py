@@ -5,6 +5,7 @@ kill stress script (benchmarks/stress_kill.py).
 the first) it passes the point `<name>`: no cleanup, no flush, exactly as `kill -9`. Points:
 
 - `result_stored`: a job's result was just stored in RQ; its `done` event is not queued yet (rose.worker.endings);
+- `failure_stored`: a job's failure was just stored in RQ; its `error` event is not queued yet;
 - `events_sent`: the last token events of finishing jobs were just handed to the publisher; their results are not
   stored yet (rose.worker.loop).
 

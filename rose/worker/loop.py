@@ -16,6 +16,7 @@ engine keeps stepping, and whatever a failed stage owed (a check, a store, a sto
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from typing import Any
@@ -69,6 +70,10 @@ class JobLoop:
     def held_executions(self) -> set[str]:
         """The executions this process holds: running jobs, and finished ones whose results are being stored."""
         return {run.composite_key for run in self.running.values()} | self.retirer.held_executions()
+
+    def holds(self, job_id: str) -> bool:
+        """Whether the job is this worker's: running, or its result being stored."""
+        return job_id in self.running or self.retirer.holds(job_id)
 
     def mine(self) -> set[str]:
         """What no recovery scan may take from this worker: its executions and the ids it may have started."""
@@ -202,9 +207,7 @@ class JobLoop:
                 run.phase = Phase.FINISHED  # out of the engine
                 if out.finish_reason == "error":  # the request could not run (its grammar failed to compile)
                     # deterministic (a grammar that will not compile): RQ's Retry would fail the same way
-                    self.guard.run(
-                        "engine failure", self._fail, run, out.output.error or "engine error", False
-                    )
+                    self._fail(run, out.output.error or "engine error", retry=False)
                     continue
                 run.output = out.output
                 run.result = result_dict(run, self.rq.name)
@@ -223,8 +226,7 @@ class JobLoop:
             log.error("engine step fails without the %d newest jobs; failing the others", len(fresh))
             failed.update((run.id, found.error) for run in in_engine if run.id not in fresh)
         for rid, error in failed.items():
-            # out of the engine even if Redis is down now (recovery requeues the job then)
-            self.guard.run("engine failure", self._fail, self.running[rid], f"engine error: {error!r}")
+            self._fail(self.running[rid], f"engine error: {error!r}")
         return found.outputs
 
     # ---- watch ---------------------------------------------------------------------------------------------------
@@ -252,7 +254,11 @@ class JobLoop:
             return
         verdict = finding.verdict
         if verdict in (Verdict.DELETED, Verdict.CANCELED):
-            self.endings.cancel(run, verdict.value)  # the job is let go once Redis has it: else checked again
+            reason = "stopped" if finding.detail == rq_store.STOPPED else verdict.value
+            self.endings.cancel(run, reason)  # the job is let go once Redis has it: else checked again
+            self._let_go(run)
+        elif verdict is Verdict.FAILED:
+            self.endings.failed_elsewhere(run)
             self._let_go(run)
         elif verdict is Verdict.STORED:  # our retirement reached Redis but its reply was lost
             self._let_go(run)
@@ -336,6 +342,7 @@ class JobLoop:
         rq_store.release(self.rq, run.execution)  # RQ 3's in-memory `worker.executions`
 
     def _fail(self, run: Running, message: str, retry: bool = True, **kwargs: Any) -> None:
-        """Fail the job, let go first: out of the engine even if Redis is down (recovery requeues it then)."""
+        """Fail the job. It is let go first, and the failure is written through the guard: if Redis is down the job
+        is out of the engine all the same, and recovery requeues it later (it runs, and fails, again)."""
         self._let_go(run)
-        self.endings.fail(run, message, retry=retry, **kwargs)
+        self.guard.run("failure", functools.partial(self.endings.fail, run, message, retry=retry, **kwargs))

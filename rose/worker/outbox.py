@@ -59,6 +59,11 @@ class Outbox:
         ttl = stream_ttl(self.default_result_ttl, run.job)
         self._events.append(Outgoing(run.id, event.to_json(), ttl, seals=True))
 
+    @property
+    def idle(self) -> bool:
+        """Nothing queued here nor unacknowledged by Redis."""
+        return not self._events and self.publisher.backlog == 0
+
     def flush(self) -> None:
         """Hand the queued events to the publisher (which also collects Redis's replies, or retries after an
         outage)."""

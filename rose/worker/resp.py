@@ -18,7 +18,8 @@ except ImportError:  # redis-py without its hiredis extra
     _hiredis_pack = None
 
 
-def _pack_python(items: Sequence[str | int | float | bytes]) -> bytes:
+def pack_command_python(items: Sequence[str | int | float | bytes]) -> bytes:
+    """`pack_command` in pure Python (what it falls back to without hiredis)."""
     enc = [
         x if isinstance(x, bytes) else x.encode() if isinstance(x, str) else str(x).encode() for x in items
     ]
@@ -33,7 +34,7 @@ def pack_command(items: Sequence[str | int | float | bytes]) -> bytes:
             return _hiredis_pack(tuple(items))
         except TypeError:  # a type hiredis does not pack
             pass
-    return _pack_python(items)
+    return pack_command_python(items)
 
 
 class Pending:

@@ -83,6 +83,9 @@ class Retirer:
         """The executions of the jobs being retired (out of the loop's running jobs, still this worker's)."""
         return {run.composite_key for batch in self._batches for run in batch.runs}
 
+    def holds(self, job_id: str) -> bool:
+        return any(run.id == job_id for batch in self._batches for run in batch.runs)
+
     def submit(self, runs: list[Running]) -> Retired:
         """Start storing these finished jobs (their `result` built, their token events queued). Returns the jobs
         handed back at once (a Redis error)."""

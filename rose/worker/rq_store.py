@@ -1,8 +1,9 @@
 """Every read and write rose-worker makes in RQ's data, and every RQ internal it touches (RQ 3).
 
 rose-worker runs many jobs at once in one process; RQ's own worker runs one per work-horse. So the worker does RQ's
-bookkeeping itself, the same way RQ does it, and this module (with rq_worker.py, the worker's registration) is the
-one place that knows how, so that an RQ upgrade touches these two files:
+bookkeeping itself, the same way RQ does it, and this module is the one place that knows how (with rq_scan.py, the
+reads for recovery and repair, and rq_worker.py, the worker's registration), so that an RQ upgrade touches these
+three files:
 
 - dequeue: LMOVE / BLMOVE into the queue's intermediate list, as RQ's own dequeue, so a crash loses no id;
 - start: an `Execution` per job (`rq:execution:<job>:<exec>`, the job's ExecutionRegistry, the StartedJobRegistry
@@ -29,9 +30,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import redis
 from rq.version import VERSION
 
 if int(VERSION.split(".")[0]) < 3:  # pragma: no cover - pyproject pins rq>=3
@@ -46,8 +47,7 @@ from rq.executions import WORKER_EXECUTIONS_KEY_TEMPLATE, Execution, ExecutionRe
 from rq.job import Job, JobStatus
 from rq.queue import Queue
 from rq.rate_limit import release_slot
-from rq.results import Result
-from rq.utils import now, parse_composite_key, utcparse
+from rq.utils import now, parse_composite_key
 from rq.worker import BaseWorker, WorkerStatus
 
 if TYPE_CHECKING:
@@ -116,25 +116,6 @@ def dequeue(conn: Redis, plan: list[tuple[Queue, int]]) -> list[tuple[str, Queue
 def dequeue_blocking(conn: Redis, queue: Queue, timeout: float) -> str | None:
     """Block up to `timeout` s for one id of `queue` (BLMOVE into its intermediate list, as RQ does)."""
     return _text(conn.blmove(queue.key, queue.intermediate_queue_key, timeout, "LEFT", "RIGHT"))
-
-
-def intermediate_ids(conn: Redis, queue: Queue) -> set[str]:
-    return {_text(i) for i in conn.lrange(queue.intermediate_queue_key, 0, -1)}  # type: ignore[misc]
-
-
-def requeue_stuck(conn: Redis, queue: Queue, job_id: str) -> bool:
-    """An id left in `queue`'s intermediate list (its worker died between dequeue and start) back on the queue,
-    if the job is still queued. LREM is the claim when several workers scan. Returns whether it was moved."""
-    status = _text(conn.hget(Job.key_for(job_id), JOB_STATUS_FIELD))
-    if status is None:  # the job is gone: drop its id
-        conn.lrem(queue.intermediate_queue_key, 1, job_id)
-        return False
-    if status != QUEUED:
-        return False  # started (the registry covers it) or ended: RQ's cleanup removes the id
-    if conn.lrem(queue.intermediate_queue_key, 1, job_id):
-        conn.lpush(queue.key, job_id)
-        return True
-    return False
 
 
 # ---- start ----------------------------------------------------------------------------------------------------
@@ -335,6 +316,7 @@ def fail(
         exc_string=f"{type(exc).__name__}: {exc}\n",
         execution=run.execution,
     )
+    _ensure_ended(worker, run)
     return will_retry
 
 
@@ -351,11 +333,19 @@ def stop(worker: BaseWorker, run: Running) -> None:
         exc_string="Job stopped by user, work-horse terminated.",
         execution=run.execution,
     )
+    _ensure_ended(worker, run)
     if job.stopped_callback is not None:
         try:
             execute_stopped_callback(job, worker.death_penalty_class)
         except Exception:
             log.exception("job %s: stopped callback failed", job.id)
+
+
+def _ensure_ended(worker: BaseWorker, run: Running) -> None:
+    """RQ's `handle_job_failure` logs, and swallows, a Redis error of its transaction: check that it went through
+    (it deletes the execution) and raise the error it swallowed, so the caller retries."""
+    if worker.connection.exists(run.execution.key):
+        raise redis.ConnectionError(f"the end of job {run.id} was not stored (see RQ's log above)")
 
 
 def cancel(conn: Redis, worker: BaseWorker, run: Running) -> None:
@@ -383,6 +373,28 @@ def requeue_started(
         pipe.rpush(queue.key, job.id)
 
 
+def requeue_ours(worker: RQWorker, runs: list[Running]) -> list[Running]:
+    """Put the jobs back at the front of their queues (the first of `runs` ending up first), those still started by
+    this worker only (one canceled, or stored by a retirement whose reply was lost, stays as it is), in one
+    transaction under WATCH, with the worker `idle`. Returns the jobs requeued."""
+    conn = worker.connection
+    while True:
+        with conn.pipeline() as pipe:
+            try:
+                pipe.watch(*(run.key for run in runs))
+                states = [pipe.hmget(run.key, JOB_STATUS_FIELD, JOB_OWNER_FIELD) for run in runs]
+                mine = [STARTED.encode(), worker.name.encode()]
+                ours = [run for run, state in zip(runs, states, strict=True) if state == mine]
+                pipe.multi()
+                for run in reversed(ours):  # LPUSH in reverse: the first started ends up first
+                    requeue_started(pipe, run.job, run.queue, run.composite_key, worker.name, at_front=True)
+                worker.sync_state(busy=False, pipe=pipe)
+                pipe.execute()
+                return ours
+            except redis.WatchError:
+                continue
+
+
 def drop_execution(pipe: Pipeline, composite: str, owner: str, queue: Queue | None = None) -> None:
     """Queue removing an execution's records (its job may be gone: no Job needed)."""
     job_id, execution_id = parse_composite_key(composite)
@@ -392,78 +404,3 @@ def drop_execution(pipe: Pipeline, composite: str, owner: str, queue: Queue | No
     pipe.zrem(ExecutionRegistry(job_id, connection=None).key, execution_id)  # type: ignore[arg-type]
     if owner:
         pipe.srem(worker_executions_key(owner), composite)
-
-
-def started_entries(conn: Redis, queue: Queue) -> list[tuple[str, str]]:
-    """(job id, execution id) of `queue`'s StartedJobRegistry, raw: RQ's cleanup would FAIL expired entries."""
-    return queue.started_job_registry.get_job_and_execution_ids(cleanup=False)
-
-
-def execution_owners(conn: Redis, entries: list[tuple[str, str]]) -> list[str]:
-    """The worker named by each (job id, execution id): the execution's hash, else the job's."""
-    with conn.pipeline(transaction=False) as pipe:
-        for job_id, execution_id in entries:
-            pipe.hget(execution_key(f"{job_id}:{execution_id}"), JOB_OWNER_FIELD)
-            pipe.hget(Job.key_for(job_id), JOB_OWNER_FIELD)
-        replies = pipe.execute()
-    return [_text(replies[2 * i] or replies[2 * i + 1] or b"") or "" for i in range(len(entries))]
-
-
-def claim_orphan(conn: Redis, queue: Queue, composite: str) -> bool:
-    """ZREM is the claim: when several live workers scan at once, only one gets True."""
-    return bool(conn.zrem(queue.started_job_registry.key, composite))
-
-
-def orphan_execution(conn: Redis, composite: str, owner: str) -> Execution:
-    execution = Execution.from_composite_key(composite, conn)
-    execution.worker_name = owner  # its execution index loses it when it ends
-    return execution
-
-
-def mark_requeued(pipe: Pipeline, worker: BaseWorker, job: Job, meta: dict[str, Any]) -> None:
-    """Queue writing the job's meta (requeue counter) without touching the rest of its hash."""
-    job.meta = meta
-    pipe.hset(job.key, "meta", worker.serializer.dumps(meta))
-
-
-def is_started(job: Job) -> bool:
-    return job.get_status(refresh=False) == JobStatus.STARTED
-
-
-@dataclass(frozen=True, slots=True)
-class JobEnd:
-    """How a job ended, as RQ stored it: `status` (None: the job is gone), its latest result's return value (a
-    finished job) or error text (a failed one), and how long its stream must live."""
-
-    status: str | None
-    return_value: Any = None
-    error: str | None = None
-    result_ttl: int | None = None
-
-
-def job_end(conn: Redis, job_id: str, worker: BaseWorker) -> JobEnd:
-    """The end of `job_id` as RQ stored it (rose.worker.seal repairs the job's stream from it)."""
-    try:
-        job = Job.fetch(job_id, connection=conn, serializer=worker.serializer)
-    except Exception:  # deleted, or unreadable: there is nothing to read an end from
-        return JobEnd(None)
-    status = job.get_status(refresh=False)
-    result = Result.fetch_latest(job, serializer=worker.serializer)
-    ttl = job.get_result_ttl(worker.default_result_ttl)
-    if result is None:
-        return JobEnd(status.value if status else None, result_ttl=ttl)
-    if result.type == Result.Type.SUCCESSFUL:
-        return JobEnd(status.value, return_value=result.return_value, result_ttl=ttl)
-    return JobEnd(status.value, error=result.exc_string, result_ttl=ttl)
-
-
-def registration(conn: Redis, name: str) -> tuple[bool, bool, float | None]:
-    """(registered, dead, seconds since its last heartbeat or None) of the worker named `name`."""
-    key = worker_key(name)
-    with conn.pipeline(transaction=False) as pipe:
-        pipe.exists(key)
-        pipe.hexists(key, "death")
-        pipe.hget(key, "last_heartbeat")
-        exists, dead, beat = pipe.execute()
-    age = (now() - utcparse(_text(beat))).total_seconds() if beat else None  # type: ignore[arg-type]
-    return bool(exists), bool(dead), age

@@ -5,7 +5,7 @@ death, counters), the worker's executions (`Worker.get_current_executions()`), t
 (`send_stop_job_command`, `send_stop_execution_command`, `send_shutdown_command`), RQ's scheduler and maintenance,
 and RQ's job handlers (`handle_job_success` / `handle_job_failure`), which rose.worker.rq_store calls. The rest of the
 worker uses RQ's public worker API on it (name, connection, queues, default_result_ttl, worker_ttl, maintenance) and
-the methods below; RQ's private attributes are touched only here and in rq_store.py.
+the methods below; RQ's private attributes are touched only here, in rq_store.py and in rq_scan.py.
 """
 
 from __future__ import annotations

@@ -14,8 +14,9 @@ engine, and only then the loop's running jobs. Every phase in the running jobs (
 otherwise: STOPPING (`rq`'s stop commands: stored as stopped, tried again after a Redis error), failed (timeout,
 step error), canceled or deleted, lost to another worker. FINISHED jobs go to the retirer in batches; jobs with a
 success callback, and those the retirer hands back, are stored by RQ's own `handle_job_success` on the loop's thread
-once a probe has read their status (CHECKING -> STORING): a canceled job is never stored as finished, and a success
-callback never runs twice. Only the job loop (rose.worker.loop) moves a job from phase to phase.
+once a probe has read their status (CHECKING -> STORING): a job canceled before that read is never stored as
+finished (RQ's handler WATCHes only the job's dependents: a cancel in the step between the read and the store comes
+too late), and a success callback never runs twice. Only the job loop (rose.worker.loop) moves a job from phase to phase.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ import redis
 
 from rose.jobs import keys
 from rose.jobs.events import TERMINAL_TYPES, CanceledEvent, DoneEvent, ErrorEvent, Usage, token_event_json
-from rose.worker import rq_store
+from rose.worker import rq_scan, rq_store
 from rose.worker.outbox import ended_stream_ttl
 from rose.worker.rq_worker import RQWorker
 from rose.worker.running import Running
@@ -71,44 +71,61 @@ def mark(conn: redis.Redis, run: Running, worker_name: str) -> None:
 
 
 class SealWatch:
-    """Repairs the streams of jobs whose worker died between storing their end and writing their terminal event.
+    """Repairs the streams of jobs whose terminal event is owed by nobody any more.
 
-    A marker of another worker is repaired once its worker has been seen dead in two scans in a row, so that a live
-    worker whose registration lapsed in a Redis outage has time to come back and write its own event (its marker
-    claimed by a repair, its event would be dropped, and its last tokens sent twice)."""
+    That is a marker of a dead worker, or one of this worker's own for a job it no longer holds while nothing of its
+    own is left to publish (its event was dropped: Redis refused the batch). Either is repaired once seen so in two
+    scans in a row, so that a live worker whose registration lapsed in a Redis outage has time to come back and
+    write its own events (its marker claimed by a repair, its terminal event would be dropped and its last tokens
+    sent twice); a killed predecessor's (same name, at start-up) at once."""
 
     def __init__(self) -> None:
-        self._dead: set[str] = set()
+        self._stale: set[str] = set()
 
-    def scan(self, rq: RQWorker, alive: Callable[[str], bool], predecessor: bool = False) -> int:
-        """One scan; `predecessor`: markers under this worker's own name are a killed predecessor's (at start-up).
-        Returns how many streams were repaired."""
+    def scan(
+        self,
+        rq: RQWorker,
+        alive: Callable[[str], bool],
+        *,
+        predecessor: bool = False,
+        held: Callable[[str], bool] | None = None,
+    ) -> int:
+        """One scan. `predecessor`: markers under this worker's name are a killed predecessor's (at start-up);
+        `held`: which of its own marked jobs this worker still holds, or None while it has events left to publish
+        (its own markers are then all in flight). Returns how many streams were repaired."""
         conn = rq.connection
         markers = {_text(job): _text(owner) for job, owner in conn.hgetall(keys.SEALS_KEY).items()}
-        dead, due = set(), set()
+        stale, due = set(), set()
         verdicts: dict[str, bool] = {}
         for job_id, owner in markers.items():
             if owner == rq.name:
                 if predecessor:
                     due.add(job_id)
+                elif held is not None and not held(job_id):
+                    stale.add(job_id)
                 continue
             if owner not in verdicts:
                 verdicts[owner] = alive(owner)
             if not verdicts[owner]:
-                dead.add(job_id)
-        due |= dead & self._dead
-        self._dead = dead - due
+                stale.add(job_id)
+        due |= stale & self._stale
+        self._stale = stale - due
         repaired = 0
         for job_id in sorted(due):
-            if conn.eval(_CLAIM, 1, keys.SEALS_KEY, job_id, markers[job_id]):
-                repaired += repair(conn, rq, job_id, markers[job_id])
+            try:
+                if conn.eval(_CLAIM, 1, keys.SEALS_KEY, job_id, markers[job_id]):
+                    repaired += repair(conn, rq, job_id, markers[job_id])
+            except redis.ConnectionError:
+                raise
+            except Exception:  # one unreadable job must not take the worker down, nor stop the others' repair
+                log.exception("job %s: repairing its stream failed", job_id)
         return repaired
 
 
 def repair(conn: redis.Redis, rq: RQWorker, job_id: str, owner: str = "") -> bool:
     """Append what the job's stream lacks after its last reset, from the end RQ stored. The caller has claimed the
     job's marker (nothing is written while a worker holds one). Returns whether anything was written."""
-    end = rq_store.job_end(conn, job_id, rq)
+    end = rq_scan.job_end(conn, job_id, rq)
     raw = conn.xrange(keys.stream_key(job_id))
     last_id = _text(raw[-1][0]) if raw else ""
     entries = [json.loads(f[keys.STREAM_FIELD.encode()]) for _, f in raw]
@@ -140,6 +157,10 @@ def repair(conn: redis.Redis, rq: RQWorker, job_id: str, owner: str = "") -> boo
         events.append(CanceledEvent(job_id=job_id, seq=seq, reason=reason).to_json())
     elif end.status is None and entries:
         events.append(CanceledEvent(job_id=job_id, seq=seq, reason="deleted").to_json())
+    elif end.status == rq_store.FINISHED:  # stored without a readable result: end the stream all the same
+        streamed = sum(len(e.get("token_ids", [])) for e in attempt if e.get("type") == "token")
+        usage = Usage(prompt_tokens=0, completion_tokens=streamed)
+        events.append(DoneEvent(job_id=job_id, seq=seq, finish_reason="stop", usage=usage).to_json())
     else:  # queued, started, scheduled, deferred: it runs again, and its next attempt begins with a reset
         return False
     ttl = ended_stream_ttl(end.result_ttl)

@@ -33,7 +33,8 @@ log = logging.getLogger(__name__)
 
 class Verdict(enum.Enum):
     DELETED = "deleted"  # the job's hash is gone
-    CANCELED = "canceled"  # job.cancel() / a client's cancel
+    CANCELED = "canceled"  # job.cancel() / a client's cancel (detail: canceled / stopped)
+    FAILED = "failed"  # failed by someone else (RQ's cleanup of a registry entry it took for abandoned)
     STORED = "stored"  # finished by our own retirement, whose reply was lost: only its announcement is left
     LOST = "lost"  # another worker runs it now (this one was taken for dead): drop our copy
     TIMED_OUT = "timed_out"  # ran past its RQ job timeout
@@ -152,7 +153,9 @@ def _judge(item: probe.Attention, me: str) -> Finding:
     if status is None:
         return Finding(run, Verdict.DELETED)
     if status in (rq_store.CANCELED, rq_store.STOPPED):
-        return Finding(run, Verdict.CANCELED)
+        return Finding(run, Verdict.CANCELED, status)
+    if status == rq_store.FAILED:
+        return Finding(run, Verdict.FAILED, owner)
     if status == rq_store.FINISHED and owner == me and run.output is not None:
         return Finding(run, Verdict.STORED)
     return Finding(run, Verdict.LOST, f"{status} on {owner!r}")

@@ -16,6 +16,8 @@ import logging
 import signal
 import threading
 import time
+import types
+from collections.abc import Mapping
 from typing import Any
 
 import redis
@@ -100,9 +102,9 @@ class RoseWorker:
         return self.rq.connection
 
     @property
-    def running(self) -> dict[str, Running]:
-        """The jobs being run (read-only: the job loop owns them)."""
-        return self.jobs.running
+    def running(self) -> Mapping[str, Running]:
+        """The jobs being run, read-only (the job loop owns them)."""
+        return types.MappingProxyType(self.jobs.running)
 
     def queue_names(self) -> list[str]:
         return self.rq.queue_names()
@@ -232,16 +234,10 @@ class RoseWorker:
         delay = 0.5
         for attempt in range(5):
             try:
-                with self.connection.pipeline() as pipe:
-                    for run in reversed(runs):  # LPUSH in reverse: the first started ends up first
-                        rq_store.requeue_started(
-                            pipe, run.job, run.queue, run.composite_key, self.name, at_front=True
-                        )
-                    self.rq.sync_state(busy=False, pipe=pipe)
-                    pipe.execute()
-                for run in runs:
+                requeued = rq_store.requeue_ours(self.rq, runs)
+                for run in requeued:
                     self.endings.requeued(run, "shutdown")
-                log.warning("requeued %d unfinished jobs at the front of their queues", len(runs))
+                log.warning("requeued %d unfinished jobs at the front of their queues", len(requeued))
                 return
             except REDIS_ERRORS as exc:
                 log.error("could not requeue %d jobs (%s), attempt %d", len(runs), exc, attempt + 1)
@@ -278,13 +274,17 @@ class RoseWorker:
 
     def _recover(self, startup: bool = False) -> None:
         """Requeue dead workers' jobs, fail poison ones, repair the streams of jobs a worker died ending."""
-        found = recovery.recover(self.rq, self._intermediate, self.jobs.mine(), self.settings.max_requeues)
+        found = recovery.recover(
+            self.rq, self._intermediate, self.jobs.mine(), self.settings.max_requeues, self._fail_poison
+        )
         self.metrics.requeued.inc(found.requeued)
-        for poison in found.poison:
-            self.endings.fail_orphan(poison.run, poison.owner, poison.requeues)
         self.outbox.flush()
         alive = functools.partial(recovery.worker_alive, self.connection)
-        self._seals.scan(self.rq, alive, predecessor=startup)
+        held = self.jobs.holds if self.outbox.idle else None  # else our own markers may all be in flight
+        self._seals.scan(self.rq, alive, predecessor=startup, held=held)
+
+    def _fail_poison(self, poison: recovery.Poison) -> None:
+        self.endings.fail_orphan(poison.run, poison.owner, poison.requeues)
 
     def _check_suspension(self) -> None:
         suspended = self.rq.check_suspended()

@@ -9,6 +9,7 @@ import os
 import time
 
 import pytest
+from rq import Queue
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
@@ -97,7 +98,6 @@ def test_killed_after_sending_the_last_tokens_before_storing_results(new_redis_s
     r = new_redis_server.client()
     ids = submit(r, 6)
     died(spawn("unsealed", fault="events_sent:2"))
-    assert r.hlen(keys.SEALS_KEY) == 0
     spawn("unsealed").wait_ready()
     all_finished(r, ids)
     wait_for(lambda: not any(audit(r, i) for i in ids), 10, what=f"{[audit(r, i) for i in ids]}")
@@ -118,3 +118,21 @@ def test_another_worker_repairs_a_dead_workers_streams(new_redis_server, spawn):
     all_finished(r, ids)
     wait_for(lambda: not any(audit(r, i) for i in ids), 60, what=f"{[audit(r, i) for i in ids]}")
     assert time.monotonic() - killed < 60 and r.hlen(keys.SEALS_KEY) == 0
+
+
+def test_killed_after_storing_a_failure_before_its_error_event(new_redis_server, spawn):
+    r = new_redis_server.client()
+    q = Queue("rose", connection=r, serializer=JSONSerializer)  # plain RQ: rose.Client refuses the bad value
+    bad = [
+        q.enqueue(keys.FUNC_PATH, kwargs={"prompt": "x", "max_tokens": 4, "temperature": -1}).id
+        for _ in range(3)
+    ]
+    good = submit(r, 3)
+    died(spawn("failing", fault="failure_stored:2"))
+    restarted = spawn("failing").wait_ready()
+    all_finished(r, good)
+    wait_for(
+        lambda: not any(audit(r, i, failed=True) for i in bad), 30, what=f"{[audit(r, i, True) for i in bad]}"
+    )
+    assert not any(audit(r, i) for i in good)
+    assert REPAIRED in restarted.output() and r.hlen(keys.SEALS_KEY) == 0

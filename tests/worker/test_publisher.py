@@ -57,21 +57,6 @@ def test_send_does_not_wait_for_the_reply(r):
     pub.close()
 
 
-def test_a_batch_sent_again_is_not_applied_twice(r):
-    pub = Publisher(r)
-    batch = pub._pack([ev("a", 0), ev("a", 1)])
-    conn = r.connection_pool.get_connection()
-    try:
-        for _ in range(2):  # as if its reply had been lost and the same batch were sent again
-            conn.send_packed_command([batch.packed])
-            conn.read_response()
-    finally:
-        r.connection_pool.release(conn)
-    pub.send([ev("a", 2)])
-    assert pub.flush(timeout=5)
-    assert seqs(r, "a") == [0, 1, 2]
-
-
 def test_a_lost_connection_loses_and_repeats_nothing(r):
     pub = Publisher(r)
     pub.send([ev("a", 0), ev("a", 1)])

@@ -12,7 +12,7 @@ from rose.worker.resp import Pending, pack_command
 pytestmark = pytest.mark.timeout(30)
 
 
-@pytest.mark.parametrize("pack", [pack_command, resp._pack_python], ids=["hiredis", "python"])
+@pytest.mark.parametrize("pack", [pack_command, resp.pack_command_python], ids=["hiredis", "python"])
 def test_pack_command_is_what_redis_py_sends(r, pack):
     items = [
         "EVAL",

@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass
 
 import pytest
+import redis
 from rq.job import Job, JobStatus
 from rq.registry import FinishedJobRegistry, StartedJobRegistry
 from rq.results import Result
@@ -222,3 +223,24 @@ def test_a_job_canceled_between_the_rounds_aborts_the_batch(parts, r):
     assert parts.retirer.advance(wait=True).handed_back == [run]  # aborted by the WATCH on the job's hash
     assert parts.check([run]) == {run.id: Verdict.CANCELED}
     assert job_state(r, run)["status"] == JobStatus.CANCELED and job_state(r, run)["result_type"] is None
+
+
+def test_a_failure_rqs_handler_could_not_store_raises_for_the_caller_to_retry(parts, r, monkeypatch):
+    """RQ's handle_job_failure logs and swallows a Redis error of its transaction: the ending must not."""
+    (run,) = finished_runs(parts, r, 1)
+    real_execute = redis.client.Pipeline.execute
+    calls = []
+
+    def lost(self, *args, **kwargs):
+        if self.command_stack and not calls:  # the handler's transaction, once
+            calls.append(1)
+            self.reset()
+            raise redis.ConnectionError("connection lost")
+        return real_execute(self, *args, **kwargs)
+
+    monkeypatch.setattr(redis.client.Pipeline, "execute", lost)
+    with pytest.raises(redis.ConnectionError, match="was not stored"):
+        parts.endings.fail(run, "bad input", retry=False)
+    assert calls and r.hget(run.key, "status") == b"started"
+    parts.endings.fail(run, "bad input", retry=False)
+    assert r.hget(run.key, "status") == b"failed"

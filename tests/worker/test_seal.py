@@ -96,10 +96,38 @@ def test_a_job_that_runs_again_or_is_held_is_left_alone(r, q, rq):
 def test_a_live_workers_marker_and_this_workers_own_are_not_repaired(r, rq):
     r.hset(keys.SEALS_KEY, mapping={"a": "alive", "b": rq.name})
     watch = seal.SealWatch()
-    for _ in range(3):
+    for _ in range(3):  # our own: events of ours may be in flight (held=None)
         assert watch.scan(rq, lambda owner: owner == "alive") == 0
     assert r.hgetall(keys.SEALS_KEY) == {b"a": b"alive", b"b": rq.name.encode()}
     assert (
         watch.scan(rq, DEAD, predecessor=True) == 0
     )  # a predecessor's marker of a job gone: claimed, no event
     assert r.hgetall(keys.SEALS_KEY) == {b"a": b"alive"}
+
+
+def test_this_workers_own_marker_is_repaired_once_nothing_of_its_is_in_flight(run_worker, r, q, rq):
+    job = enqueue(q, prompt="x", max_tokens=4)
+    worker = run_worker()
+    wait_status(r, job, "finished")
+    worker.stop()
+    lose_the_end(r, job.id, keep=4, marked=False)  # its done event dropped (Redis refused the batch)
+    r.hset(keys.SEALS_KEY, job.id, rq.name)
+    watch = seal.SealWatch()
+    assert watch.scan(rq, DEAD, held=lambda job_id: job_id == job.id) == 0  # still ours: in progress
+    assert watch.scan(rq, DEAD, held=lambda job_id: False) == 0  # seen stale once
+    assert watch.scan(rq, DEAD, held=lambda job_id: False) == 1
+    assert audit(r, job.id) == []
+
+
+def test_a_job_that_cannot_be_read_does_not_stop_the_others_repair(run_worker, r, q, rq):
+    job = enqueue(q, prompt="x", max_tokens=4)
+    worker = run_worker()
+    wait_status(r, job, "finished")
+    worker.stop()
+    lose_the_end(r, job.id, keep=1)
+    r.xadd(keys.stream_key("broken"), {"not-event": "x"})  # a stream entry without the event field
+    r.hset("rq:job:broken", mapping={"status": "finished"})
+    r.hset(keys.SEALS_KEY, "broken", "ghost")
+    watch = seal.SealWatch()
+    watch.scan(rq, DEAD)
+    assert watch.scan(rq, DEAD) == 1 and audit(r, job.id) == []
