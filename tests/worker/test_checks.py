@@ -40,6 +40,14 @@ def on_success(job, connection, result, *args, **kwargs):
     succeeded.append(job.id)
 
 
+def enqueue_with_callback(q, max_tokens: int):
+    return q.enqueue(
+        "rose.jobs.generate",
+        kwargs={"prompt": "x", "max_tokens": max_tokens},
+        on_success=Callback("test_checks.on_success"),
+    )
+
+
 def cancel_after_tokens(r, job, tokens: int = 3) -> None:
     wait_status(r, job, "started")
     wait_for(lambda: len(stream_events(r, job.id)) >= tokens, what="tokens")
@@ -88,16 +96,8 @@ def test_a_handed_back_job_waits_for_its_check_while_the_engine_is_busy(run_work
 
 def test_a_job_with_a_success_callback_is_checked_before_rqs_handler(run_worker, r, q):
     succeeded.clear()
-    job = q.enqueue(
-        "rose.jobs.generate",
-        kwargs={"prompt": "x", "max_tokens": 40},
-        on_success=Callback("test_checks.on_success"),
-    )
-    done = q.enqueue(
-        "rose.jobs.generate",
-        kwargs={"prompt": "x", "max_tokens": 5},
-        on_success=Callback("test_checks.on_success"),
-    )
+    job = enqueue_with_callback(q, 40)
+    done = enqueue_with_callback(q, 5)
     run_worker(engine=FakeEngine(max_num_seqs=4, step_delay=0.01), check_interval=NEVER)
     cancel_after_tokens(r, job)
     assert_canceled_not_stored(r, job)
@@ -152,11 +152,7 @@ def test_a_cancel_hit_by_a_redis_error_is_checked_again(run_worker, r, q, monkey
     write fails once, and the check is owed until it goes through."""
     succeeded.clear()
     calls = fail_once(monkeypatch, rq_store, "cancel")
-    job = q.enqueue(
-        "rose.jobs.generate",
-        kwargs={"prompt": "x", "max_tokens": 40},
-        on_success=Callback("test_checks.on_success"),
-    )
+    job = enqueue_with_callback(q, 40)
     run_worker(engine=FakeEngine(max_num_seqs=4, step_delay=0.01), check_interval=NEVER)
     cancel_after_tokens(r, job)
     assert_canceled_not_stored(r, job)

@@ -17,7 +17,7 @@ from rq import Queue, Worker
 from rq.job import Job
 from rq.registry import StartedJobRegistry
 from rq.serializers import JSONSerializer
-from worker_helpers import stream_events
+from worker_helpers import TinyWorker, stream_events
 
 from rose.harness import worker_process
 from rose.harness.worker_process import wait_for
@@ -29,22 +29,10 @@ from rose.jobs.client import Client, JobCanceled, JobFailed
 pytestmark = pytest.mark.timeout(400)
 
 
-class WorkerProcess(worker_process.WorkerProcess):
+def e2e_worker(server, log_path, *args: str, name: str | None = None) -> TinyWorker:
     """The real rose-worker on tiny-llama, logging to `log_path`."""
-
-    def __init__(self, server, log_path, *args: str, name: str | None = None):
-        name = name or f"e2e-{os.getpid()}-{time.monotonic_ns()}"
-        defaults = [
-            "--model",
-            "tiny-llama",
-            "--device",
-            "cpu",
-            "--max-model-len",
-            "512",
-            "--recovery-interval",
-            "1",
-        ]
-        super().__init__(server.url, name, [*defaults, *args], log_path=log_path)
+    name = name or f"e2e-{os.getpid()}-{time.monotonic_ns()}"
+    return TinyWorker(server, log_path, name, "--max-model-len", "512", *args)
 
 
 @pytest.fixture
@@ -55,10 +43,10 @@ def server(new_redis_server):
 
 @pytest.fixture
 def spawn(server, tmp_path):
-    procs: list[WorkerProcess] = []
+    procs: list[TinyWorker] = []
 
-    def start(*args: str, name: str | None = None) -> WorkerProcess:
-        p = WorkerProcess(server, tmp_path / f"worker{len(procs)}.log", *args, name=name)
+    def start(*args: str, name: str | None = None) -> TinyWorker:
+        p = e2e_worker(server, tmp_path / f"worker{len(procs)}.log", *args, name=name)
         procs.append(p)
         return p
 

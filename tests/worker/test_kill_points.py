@@ -5,15 +5,14 @@ text (rose.worker.seal)."""
 
 from __future__ import annotations
 
-import os
 import time
 
 import pytest
 from rq import Queue
 from rq.job import Job
 from rq.serializers import JSONSerializer
+from worker_helpers import TinyWorker
 
-from rose.harness import worker_process
 from rose.harness.job_audit import audit
 from rose.harness.worker_process import wait_for
 from rose.jobs import keys
@@ -24,32 +23,17 @@ pytestmark = pytest.mark.timeout(400)
 REPAIRED = "died between storing its end and streaming it"
 
 
-class Worker(worker_process.WorkerProcess):
-    """The real rose-worker on tiny-llama; `fault`: ROSE_FAULT_POINT for this process."""
-
-    def __init__(self, server, log_path, name: str, *args: str, fault: str | None = None):
-        env = {**os.environ, "ROSE_FAULT_POINT": fault} if fault else None
-        defaults = [
-            "--model",
-            "tiny-llama",
-            "--device",
-            "cpu",
-            "--max-model-len",
-            "256",
-            "--max-num-seqs",
-            "4",
-        ]
-        super().__init__(
-            server.url, name, [*defaults, "--recovery-interval", "1", *args], log_path=log_path, env=env
-        )
+ARGS = ("--max-model-len", "256", "--max-num-seqs", "4")
 
 
 @pytest.fixture
 def spawn(new_redis_server, tmp_path):
-    procs: list[Worker] = []
+    procs: list[TinyWorker] = []
 
-    def start(name: str, *args: str, fault: str | None = None) -> Worker:
-        p = Worker(new_redis_server, tmp_path / f"worker{len(procs)}.log", name, *args, fault=fault)
+    def start(name: str, *args: str, fault: str | None = None) -> TinyWorker:
+        p = TinyWorker(
+            new_redis_server, tmp_path / f"worker{len(procs)}.log", name, *ARGS, *args, fault=fault
+        )
         procs.append(p)
         return p
 
@@ -74,7 +58,7 @@ def all_finished(r, ids: list[str], timeout: float = 180) -> None:
     )
 
 
-def died(worker: Worker) -> None:
+def died(worker: TinyWorker) -> None:
     wait_for(lambda: worker.proc.poll() is not None, 120, interval=0.05, what="the worker's kill -9")
     assert worker.proc.returncode == -9, worker.output(3000)
 

@@ -52,11 +52,17 @@ def lose_the_end(r, job_id: str, keep: int, marked: bool = True) -> None:
         r.hset(keys.SEALS_KEY, job_id, "ghost")
 
 
-def test_a_dead_workers_finished_job_is_repaired_from_its_result(run_worker, r, q, rq):
-    job = enqueue(q, prompt="x", max_tokens=6)
+def finished_job(run_worker, r, q, max_tokens: int):
+    """A job run to its end by a worker that then stops."""
+    job = enqueue(q, prompt="x", max_tokens=max_tokens)
     worker = run_worker()
     wait_status(r, job, "finished")
     worker.stop()
+    return job
+
+
+def test_a_dead_workers_finished_job_is_repaired_from_its_result(run_worker, r, q, rq):
+    job = finished_job(run_worker, r, q, 6)
     lose_the_end(r, job.id, keep=2)
     watch = seal.SealWatch()
     assert watch.scan(rq, DEAD) == 0  # seen dead once: its worker may only have lapsed in an outage
@@ -106,10 +112,7 @@ def test_a_live_workers_marker_and_this_workers_own_are_not_repaired(r, rq):
 
 
 def test_this_workers_own_marker_is_repaired_once_nothing_of_its_is_in_flight(run_worker, r, q, rq):
-    job = enqueue(q, prompt="x", max_tokens=4)
-    worker = run_worker()
-    wait_status(r, job, "finished")
-    worker.stop()
+    job = finished_job(run_worker, r, q, 4)
     lose_the_end(r, job.id, keep=4, marked=False)  # its done event dropped (Redis refused the batch)
     r.hset(keys.SEALS_KEY, job.id, rq.name)
     watch = seal.SealWatch()
@@ -120,10 +123,7 @@ def test_this_workers_own_marker_is_repaired_once_nothing_of_its_is_in_flight(ru
 
 
 def test_a_job_that_cannot_be_read_does_not_stop_the_others_repair(run_worker, r, q, rq):
-    job = enqueue(q, prompt="x", max_tokens=4)
-    worker = run_worker()
-    wait_status(r, job, "finished")
-    worker.stop()
+    job = finished_job(run_worker, r, q, 4)
     lose_the_end(r, job.id, keep=1)
     r.xadd(keys.stream_key("broken"), {"not-event": "x"})  # a stream entry without the event field
     r.hset("rq:job:broken", mapping={"status": "finished"})

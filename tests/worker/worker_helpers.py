@@ -8,6 +8,7 @@ import time
 from rose.config import WorkerSettings
 from rose.engine.outputs import RequestMetrics, RequestOutput, StepOutput
 from rose.engine.sampling_params import SamplingParams
+from rose.harness import worker_process
 from rose.harness.worker_process import wait_for
 from rose.jobs import keys
 from rose.worker import RoseWorker
@@ -18,6 +19,7 @@ from rose.worker.running import Running
 
 __all__ = [
     "FakeEngine",
+    "TinyWorker",
     "WorkerThread",
     "check_stream",
     "enqueue",
@@ -246,3 +248,15 @@ class FakeEngine:
                 self.order.remove(rid)
             outs.append(out)
         return outs
+
+
+class TinyWorker(worker_process.WorkerProcess):
+    """The real rose-worker process on tiny-llama (CPU), scanning for orphans every second, logging to `log_path`;
+    `fault`: its ROSE_FAULT_POINT (rose.worker.faults)."""
+
+    def __init__(self, server, log_path, name: str, *args: str, fault: str | None = None):
+        import os
+
+        env = {**os.environ, "ROSE_FAULT_POINT": fault} if fault else None
+        defaults = ["--model", "tiny-llama", "--device", "cpu", "--recovery-interval", "1"]
+        super().__init__(server.url, name, [*defaults, *args], log_path=log_path, env=env)
