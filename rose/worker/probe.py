@@ -42,10 +42,6 @@ class Attention:
     owner: str
 
 
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
 @dataclass(frozen=True, slots=True)
 class Target:
     """Where the probe looks: the worker's connection, its name and its queues' keys (highest priority first)."""
@@ -85,8 +81,10 @@ def _parse(runs: list[Running], replies: list) -> tuple[list[Attention], list[in
     if runs:
         flat = replies[0]
         for i in range(0, len(flat), 3):
-            status = _text(flat[i + 1])
-            found.append(Attention(runs[int(flat[i]) - 1], status or None, _text(flat[i + 2])))
+            status = rq_store.decoded(flat[i + 1])
+            found.append(
+                Attention(runs[int(flat[i]) - 1], status or None, rq_store.decoded(flat[i + 2]) or "")
+            )
     return found, lengths
 
 

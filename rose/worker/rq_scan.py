@@ -17,7 +17,7 @@ from rq.results import Result
 from rq.utils import now, utcparse
 from rq.worker import BaseWorker
 
-from rose.worker.rq_store import JOB_OWNER_FIELD, JOB_STATUS_FIELD, QUEUED, _text, execution_key, worker_key
+from rose.worker.rq_store import JOB_OWNER_FIELD, JOB_STATUS_FIELD, QUEUED, decoded, execution_key, worker_key
 
 if TYPE_CHECKING:
     from redis import Redis
@@ -25,13 +25,13 @@ if TYPE_CHECKING:
 
 
 def intermediate_ids(conn: Redis, queue: Queue) -> set[str]:
-    return {_text(i) for i in conn.lrange(queue.intermediate_queue_key, 0, -1)}  # type: ignore[misc]
+    return {decoded(i) for i in conn.lrange(queue.intermediate_queue_key, 0, -1)}  # type: ignore[misc]
 
 
 def requeue_stuck(conn: Redis, queue: Queue, job_id: str) -> bool:
     """An id left in `queue`'s intermediate list (its worker died between dequeue and start) back on the queue,
     if the job is still queued. LREM is the claim when several workers scan. Returns whether it was moved."""
-    status = _text(conn.hget(Job.key_for(job_id), JOB_STATUS_FIELD))
+    status = decoded(conn.hget(Job.key_for(job_id), JOB_STATUS_FIELD))
     if status is None:  # the job is gone: drop its id
         conn.lrem(queue.intermediate_queue_key, 1, job_id)
         return False
@@ -55,7 +55,7 @@ def execution_owners(conn: Redis, entries: list[tuple[str, str]]) -> list[str]:
             pipe.hget(execution_key(f"{job_id}:{execution_id}"), JOB_OWNER_FIELD)
             pipe.hget(Job.key_for(job_id), JOB_OWNER_FIELD)
         replies = pipe.execute()
-    return [_text(replies[2 * i] or replies[2 * i + 1] or b"") or "" for i in range(len(entries))]
+    return [decoded(replies[2 * i] or replies[2 * i + 1] or b"") or "" for i in range(len(entries))]
 
 
 def claim_orphan(conn: Redis, queue: Queue, composite: str) -> bool:
@@ -114,5 +114,5 @@ def registration(conn: Redis, name: str) -> tuple[bool, bool, float | None]:
         pipe.hexists(key, "death")
         pipe.hget(key, "last_heartbeat")
         exists, dead, beat = pipe.execute()
-    age = (now() - utcparse(_text(beat))).total_seconds() if beat else None  # type: ignore[arg-type]
+    age = (now() - utcparse(decoded(beat))).total_seconds() if beat else None  # type: ignore[arg-type]
     return bool(exists), bool(dead), age

@@ -64,7 +64,8 @@ STARTED, QUEUED, FINISHED = JobStatus.STARTED.value, JobStatus.QUEUED.value, Job
 CANCELED, STOPPED, FAILED = JobStatus.CANCELED.value, JobStatus.STOPPED.value, JobStatus.FAILED.value
 
 
-def _text(value: bytes | str | None) -> str | None:
+def decoded(value: bytes | str | None) -> str | None:
+    """A Redis reply as text (None stays None)."""
     return value.decode() if isinstance(value, bytes) else value
 
 
@@ -107,7 +108,7 @@ def dequeue(conn: Redis, plan: list[tuple[Queue, int]]) -> list[tuple[str, Queue
     taken: list[tuple[str, Queue]] = []
     for queue, n in plan:
         for _ in range(n):
-            job_id = _text(next(replies))
+            job_id = decoded(next(replies))
             if job_id is not None:  # another worker was quicker
                 taken.append((job_id, queue))
     return taken
@@ -115,7 +116,7 @@ def dequeue(conn: Redis, plan: list[tuple[Queue, int]]) -> list[tuple[str, Queue
 
 def dequeue_blocking(conn: Redis, queue: Queue, timeout: float) -> str | None:
     """Block up to `timeout` s for one id of `queue` (BLMOVE into its intermediate list, as RQ does)."""
-    return _text(conn.blmove(queue.key, queue.intermediate_queue_key, timeout, "LEFT", "RIGHT"))
+    return decoded(conn.blmove(queue.key, queue.intermediate_queue_key, timeout, "LEFT", "RIGHT"))
 
 
 # ---- start ----------------------------------------------------------------------------------------------------
@@ -130,7 +131,7 @@ def job_states(conn: Redis, job_ids: list[str]) -> list[tuple[str | None, str | 
     with conn.pipeline(transaction=False) as pipe:
         for job_id in job_ids:
             pipe.hmget(Job.key_for(job_id), JOB_STATUS_FIELD, JOB_OWNER_FIELD)
-        return [(_text(status), _text(owner)) for status, owner in pipe.execute()]
+        return [(decoded(status), decoded(owner)) for status, owner in pipe.execute()]
 
 
 def settle_dequeued(pipe: Pipeline, queue: Queue, job_id: str) -> None:

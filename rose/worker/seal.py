@@ -94,7 +94,10 @@ class SealWatch:
         `held`: which of its own marked jobs this worker still holds, or None while it has events left to publish
         (its own markers are then all in flight). Returns how many streams were repaired."""
         conn = rq.connection
-        markers = {_text(job): _text(owner) for job, owner in conn.hgetall(keys.SEALS_KEY).items()}
+        markers = {
+            rq_store.decoded(job): rq_store.decoded(owner)
+            for job, owner in conn.hgetall(keys.SEALS_KEY).items()
+        }
         stale, due = set(), set()
         verdicts: dict[str, bool] = {}
         for job_id, owner in markers.items():
@@ -127,7 +130,7 @@ def repair(conn: redis.Redis, rq: RQWorker, job_id: str, owner: str = "") -> boo
     job's marker (nothing is written while a worker holds one). Returns whether anything was written."""
     end = rq_scan.job_end(conn, job_id, rq)
     raw = conn.xrange(keys.stream_key(job_id))
-    last_id = _text(raw[-1][0]) if raw else ""
+    last_id = rq_store.decoded(raw[-1][0]) if raw else ""
     entries = [json.loads(f[keys.STREAM_FIELD.encode()]) for _, f in raw]
     resets = [i for i, e in enumerate(entries) if e.get("type") == "reset"]
     attempt = entries[resets[-1] + 1 :] if resets else entries
@@ -200,7 +203,3 @@ def _message(exc_string: str | None) -> str:
         return message
     lines = text.splitlines()
     return lines[-1] if lines else "the job failed"
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
