@@ -177,7 +177,7 @@ def test_prefix_cache_counters_follow_engine_stats():
 
 @pytest.mark.timeout(400)
 def test_real_worker_metrics_endpoint(new_redis_server, tmp_path, unused_port):
-    from test_e2e import WorkerProcess
+    from test_e2e import e2e_worker
 
     server = new_redis_server
     r = server.client()
@@ -185,7 +185,7 @@ def test_real_worker_metrics_endpoint(new_redis_server, tmp_path, unused_port):
     done = [enqueue(q, prompt=f"hi {i}", max_tokens=4, ignore_eos=True) for i in range(2)]
     invalid = enqueue(q, prompt="x", max_tokens=3, temprature=1.0)
     long = enqueue(q, prompt="cancel me", max_tokens=None, ignore_eos=True)
-    worker = WorkerProcess(
+    worker = e2e_worker(
         server,
         tmp_path / "worker.log",
         "--metrics-port",
