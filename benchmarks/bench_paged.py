@@ -21,7 +21,9 @@ greedy, EOS ignored; workload `rose.bench.workload`
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -74,6 +76,9 @@ def run(model_name: str, workload, **engine_kwargs) -> dict:
         peak_blocks = max(peak_blocks, engine.kv_blocks_used)
     wall = time.perf_counter() - start
     stats = engine.get_stats()
+    blocks = engine.kv_blocks_total
+    del engine, model  # the model holds its binding to the store: free both before the next pass allocates
+    gc.collect()
     generated = sum(len(t) for t in tokens.values())
     return {
         "tokens": tokens,
@@ -81,7 +86,7 @@ def run(model_name: str, workload, **engine_kwargs) -> dict:
         "tok_s": generated / wall,
         "peak_running": peak_running,
         "peak_blocks": peak_blocks,
-        "blocks": engine.kv_blocks_total,
+        "blocks": blocks,
         "preemptions": stats["num_preemptions"] - before["num_preemptions"],
         "steps": stats["num_steps"] - before["num_steps"],
         "complete": len(tokens) == len(workload)
@@ -100,22 +105,29 @@ def budget_main(args: argparse.Namespace) -> None:
     budget = parse_bytes(args.max_kv_cache_bytes)
     slot_rows = budget // (args.max_model_len * bytes_per_token(args.model))
     common = dict(max_model_len=args.max_model_len, max_kv_cache_bytes=budget)
-    results = {}
-    for layout in args.layouts.split(","):
-        seqs = args.max_num_seqs if layout == "paged" else slot_rows
-        results[layout] = r = run(args.model, workload, max_num_seqs=seqs, **common)
-        print(
-            f"{layout:>6}: max_num_seqs {seqs:4d}, pool {r['blocks']} blocks, peak running {r['peak_running']:4d}, "
-            f"peak blocks {r['peak_blocks']:5d}, {r['steps']} steps, {r['wall']:.2f} s, {r['tok_s']:.0f} tok/s, "
-            f"preemptions {r['preemptions']}, complete {r['complete']}",
-            flush=True,
-        )
-    if {"paged", "slots"} <= set(results):
-        p, s = results["paged"], results["slots"]
+    layouts = args.layouts.split(",")
+    passes: dict[str, list[dict]] = {layout: [] for layout in layouts}
+    for i in range(args.repeats):  # round-robin, so that a busy spell on a shared machine hits both
+        for layout in layouts if i % 2 == 0 else layouts[::-1]:
+            seqs = args.max_num_seqs if layout == "paged" else slot_rows
+            r = run(args.model, workload, max_num_seqs=seqs, **common)
+            passes[layout].append(r)
+            print(
+                f"pass {i + 1} {layout:>6}: max_num_seqs {seqs:4d}, pool {r['blocks']} blocks, peak running "
+                f"{r['peak_running']:4d}, peak blocks {r['peak_blocks']:5d}, {r['steps']} steps, {r['wall']:.2f} s, "
+                f"{r['tok_s']:.0f} tok/s, preemptions {r['preemptions']}, complete {r['complete']}",
+                flush=True,
+            )
+    tok_s = {layout: statistics.median(r["tok_s"] for r in rs) for layout, rs in passes.items()}
+    for layout in layouts:
+        print(f"{layout:>6}: median {tok_s[layout]:.0f} tok/s over {args.repeats} passes")
+    if {"paged", "slots"} <= set(passes):
+        p, s = passes["paged"][0], passes["slots"][0]
         print(
             f"paged / slots ({args.num_requests} requests, {budget / 2**20:.0f} MiB, max_model_len "
             f"{args.max_model_len}): running sequences {p['peak_running'] / s['peak_running']:.1f}x, "
-            f"throughput {p['tok_s'] / s['tok_s']:.2f}x, identical outputs {p['tokens'] == s['tokens']}"
+            f"throughput {tok_s['paged'] / tok_s['slots']:.2f}x (medians), identical outputs "
+            f"{p['tokens'] == s['tokens']}"
         )
 
 
@@ -147,6 +159,7 @@ def main() -> None:
     b.add_argument("--max-model-len", type=int, default=4096)
     b.add_argument("--max-num-seqs", type=int, default=512, help="the paged engine's batch cap")
     b.add_argument("--layouts", default="slots,paged", help="which to run: slots, paged or both")
+    b.add_argument("--repeats", type=int, default=1, help="passes per layout, round-robin; medians reported")
     m = sub.add_parser("pressure", help="a pool far smaller than the workload: preemption")
     m.add_argument("--num-requests", type=int, default=500)
     m.add_argument("--full-length-seqs", type=int, default=20)

@@ -42,7 +42,8 @@ class ModelRunner:
         to it)."""
         size = self.cache.block_size
         ids: list[int] = []
-        slots: list[int] = []
+        slots: list[int] = []  # decode tokens' flat slots; prefill chunks' come as arrays in `chunk_slots`
+        chunk_slots: list[np.ndarray] = []
         positions: list[int] = []
         sample_index: list[int] = []
         for seq in batch.decode:
@@ -59,7 +60,10 @@ class ModelRunner:
             tokens = seq.prompt_token_ids if end <= seq.num_prompt_tokens else seq.all_token_ids
             ids.extend(tokens[chunk.start : end])
             blocks = seq.block_ids
-            slots.extend(blocks[p // size] * size + p % size for p in range(chunk.start, end))
+            pos = np.arange(chunk.start, end)
+            first, last = chunk.start // size, (end - 1) // size + 1  # the blocks this chunk writes
+            table = np.asarray(blocks[first:last], dtype=np.int64)
+            chunk_slots.append(table[pos // size - first] * size + pos % size)
             positions.extend(range(chunk.start, end))
             segments.append(PrefillSegment(blocks, chunk.start, chunk.length, offset))
             if chunk.completes_prefill:
@@ -67,7 +71,9 @@ class ModelRunner:
 
         num_decode = len(batch.decode)
         meta = AttentionMetadata(
-            slot_mapping=self._tensor(slots),
+            slot_mapping=torch.from_numpy(
+                np.concatenate([np.asarray(slots, dtype=np.int64), *chunk_slots])
+            ).to(self.device, non_blocking=True),
             num_decode=num_decode,
             block_size=size,
             decode_lengths=[p + 1 for p in positions[:num_decode]],

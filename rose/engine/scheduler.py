@@ -130,9 +130,8 @@ class Scheduler:
                     if not self.is_ready(seq):
                         continue
                     not_ready.pop()
-                if (
-                    self.should_defer is not None and self.should_defer(seq, self._prefilling)
-                ) or not self._admit(seq):
+                deferred = self.should_defer is not None and self.should_defer(seq, self._prefilling)
+                if deferred or not self._admit(seq):  # no room: it waits for blocks to come back
                     heapq.heappush(self._waiting, entry)  # same place in line; nothing behind it jumps ahead
                     self._num_waiting += 1
                     break
