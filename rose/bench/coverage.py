@@ -4,11 +4,11 @@ The oracle is transformers' own `generate` (greedy, its own KV cache and attenti
 model, one prompt at a time. The engine runs the same prompts in each mode of `MODES`:
 - `batched`: every prompt admitted at once, whole-prompt prefill, the default attention backend (on CPU float32:
   the numba decode kernels);
-- `chunked`: two slots and a small step budget, so prompts are prefilled in chunks beside decoding rows and rows
-  are reused as requests finish; prefix caching on, with prompts that share prefixes, so cached K/V is reused;
-- `sdpa`: as `batched` with the other decode backend (SDPA over row ranges instead of the kernels);
-- `chunked_sdpa`: as `chunked` with SDPA, the path CUDA and low precision take (rows mid-prefill among decoding
-  rows get dummy queries, rows are re-sorted and moved).
+- `chunked`: two sequences at a time, blocks of 4 positions and a small step budget, so prompts are prefilled in
+  chunks beside decoding sequences and blocks are reused as requests finish; prefix caching on, with prompts that
+  share prefixes, so cached blocks are shared;
+- `sdpa`: as `batched` with the other decode backend (SDPA over gathered blocks instead of the kernels);
+- `chunked_sdpa`: as `chunked` with SDPA, the path CUDA and low precision take.
 
 A mode's verdict is `exact` when every token matches; where tokens first differ, the reference's own logits decide
 whether it was a tie (the engine picked a token within `Target.tie_tolerance` times the best logit of it):
@@ -152,9 +152,7 @@ def _run_engine(model, prompts, max_tokens, mode, target: Target) -> tuple[list[
         device=target.device, dtype=target.dtype, max_model_len=128, max_num_seqs=len(prompts)
     )
     if mode.startswith("chunked"):
-        kwargs.update(
-            max_num_seqs=2, max_num_batched_tokens=8, enable_prefix_caching=True, prefix_block_size=4
-        )
+        kwargs.update(max_num_seqs=2, max_num_batched_tokens=8, enable_prefix_caching=True, block_size=4)
     with _backend("sdpa" if mode.endswith("sdpa") else "auto"):
         engine = Engine(model, None, **kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)

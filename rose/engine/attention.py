@@ -1,8 +1,10 @@
-"""One layer's attention for one step over rose's KV store: write the step's K/V, attend each token over its own row.
+"""One layer's attention for one step over rose's paged KV store: write the step's K/V, attend each token over its
+own sequence's blocks.
 
 The step's tokens come flattened into one row: first one token per decoding sequence, then the prefill segments
-(rose.engine.kv_cache.AttentionMetadata). Decode tokens attend through the CPU kernels (exact spans, float32 on CPU)
-or through SDPA over row ranges; prefill segments through SDPA over their own row. Layers with soft-capping or sinks,
+(rose.engine.kv_cache.AttentionMetadata). Decode tokens attend through the CPU kernels (exact spans read through the
+block tables, float32 on CPU) or through SDPA over their blocks gathered in length-sorted groups; prefill segments
+through SDPA over their own new K/V (a segment starting at position 0) or their sequence's gathered positions. Layers with soft-capping or sinks,
 which SDPA cannot compute, take an `Eager` function on the same views and masks instead: the model's own eager
 attention where its modeling module has one (rose.engine.model_binding), so that bf16 / fp16 round as transformers
 does, else `eager_attention`.
@@ -15,7 +17,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from rose.engine import cpu_attention
+from rose.engine import cpu_attention, flash_attention
 from rose.engine.kv_cache import AttentionMetadata, KVCache
 from rose.engine.layer_spec import LayerSpec
 
@@ -89,14 +91,14 @@ def attend_layer(
     parts = []
     if kernels:
         n = meta.num_decode
-        rows, starts, ends = meta.decode_spans(spec.visibility, cache.max_num_seqs, cache.max_model_len)
+        tables, starts, ends = meta.decode_spans(spec.visibility, cache.num_blocks)
         out = cpu_attention.decode_attention(
             q[:n].reshape(n, spec.num_kv_heads, spec.groups, spec.head_dim),
             key[0, :, :n].transpose(0, 1),
             value[0, :, :n].transpose(0, 1),
             cache.k[layer],
             cache.v[layer],
-            rows,
+            tables,
             starts,
             ends,
             scale,
@@ -105,11 +107,18 @@ def attend_layer(
             spans_checked=True,
         )
         parts.append(out.reshape(n, spec.num_heads, spec.v_head_dim))
+    elif meta.num_decode and cache.flash is not None and eager is None and flash_attention.supports(spec):
+        tables, lengths = meta.flash_inputs(q.device)
+        n = meta.num_decode
+        out = flash_attention.decode_attention(
+            cache.flash, q[:n], cache.k[layer], cache.v[layer], tables, lengths, scale, spec
+        )
+        parts.append(out)
     elif meta.num_decode:
         parts.append(_attend_decode(cache, layer, meta, q[: meta.num_decode], scale, eager))
     for i, seg in enumerate(meta.prefills):
         q_seg = q[seg.offset : seg.offset + seg.length].transpose(0, 1)
-        parts.append(_attend_prefill(cache, layer, meta, i, q_seg, scale, eager))
+        parts.append(_attend_prefill(cache, layer, meta, i, q_seg, key, value, scale, eager))
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
 
 
@@ -121,31 +130,24 @@ def _attend_decode(
     scale: float,
     eager: Eager | None,
 ) -> torch.Tensor:
-    """q: [num_decode, heads, D] -> [num_decode, heads, Dv], attending over each row's own slot."""
+    """q: [num_decode, heads, D] -> [num_decode, heads, Dv], each token over its own sequence's blocks."""
     spec = cache.specs[layer]
-    span = meta.decode_span
-    if meta.decode_slots is not None:
-        # some occupied rows are mid-prefill: give them a dummy query so all rows run in one batched call
-        full = q.new_zeros((span, spec.num_heads, spec.head_dim))
-        full[meta.decode_slots] = q
-        q = full
-    # GQA without repeating K/V: the query heads sharing a KV head act as that head's query positions
-    qg = q.reshape(span, spec.num_kv_heads, spec.groups, spec.head_dim)
+    groups, inverse = meta.decode_plan(q.device)
     parts = []
-    for i, (start, end, longest) in enumerate(meta.decode_groups):
-        k = cache.k[layer][start:end, :, :longest]
-        v = cache.v[layer][start:end, :, :longest]
-        mask = meta.decode_mask(i, spec.visibility)
+    for i, group in enumerate(groups):
+        k, v = cache.gather(layer, group.tables, group.longest)
+        mask = meta.decode_mask(i, spec.visibility, q.device)
+        rows = len(group.rows)
+        q_rows = q[group.rows]
         if eager is None:  # plain: SDPA (attend_layer gives an eager function to the others)
-            parts.append(F.scaled_dot_product_attention(qg[start:end], k, v, attn_mask=mask, scale=scale))
+            # GQA without repeating K/V: the query heads sharing a KV head act as that head's query positions
+            qg = q_rows.reshape(rows, spec.num_kv_heads, spec.groups, spec.head_dim)
+            out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
         else:  # one query position per row: [rows, heads, 1, D] -> [rows, 1, heads, Dv]
-            out = eager(q[start:end, :, None], k, v, mask)
-            parts.append(out.reshape(end - start, spec.num_kv_heads, spec.groups, spec.v_head_dim))
+            out = eager(q_rows[:, :, None], k, v, mask)
+        parts.append(out.reshape(rows, spec.num_heads, spec.v_head_dim))
     out = parts[0] if len(parts) == 1 else torch.cat(parts)
-    out = out.reshape(span, spec.num_heads, spec.v_head_dim)
-    if meta.decode_slots is not None:
-        out = out[meta.decode_slots]
-    return out
+    return out if inverse is None else out[inverse]
 
 
 def _attend_prefill(
@@ -154,16 +156,22 @@ def _attend_prefill(
     meta: AttentionMetadata,
     index: int,
     q: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
     scale: float,
     eager: Eager | None,
 ) -> torch.Tensor:
-    """q: [heads, length, D] of one segment -> [length, heads, Dv]."""
+    """q: [heads, length, D] of one segment -> [length, heads, Dv]. A segment starting at position 0 attends over
+    this step's own K/V (the values just stored: nothing to gather); a later chunk over its sequence's blocks."""
     spec = cache.specs[layer]
     seg = meta.prefills[index]
     first, mask = meta.prefill_mask(index, spec.visibility, q.device)
     end = seg.start + seg.length
-    k = cache.k[layer][seg.slot : seg.slot + 1, :, first:end]
-    v = cache.v[layer][seg.slot : seg.slot + 1, :, first:end]
+    if seg.start == 0:
+        k = key[:, :, seg.offset + first : seg.offset + end].to(cache.k[layer].dtype)
+        v = value[:, :, seg.offset + first : seg.offset + end].to(cache.v[layer].dtype)
+    else:
+        k, v = cache.positions(layer, seg.blocks, first, end)
     if eager is None:
         out = F.scaled_dot_product_attention(
             q[None], k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True

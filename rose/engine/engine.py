@@ -10,14 +10,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import PreTrainedModel
 
-from rose.engine import loader, model_probe
+from rose.engine import flash_attention, loader, model_probe
+from rose.engine.block_pool import BlockPool
 from rose.engine.detokenizer import IncrementalDetokenizer
 from rose.engine.host_malloc import tune_malloc
-from rose.engine.kv_budget import default_kv_budget, resolve_max_model_len
+from rose.engine.kv_budget import default_kv_budget, pool_blocks, resolve_max_model_len
 from rose.engine.kv_cache import KVCache
 from rose.engine.model_runner import ModelRunner, model_context
 from rose.engine.outputs import RequestMetrics, RequestOutput, StepOutput
-from rose.engine.prefix_cache import PrefixCache, block_hashes
+from rose.engine.prefix_cache import PrefixCache
 from rose.engine.prompts import tokenize_prompt
 from rose.engine.sampler import Sampler
 from rose.engine.sampling_params import SamplingParams
@@ -32,11 +33,16 @@ logger = logging.getLogger(__name__)
 
 
 class Engine:
-    """Continuous-batching engine over a preallocated per-slot KV store.
+    """Continuous-batching engine over a paged KV store: a pool of fixed-size blocks, allocated as sequences grow.
 
-    Single-threaded: call every method from the same thread (grammars of structured outputs compile on a small
-    pool of their own). `disable_any_whitespace`: JSON constrained by a schema is written on one line (vLLM's
-    structured-outputs option of that name); by default any whitespace may separate its tokens.
+    `max_num_seqs` caps the running batch; how many sequences run at once is otherwise decided by the blocks free
+    (rose.engine.scheduler), with preemption by recompute when decoding sequences outgrow the pool. The pool holds
+    `max_kv_cache_bytes` (default: rose.engine.kv_budget), at most what `max_num_seqs` sequences of `max_model_len`
+    tokens could use.
+
+        Single-threaded: call every method from the same thread (grammars of structured outputs compile on a small
+        pool of their own). `disable_any_whitespace`: JSON constrained by a schema is written on one line (vLLM's
+        structured-outputs option of that name); by default any whitespace may separate its tokens.
     """
 
     def __init__(
@@ -46,15 +52,14 @@ class Engine:
         *,
         device: str | torch.device = "auto",
         dtype: str | torch.dtype = "auto",
-        max_num_seqs: int = 64,
+        max_num_seqs: int = 256,
         max_model_len: int | None = None,
         max_num_batched_tokens: int | None = None,
         max_kv_cache_bytes: int | None = None,
         seed: int = 0,
         max_logprobs: int = 20,
         enable_prefix_caching: bool = False,
-        prefix_cache_slots: int | None = None,
-        prefix_block_size: int = 16,
+        block_size: int | None = None,
         trust_remote_code: bool = False,
         disable_any_whitespace: bool = False,
     ) -> None:
@@ -73,33 +78,40 @@ class Engine:
         # refuses, before any request, a model rose cannot serve exactly
         layers = model_probe.probe(self.model)
         context = layers.exact_context(model_context(self.model.config), max_model_len)
-        bytes_per_token = KVCache.bytes_per_token(layers.specs, self.dtype)
-        spare = 0  # rows beyond max_num_seqs that keep finished sequences' K/V for prefix caching
-        if enable_prefix_caching:
-            spare = max_num_seqs // 2 if prefix_cache_slots is None else prefix_cache_slots
-            if spare < 0 or prefix_block_size < 1:
-                raise ValueError("prefix_cache_slots must be >= 0 and prefix_block_size >= 1")
-        rows = max_num_seqs + spare
+        if block_size is None:  # 16, or flash-attn's page size where its paged kernel runs decode attention
+            block_size = flash_attention.preferred_block_size(self.device, self.dtype)
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        block_bytes = KVCache.bytes_per_token(layers.specs, self.dtype) * block_size
         budget = max_kv_cache_bytes if max_kv_cache_bytes is not None else default_kv_budget(self.device)
-        self.max_model_len = resolve_max_model_len(max_model_len, context, rows * bytes_per_token, budget)
-        self.cache = KVCache(layers.specs, rows, self.max_model_len, self.dtype, self.device)
+        num_blocks = pool_blocks(budget, block_bytes, max_num_seqs, max_model_len or context, block_size)
+        self.max_model_len = resolve_max_model_len(max_model_len, context, num_blocks * block_size)
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, block_size)
+        self.cache = KVCache(layers.specs, num_blocks, block_size, self.dtype, self.device)
         logger.info(
-            "KV store: %d slots x %d tokens, %.1f MiB",
-            rows,
-            self.max_model_len,
+            "KV store: %d blocks x %d tokens (%d tokens, %.1f MiB), max_model_len %d, up to %d sequences",
+            num_blocks,
+            block_size,
+            num_blocks * block_size,
             self.cache.nbytes / 2**20,
+            self.max_model_len,
+            max_num_seqs,
         )
         self.runner = ModelRunner(self.model, layers, self.cache)
         budget = layers.exact_step_tokens(max_num_batched_tokens, max(2048, max_num_seqs))
-        self.scheduler = Scheduler(max_num_seqs, budget)
-        self.scheduler.sort_rows = not self.cache.use_cpu_kernels
+        # ~1% of the pool kept free at admission, so that running sequences can grow without preempting at once
+        self.scheduler = Scheduler(max_num_seqs, budget, self.pool, watermark_blocks=num_blocks // 100)
         self.prefix_cache: PrefixCache | None = None
         if enable_prefix_caching:
-            self.prefix_cache = PrefixCache(
-                prefix_block_size, first_spare_slot=max_num_seqs, num_spare_slots=spare
-            )
+            self.prefix_cache = PrefixCache(self.pool)
             self.scheduler.should_defer = self.prefix_cache.pending_overlap
-            self.scheduler.on_admit = self._reuse_prefix
+            self.scheduler.lookup_prefix = self.prefix_cache.lookup
+            self.scheduler.take_prefix = self.prefix_cache.take
+        self._prompt_tokens_seen = [
+            0,
+            0,
+        ]  # requests added, their prompt tokens: num_admittable's default size
 
         config_vocab = self.model.config.get_text_config().vocab_size
         vocab = config_vocab
@@ -206,13 +218,13 @@ class Engine:
         )
         if structured is not None:
             self._structured.num_live += 1
-        if self.prefix_cache is not None:
-            seq.block_hashes = block_hashes(ids, self.prefix_cache.block_size)
+        self._prompt_tokens_seen[0] += 1
+        self._prompt_tokens_seen[1] += len(ids)
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> RequestOutput | None:
-        """Stop a request now and free its slot. Returns its final output (finish_reason "abort")."""
+        """Stop a request now and free its blocks. Returns its final output (finish_reason "abort")."""
         seq = self._seqs.pop(request_id, None)
         if seq is None:
             return None
@@ -225,12 +237,6 @@ class Engine:
         if seq.detokenizer is not None:
             seq.text = seq.detokenizer.emitted_text
         return request_output(seq)
-
-    def _reuse_prefix(self, seq: Sequence) -> None:
-        match = self.prefix_cache.match(seq)
-        if match is not None:
-            self.cache.move_row(match.src_slot, seq.slot, match.num_tokens)
-            seq.num_computed_tokens = match.num_tokens
 
     @property
     def structured_outputs(self) -> StructuredOutputManager:
@@ -269,18 +275,11 @@ class Engine:
             steps.append(StepOutput(out.request_id, [], "", True, "error", output=out))
         return steps
 
-    def _remove(self, seq: Sequence, finished: bool = False) -> None:
+    def _remove(self, seq: Sequence) -> None:
         if seq.structured is not None:
             seq.structured = None  # frees the matcher
             self._structured.num_live -= 1
-        if self.prefix_cache is not None:
-            running = seq.status is SequenceStatus.RUNNING
-            spare = self.prefix_cache.release(seq, retain=finished and running)
-            if spare is not None:
-                self.cache.move_row(seq.slot, spare, seq.num_computed_tokens)
-        move = self.scheduler.remove(seq)
-        if move is not None:
-            self.cache.move_row(move.src, move.dst, move.length)
+        self.scheduler.remove(seq)  # its cached full blocks stay in the pool for prefix hits until evicted
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._undelivered)
@@ -301,9 +300,6 @@ class Engine:
         return errors + outputs if errors else outputs
 
     def _forward(self, structured: StructuredOutputManager | None) -> list[StepOutput]:
-        moves = self.scheduler.reorder()
-        if moves:
-            self.cache.move_rows([m.src for m in moves], [m.dst for m in moves], max(m.length for m in moves))
         batch = self.scheduler.schedule()
         if not batch and structured is not None and self.scheduler.num_waiting:
             # only requests whose grammar is compiling are left: wait for one rather than spin
@@ -317,8 +313,8 @@ class Engine:
         for chunk in batch.prefill:
             if chunk.seq.metrics.first_scheduled_time is None:
                 chunk.seq.metrics.first_scheduled_time = now
-        logits = self.runner.execute(batch, self.scheduler.num_running)
-        sampled = list(batch.decode) + [c.seq for c in batch.prefill if c.completes_prompt]
+        logits = self.runner.execute(batch)
+        sampled = list(batch.decode) + [c.seq for c in batch.prefill if c.completes_prefill]
         if structured is not None and sampled:  # before the sampler, so logprobs see the masked logits too
             structured.apply_grammar_bitmask(logits, [s.structured for s in sampled])
         result = self.sampler(logits, sampled) if sampled else None
@@ -329,9 +325,12 @@ class Engine:
             seq.num_computed_tokens += 1
         for chunk in batch.prefill:
             chunk.seq.num_computed_tokens += chunk.length
-            if chunk.completes_prompt:
+            if chunk.completes_prefill:
                 self.scheduler.prefill_done(chunk.seq)
-            if self.prefix_cache is not None:
+        if self.prefix_cache is not None:
+            for seq in batch.decode:
+                self.prefix_cache.register(seq)
+            for chunk in batch.prefill:
                 self.prefix_cache.register(chunk.seq)
         if result is None:
             return []
@@ -342,7 +341,7 @@ class Engine:
         ]
         for out in outputs:
             if out.finished:
-                self._remove(self._seqs.pop(out.request_id), finished=True)
+                self._remove(self._seqs.pop(out.request_id))
         return outputs
 
     # ----------------------------------------------------------------- counters
@@ -356,12 +355,31 @@ class Engine:
         return self.scheduler.num_waiting
 
     @property
-    def kv_slots_used(self) -> int:
-        return self.scheduler.num_running
+    def kv_blocks_used(self) -> int:
+        """Blocks held by running sequences."""
+        return self.pool.num_used
 
     @property
-    def kv_slots_total(self) -> int:
-        return self.max_num_seqs
+    def kv_blocks_total(self) -> int:
+        return self.pool.num_blocks
+
+    # the worker's metrics read these names: the KV store's use, now in blocks
+    kv_slots_used = kv_blocks_used
+    kv_slots_total = kv_blocks_total
+
+    def num_admittable(self, tokens_per_request: int | None = None) -> int:
+        """How many more requests the engine can start now: the batch cap left (`max_num_seqs` minus running and
+        waiting requests) and the free blocks (less the waiting requests' prompts and the admission watermark)
+        divided by the blocks of one request of `tokens_per_request` tokens (default: the mean prompt length of
+        the requests added so far; one block before any). What a queue worker's intake asks before taking jobs."""
+        room = self.max_num_seqs - self.num_running - self.num_waiting
+        if room <= 0:
+            return 0
+        if tokens_per_request is None:
+            added, tokens = self._prompt_tokens_seen
+            tokens_per_request = tokens // added if added else 1
+        free = self.pool.num_free - self.scheduler.watermark_blocks - self.scheduler.waiting_blocks()
+        return max(0, min(room, free // self.pool.blocks_for(max(1, tokens_per_request))))
 
     def get_stats(self) -> dict[str, int | float]:
         prefix = {}
@@ -372,6 +390,8 @@ class Engine:
                 "prefix_cache_hits": st.hits,
                 "prefix_cache_query_tokens": st.query_tokens,
                 "prefix_cache_hit_tokens": st.hit_tokens,
+                "prefix_cache_blocks": self.pool.num_cached(),
+                "prefix_cache_evicted_blocks": self.pool.num_evicted,
             }
         if self._structured is not None:
             prefix.update(self._structured.get_stats())
@@ -380,10 +400,13 @@ class Engine:
             "num_steps": self._num_steps,
             "num_running": self.num_running,
             "num_waiting": self.num_waiting,
-            "kv_slots_used": self.kv_slots_used,
-            "kv_slots_total": self.kv_slots_total,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "kv_blocks_used": self.kv_blocks_used,
+            "kv_blocks_free": self.pool.num_free,
+            "kv_blocks_total": self.kv_blocks_total,
+            "kv_block_size": self.block_size,
             "kv_tokens_used": sum(s.num_computed_tokens for s in self.scheduler.running),
-            "kv_tokens_total": self.max_num_seqs * self.max_model_len,
+            "kv_tokens_total": self.pool.num_blocks * self.block_size,
         }
 
     def get_request(self, request_id: str) -> Sequence | None:

@@ -1,4 +1,8 @@
-"""Sizing the KV store: how many positions each slot gets, from the model's context and a memory budget."""
+"""Sizing the paged KV store: how many blocks the pool gets from a memory budget, and the longest sequence it serves.
+
+The pool never holds more than `max_num_seqs` sequences of the longest length could use (the batch cap makes more
+unusable); within that, it takes what the budget allows.
+"""
 
 from __future__ import annotations
 
@@ -12,30 +16,39 @@ logger = logging.getLogger(__name__)
 _MIN_MODEL_LEN = 128
 
 
-def resolve_max_model_len(requested: int | None, context: int, bytes_per_position: int, budget: int) -> int:
-    """`requested` if the model's context and the KV budget allow it, else the longest that fits (a warning when
-    that is below the context); an error naming what to change when even a short context does not fit."""
+def pool_blocks(budget: int, block_bytes: int, max_num_seqs: int, max_len: int, block_size: int) -> int:
+    """Blocks of `block_bytes` in `budget`, at most `max_num_seqs` sequences of `max_len` tokens' worth."""
+    cap = max_num_seqs * -(-max_len // block_size)
+    fit = budget // block_bytes
+    if fit < 1:
+        raise ValueError(
+            f"a KV budget of {budget / 2**20:.2f} MiB does not hold one block of {block_size} tokens "
+            f"({block_bytes / 2**20:.2f} MiB): raise max_kv_cache_bytes"
+        )
+    return int(min(cap, fit))
+
+
+def resolve_max_model_len(requested: int | None, context: int, pool_tokens: int) -> int:
+    """`requested` if the model's context and the pool allow it, else the longest that fits (a warning when that
+    is below the context); an error naming what to change when even a short context does not fit."""
     if requested is not None:
         if requested < 1 or requested > context:
             raise ValueError(
                 f"max_model_len must be in [1, {context}] (the model's context), got {requested}"
             )
-        if requested * bytes_per_position > budget:
+        if requested > pool_tokens:
             raise ValueError(
-                f"max_model_len {requested} x max_num_seqs needs a {requested * bytes_per_position / 2**30:.2f} "
-                f"GiB KV store, over the {budget / 2**30:.2f} GiB budget: lower max_model_len or max_num_seqs, "
-                "or raise max_kv_cache_bytes"
+                f"max_model_len {requested} is longer than the KV pool's {pool_tokens} tokens: lower "
+                "max_model_len or raise max_kv_cache_bytes"
             )
         return requested
-    fit = budget // bytes_per_position
-    if fit < min(context, _MIN_MODEL_LEN):
-        raise ValueError(
-            f"a KV store of max_num_seqs slots fits only {fit} tokens per slot in {budget / 2**30:.2f} GiB: "
-            "lower max_num_seqs or raise max_kv_cache_bytes"
+    if pool_tokens < min(context, _MIN_MODEL_LEN):
+        raise ValueError(f"the KV pool holds only {pool_tokens} tokens: raise max_kv_cache_bytes")
+    if pool_tokens < context:
+        logger.warning(
+            "max_model_len capped at %d (model context %d) to fit the KV pool", pool_tokens, context
         )
-    if fit < context:
-        logger.warning("max_model_len capped at %d (model context %d) to fit the KV budget", fit, context)
-    return int(min(context, fit))
+    return int(min(context, pool_tokens))
 
 
 def default_kv_budget(device: torch.device) -> int:

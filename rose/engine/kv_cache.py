@@ -1,11 +1,12 @@
-"""The engine's KV store and the per-step metadata its attention paths read.
+"""The engine's paged KV store and the per-step metadata its attention paths read.
 
-One store per engine, allocated once: per attention layer, K of shape [rows, kv_heads, max_model_len, head_dim] and
-V of shape [rows, kv_heads, max_model_len, v_head_dim], each layer with its own geometry (rose.engine.layer_spec). A
-running sequence owns one slot (a row); it writes the K/V of its new tokens at its own positions and never copies
-anyone's cache. Occupied slots are always [0, num_slots_used): when a sequence leaves, the last occupied row is moved
-into its place once, so a decode step attends over plain views K[a:b, :, :longest] with a per-row mask, one call per
-range of rows (rose.engine.slot_order keeps rows sorted by context length so those ranges are tight).
+One store per engine, allocated once: per attention layer, K of shape [num_blocks, block_size, kv_heads, head_dim]
+and V of shape [num_blocks, block_size, kv_heads, v_head_dim], each layer with its own geometry
+(rose.engine.layer_spec). The block ids are the pool's (rose.engine.block_pool); a sequence's block table says where
+its positions live, so a sequence never moves and a shared prefix block is read by every sequence holding it. One
+position's heads are contiguous (the layout flash-attn's paged kernels take too): the CPU kernels read a position's
+K/V for all heads in one stream, and a step's K/V are written with one scatter over flat slot indices
+(block * block_size + offset).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from rose.engine import cpu_attention
+from rose.engine import cpu_attention, flash_attention
+from rose.engine.decode_groups import decode_groups
 from rose.engine.layer_spec import LayerSpec, first_visible
 
 logger = logging.getLogger(__name__)
@@ -24,14 +26,25 @@ logger = logging.getLogger(__name__)
 Visibility = tuple[int | None, int | None]  # LayerSpec.visibility: (window, chunk)
 
 
-@dataclass
+@dataclass(slots=True)
 class PrefillSegment:
-    """A chunk of one sequence's prompt processed this step: tokens [start, start + length) of slot `slot`."""
+    """A chunk of one sequence's prefill this step: its positions [start, start + length), held in `blocks`."""
 
-    slot: int
+    blocks: list[int]  # the sequence's block table
     start: int
     length: int
     offset: int  # where its tokens begin in the step's flattened input
+
+
+@dataclass(slots=True)
+class DecodeGroup:
+    """SDPA decode: decoding tokens `rows` (indices into the decode tokens), their block tables `tables`
+    [rows, blocks] padded with block 0, read up to `longest` positions."""
+
+    rows: torch.Tensor
+    tables: torch.Tensor
+    lengths: torch.Tensor
+    longest: int
 
 
 @dataclass
@@ -41,66 +54,95 @@ class AttentionMetadata:
     The step's tokens are flattened into one row: first one token per decoding sequence, then the prefill segments.
     """
 
-    write_slots: torch.Tensor  # [num_tokens] slot of each token
-    write_positions: torch.Tensor  # [num_tokens] position of each token
+    slot_mapping: torch.Tensor  # [num_tokens] flat slot (block * block_size + offset) of each token
     num_decode: int
-    # each decoding token's store row and context length after this step's write, in token order
-    decode_rows: list[int] = field(default_factory=list)
-    decode_row_lengths: list[int] = field(default_factory=list)
+    block_size: int
+    # decoding token i: its sequence's block table (padded with 0) and context length after this step's write
+    decode_tables: np.ndarray = field(default_factory=lambda: np.zeros((0, 1), dtype=np.int64))
+    decode_lengths: list[int] = field(default_factory=list)
     prefills: list[PrefillSegment] = field(default_factory=list)
-    # SDPA decode path only (see ModelRunner): it attends over store rows [0, decode_span) in row ranges.
-    # decode_slots: [num_decode] row of each decoding token, None when they are 0..num_decode-1;
-    # decode_lengths: [decode_span] context length of each row (1 for rows mid-prefill)
-    decode_slots: torch.Tensor | None = None
-    decode_span: int = 0
-    decode_lengths: torch.Tensor | None = None
-    # (start, end, longest): row ranges attended in one call each, read up to their own longest row
-    decode_groups: list[tuple[int, int, int]] = field(default_factory=list)
-    _masks: dict = field(default_factory=dict)
+    _cached: dict = field(default_factory=dict)
 
-    def decode_mask(self, group: int, visibility: Visibility) -> torch.Tensor:
+    def decode_spans(
+        self, visibility: Visibility, num_blocks: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(tables, starts, ends) as int64 arrays: decoding token i attends over positions [starts[i], ends[i]) of
+        block table tables[i], checked once per step against a pool of `num_blocks` (cpu_attention.check_spans)."""
+        key = ("spans", visibility)
+        if key not in self._cached:
+            ends = np.asarray(self.decode_lengths, dtype=np.int64)
+            starts = first_visible(ends - 1, *visibility)
+            tables = self.decode_tables
+            cpu_attention.check_spans(
+                tables, starts, ends, n=self.num_decode, num_blocks=num_blocks, block_size=self.block_size
+            )
+            self._cached[key] = (tables, starts, ends)
+        return self._cached[key]
+
+    def flash_inputs(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block tables, context lengths) of the decoding tokens as int32 tensors on `device` (flash-attn's)."""
+        if "flash" not in self._cached:
+            tables = torch.from_numpy(self.decode_tables).to(device=device, dtype=torch.int32)
+            lengths = torch.tensor(self.decode_lengths, dtype=torch.int32, device=device)
+            self._cached["flash"] = (tables, lengths)
+        return self._cached["flash"]
+
+    def decode_plan(self, device: torch.device) -> tuple[list[DecodeGroup], torch.Tensor | None]:
+        """SDPA decode: the decoding tokens sorted longest first and split into groups (rose.engine.decode_groups);
+        with the permutation that puts the groups' concatenated outputs back in token order (None: already)."""
+        if "plan" not in self._cached:
+            order = sorted(range(self.num_decode), key=lambda i: -self.decode_lengths[i])
+            lengths = [self.decode_lengths[i] for i in order]
+            groups = []
+            for start, end, longest in decode_groups(lengths):
+                rows = order[start:end]
+                blocks = -(-longest // self.block_size)
+                tables = torch.from_numpy(self.decode_tables[rows, :blocks]).to(device, non_blocking=True)
+                groups.append(
+                    DecodeGroup(
+                        rows=torch.tensor(rows, device=device),
+                        tables=tables,
+                        lengths=torch.tensor(lengths[start:end], device=device),
+                        longest=longest,
+                    )
+                )
+            inverse = None
+            if order != sorted(order):
+                inverse = torch.empty(self.num_decode, dtype=torch.long)
+                inverse[torch.tensor(order)] = torch.arange(self.num_decode)
+                inverse = inverse.to(device)
+            self._cached["plan"] = (groups, inverse)
+        return self._cached["plan"]
+
+    def decode_mask(self, group: int, visibility: Visibility, device: torch.device) -> torch.Tensor:
         """[rows, 1, 1, longest] of decode group `group`: True where a row may attend."""
         key = ("decode", group, visibility)
-        if key not in self._masks:
-            start, end, longest = self.decode_groups[group]
-            pos = torch.arange(longest, device=self.decode_lengths.device)
-            lengths = self.decode_lengths[start:end, None]
+        if key not in self._cached:
+            g = self.decode_plan(device)[0][group]
+            pos = torch.arange(g.longest, device=device)
+            lengths = g.lengths[:, None]
             mask = pos[None, :] < lengths
             if visibility != (None, None):
                 mask &= pos[None, :] >= first_visible(lengths - 1, *visibility)
-            self._masks[key] = mask[:, None, None, :]
-        return self._masks[key]
-
-    def decode_spans(
-        self, visibility: Visibility, rows: int, max_len: int
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(rows, starts, ends) as int64 arrays: decoding token i attends over positions [starts[i], ends[i]),
-        checked once per step against a store of `rows` rows of `max_len` positions (cpu_attention.check_spans)."""
-        key = ("spans", visibility)
-        if key not in self._masks:
-            ends = np.asarray(self.decode_row_lengths, dtype=np.int64)
-            starts = first_visible(ends - 1, *visibility)
-            slots = np.asarray(self.decode_rows, dtype=np.int64)
-            cpu_attention.check_spans(slots, starts, ends, n=self.num_decode, rows=rows, max_len=max_len)
-            self._masks[key] = (slots, starts, ends)
-        return self._masks[key]
+            self._cached[key] = mask[:, None, None, :]
+        return self._cached[key]
 
     def causal_mask(self, length: int, device: torch.device) -> torch.Tensor:
         """[1, 1, length, length] plain causal mask, built once per step (eager layers need it materialized)."""
         key = ("causal", length)
-        if key not in self._masks:
-            self._masks[key] = torch.ones(length, length, dtype=torch.bool, device=device).tril()[None, None]
-        return self._masks[key]
+        if key not in self._cached:
+            self._cached[key] = torch.ones(length, length, dtype=torch.bool, device=device).tril()[None, None]
+        return self._cached[key]
 
     def additive_mask(self, visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """`visible` (one of this step's masks) as transformers' additive mask: 0 where visible, dtype's min
         elsewhere; built once per step and mask for every layer."""
         key = ("additive", id(visible), dtype)
-        if key not in self._masks:
+        if key not in self._cached:
             mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
             mask.masked_fill_(~visible, torch.finfo(dtype).min)
-            self._masks[key] = (visible, mask)  # holds `visible`, so its id cannot be reused within the step
-        return self._masks[key][1]
+            self._cached[key] = (visible, mask)  # holds `visible`, so its id cannot be reused within the step
+        return self._cached[key][1]
 
     def prefill_mask(
         self, index: int, visibility: Visibility, device: torch.device
@@ -112,45 +154,49 @@ class AttentionMetadata:
         if seg.start == 0 and visibility == (None, None):
             return 0, None
         key = ("prefill", index, visibility)
-        if key not in self._masks:
+        if key not in self._cached:
             q_pos = torch.arange(seg.start, seg.start + seg.length, device=device)[:, None]
             k_pos = torch.arange(first, seg.start + seg.length, device=device)[None, :]
             mask = (k_pos <= q_pos) & (k_pos >= first_visible(q_pos, *visibility))
-            self._masks[key] = mask[None, None]
-        return first, self._masks[key]
+            self._cached[key] = mask[None, None]
+        return first, self._cached[key]
 
 
 class KVCache:
-    """Preallocated per-slot K/V tensors for every attention layer, each layer shaped by its LayerSpec."""
+    """The block pool's K/V tensors for every attention layer, each layer shaped by its LayerSpec."""
 
     def __init__(
         self,
         specs: list[LayerSpec],
-        max_num_seqs: int,
-        max_model_len: int,
+        num_blocks: int,
+        block_size: int,
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        # zeros, not empty: masked-out rows are multiplied by 0, and 0 * NaN garbage would be NaN
+        # zeros, not empty: the SDPA path reads padding past a sequence's length (masked out, so multiplied by 0,
+        # and 0 * NaN garbage would be NaN)
+        shape = (num_blocks, block_size)
         self.k = [
-            torch.zeros((max_num_seqs, s.num_kv_heads, max_model_len, s.head_dim), dtype=dtype, device=device)
-            for s in specs
+            torch.zeros((*shape, s.num_kv_heads, s.head_dim), dtype=dtype, device=device) for s in specs
         ]
         self.v = [
-            torch.zeros(
-                (max_num_seqs, s.num_kv_heads, max_model_len, s.v_head_dim), dtype=dtype, device=device
-            )
-            for s in specs
+            torch.zeros((*shape, s.num_kv_heads, s.v_head_dim), dtype=dtype, device=device) for s in specs
         ]
         self.specs = list(specs)
-        self.max_num_seqs = max_num_seqs
-        self.max_model_len = max_model_len
+        self.num_blocks = num_blocks
+        self.block_size = block_size
         # decode attention through rose.engine.cpu_attention's kernels (exact lengths) instead of SDPA
         self.use_cpu_kernels = cpu_attention.enabled(torch.device(device), dtype)
+        # CUDA: flash-attn's paged decode kernel, where installed and the block size suits it
+        self.flash = (
+            flash_attention.kernel()
+            if flash_attention.enabled(torch.device(device), dtype, block_size)
+            else None
+        )
 
     @staticmethod
     def bytes_per_token(specs: list[LayerSpec], dtype: torch.dtype) -> int:
-        """K and V bytes one position of one row takes across all layers."""
+        """K and V bytes one position takes across all layers."""
         size = torch.empty((), dtype=dtype).element_size()
         return sum(s.num_kv_heads * (s.head_dim + s.v_head_dim) for s in specs) * size
 
@@ -158,30 +204,34 @@ class KVCache:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
-    @torch.inference_mode()  # the store may hold inference tensors (an engine built under inference_mode)
-    def move_row(self, src: int, dst: int, length: int) -> None:
-        """Copy the first `length` positions of slot `src` into slot `dst` (done once when a sequence leaves)."""
-        for t in (*self.k, *self.v):
-            t[dst, :, :length].copy_(t[src, :, :length])
-
-    @torch.inference_mode()
-    def move_rows(self, src: list[int], dst: list[int], length: int) -> None:
-        """Copy the first `length` positions of rows `src` into rows `dst`, all sources read first (a permutation)."""
-        src_t = torch.tensor(src, device=self.k[0].device)
-        dst_t = torch.tensor(dst, device=self.k[0].device)
-        for t in (*self.k, *self.v):
-            view = t[:, :, :length]
-            view.index_copy_(0, dst_t, view.index_select(0, src_t))
-
     def write(
         self, layer: int, meta: AttentionMetadata, key: torch.Tensor, value: torch.Tensor, first: int = 0
     ) -> None:
-        """Store this step's K/V ([1, kv_heads, num_tokens, head_dim]) at each token's slot and position, from token
-        `first` on (the CPU decode kernels store the decode tokens' K/V themselves)."""
+        """Store this step's K/V ([1, kv_heads, num_tokens, head_dim]) at each token's slot, from token `first` on
+        (the CPU decode kernels store the decode tokens' K/V themselves)."""
         if first >= key.shape[2]:
             return
-        k = key[0, :, first:].transpose(0, 1)  # [num_tokens, kv_heads, head_dim]
-        v = value[0, :, first:].transpose(0, 1)
-        slots, positions = meta.write_slots[first:], meta.write_positions[first:]
-        self.k[layer][slots, :, positions] = k.to(self.k[layer].dtype)
-        self.v[layer][slots, :, positions] = v.to(self.v[layer].dtype)
+        k_store, v_store = self.k[layer], self.v[layer]
+        slots = meta.slot_mapping[first:]
+        k_store.view(-1, *k_store.shape[2:])[slots] = key[0, :, first:].transpose(0, 1).to(k_store.dtype)
+        v_store.view(-1, *v_store.shape[2:])[slots] = value[0, :, first:].transpose(0, 1).to(v_store.dtype)
+
+    def gather(self, layer: int, tables: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of block tables `tables` [rows, blocks], positions [0, length): [rows, kv_heads, length, dim]
+        each (a copy; the rows' positions past their own length are padding)."""
+        rows, blocks = tables.shape
+        out = []
+        for store in (self.k[layer], self.v[layer]):
+            picked = store[tables].view(rows, blocks * self.block_size, *store.shape[2:])
+            out.append(picked[:, :length].transpose(1, 2))
+        return out[0], out[1]
+
+    def positions(
+        self, layer: int, blocks: list[int], first: int, end: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of one sequence's positions [first, end), block table `blocks`: [1, kv_heads, end - first, dim]."""
+        lo, hi = first // self.block_size, -(-end // self.block_size)
+        index = torch.tensor(blocks[lo:hi], device=self.k[layer].device)
+        k, v = self.gather(layer, index[None], end - lo * self.block_size)
+        skip = first - lo * self.block_size
+        return k[:, :, skip:], v[:, :, skip:]

@@ -33,7 +33,7 @@ class LLM:
         *,
         device: str | torch.device = "auto",
         dtype: str | torch.dtype = "auto",
-        max_num_seqs: int = 64,
+        max_num_seqs: int = 256,
         max_model_len: int | None = None,
         **engine_kwargs: Any,
     ) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 
+import numpy as np
 import torch
 from transformers import PreTrainedModel
 
@@ -11,7 +12,6 @@ from rose.engine.kv_cache import AttentionMetadata, KVCache, PrefillSegment
 from rose.engine.model_binding import ForwardContext, attach
 from rose.engine.model_probe import AttentionLayers
 from rose.engine.scheduler import ScheduledBatch
-from rose.engine.slot_order import decode_groups
 
 
 def model_context(config) -> int:
@@ -34,55 +34,57 @@ class ModelRunner:
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
 
-    def _plan_sdpa_decode(self, meta: AttentionMetadata, num_slots: int) -> None:
-        """SDPA attends over whole store rows [0, span): one per decoding token, in slot order; rows mid-prefill
-        among them get a dummy length of 1. Row ranges are planned over those lengths (rose.engine.slot_order)."""
-        lengths = meta.decode_row_lengths
-        meta.decode_span = meta.num_decode
-        if meta.num_decode != num_slots:
-            meta.decode_span = num_slots
-            full = [1] * num_slots
-            for row, length in zip(meta.decode_rows, lengths, strict=True):
-                full[row] = length
-            lengths = full
-            meta.decode_slots = self._tensor(meta.decode_rows)
-        meta.decode_lengths = self._tensor(lengths)
-        meta.decode_groups = decode_groups(lengths)
-
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch, num_slots: int) -> torch.Tensor:
-        """Run the step's forward; returns logits [num_sampled, vocab] for decode rows, then completed prefills."""
+    def execute(self, batch: ScheduledBatch) -> torch.Tensor:
+        """Run the step's forward; returns logits [num_sampled, vocab] for decode rows, then completed prefills.
+
+        Every sequence in the batch already holds the blocks for the positions it computes (the scheduler saw
+        to it)."""
+        size = self.cache.block_size
         ids: list[int] = []
-        slots: list[int] = []
+        slots: list[int] = []  # decode tokens' flat slots; prefill chunks' come as arrays in `chunk_slots`
+        chunk_slots: list[np.ndarray] = []
         positions: list[int] = []
         sample_index: list[int] = []
         for seq in batch.decode:
             sample_index.append(len(ids))
+            pos = seq.num_computed_tokens
             ids.append(seq.last_token_id)
-            slots.append(seq.slot)
-            positions.append(seq.num_computed_tokens)
+            slots.append(seq.block_ids[pos // size] * size + pos % size)
+            positions.append(pos)
         segments = []
         for chunk in batch.prefill:
             seq = chunk.seq
             offset = len(ids)
-            ids.extend(seq.prompt_token_ids[chunk.start : chunk.start + chunk.length])
-            slots.extend([seq.slot] * chunk.length)
-            positions.extend(range(chunk.start, chunk.start + chunk.length))
-            segments.append(PrefillSegment(seq.slot, chunk.start, chunk.length, offset))
-            if chunk.completes_prompt:
+            end = chunk.start + chunk.length
+            tokens = seq.prompt_token_ids if end <= seq.num_prompt_tokens else seq.all_token_ids
+            ids.extend(tokens[chunk.start : end])
+            blocks = seq.block_ids
+            pos = np.arange(chunk.start, end)
+            first, last = chunk.start // size, (end - 1) // size + 1  # the blocks this chunk writes
+            table = np.asarray(blocks[first:last], dtype=np.int64)
+            chunk_slots.append(table[pos // size - first] * size + pos % size)
+            positions.extend(range(chunk.start, end))
+            segments.append(PrefillSegment(blocks, chunk.start, chunk.length, offset))
+            if chunk.completes_prefill:
                 sample_index.append(len(ids) - 1)
 
         num_decode = len(batch.decode)
         meta = AttentionMetadata(
-            write_slots=self._tensor(slots),
-            write_positions=self._tensor(positions),
+            slot_mapping=torch.from_numpy(
+                np.concatenate([np.asarray(slots, dtype=np.int64), *chunk_slots])
+            ).to(self.device, non_blocking=True),
             num_decode=num_decode,
-            decode_rows=slots[:num_decode],
-            decode_row_lengths=[p + 1 for p in positions[:num_decode]],
+            block_size=size,
+            decode_lengths=[p + 1 for p in positions[:num_decode]],
             prefills=segments,
         )
-        if num_decode and not self.cache.use_cpu_kernels:  # the CPU kernels read exact spans: nothing to plan
-            self._plan_sdpa_decode(meta, num_slots)
+        if num_decode:
+            width = max(len(seq.block_ids) for seq in batch.decode)
+            tables = np.zeros((num_decode, width), dtype=np.int64)  # padded with block 0: never read unmasked
+            for i, seq in enumerate(batch.decode):
+                tables[i, : len(seq.block_ids)] = seq.block_ids
+            meta.decode_tables = tables
         keep = self._tensor(sample_index)
         self.context.begin(meta)
         try:

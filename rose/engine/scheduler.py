@@ -1,8 +1,16 @@
-"""Continuous batching: which tokens run in the next forward.
+"""Continuous batching over a paged KV store: which tokens run in the next forward, and who holds which blocks.
 
-Every step, each running sequence that is decoding gets one token; the rest of the per-step token budget goes to
-prompt chunks (chunked prefill), first of sequences already admitted, then of waiting requests admitted into free
-slots. Waiting requests are served by priority, then FIFO: a lower `priority` value is served earlier (as in vLLM).
+Every step, each running sequence that is decoding gets one token, which may need one more block; the rest of the
+per-step token budget goes to prompt chunks (chunked prefill), first of sequences already admitted, then of waiting
+requests admitted while the pool has the blocks for their whole prefill (minus what the prefix cache already holds)
+above a small watermark, up to `max_num_seqs` running. Waiting requests are served by priority, then FIFO: a lower
+`priority` value is served earlier (as in vLLM); a request that does not fit holds back those behind it.
+
+When a decoding sequence needs a block and none is free, the least important running sequence (highest priority
+value, latest arrival) is preempted by recompute, as in vLLM V1: its blocks go back to the pool and it waits again,
+ahead of later arrivals of its priority, with its generated tokens as part of what it prefills when readmitted. Its
+sampling state is untouched (nothing is sampled for the step it lost), so its stream and its seeded draws continue
+as if it had never been preempted.
 """
 
 from __future__ import annotations
@@ -12,34 +20,27 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from rose.engine.block_pool import BlockPool
 from rose.engine.sequence import Sequence, SequenceStatus
-from rose.engine.slot_order import plan_reorder
 
 
-@dataclass
+@dataclass(slots=True)
 class PrefillChunk:
     seq: Sequence
     start: int
     length: int
 
     @property
-    def completes_prompt(self) -> bool:
-        return self.start + self.length == self.seq.num_prompt_tokens
-
-
-@dataclass
-class SlotMove:
-    """Row `src` of the KV store must be copied to row `dst` (its first `length` positions)."""
-
-    src: int
-    dst: int
-    length: int
+    def completes_prefill(self) -> bool:
+        """The chunk reaches the end of what the sequence prefills: its last logits give the next token."""
+        return self.start + self.length == self.seq.num_prefill_tokens
 
 
 @dataclass
 class ScheduledBatch:
-    decode: list[Sequence] = field(default_factory=list)  # in slot order
+    decode: list[Sequence] = field(default_factory=list)  # most important first
     prefill: list[PrefillChunk] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)  # sent back to waiting while scheduling this step
 
     @property
     def num_tokens(self) -> int:
@@ -49,8 +50,15 @@ class ScheduledBatch:
         return bool(self.decode or self.prefill)
 
 
+# a prefix hit: (blocks the cache holds for the sequence's prefix, looked up but not taken) and taking them
+Lookup = Callable[[Sequence], list[int]]
+Take = Callable[[Sequence, list[int]], None]
+
+
 class Scheduler:
-    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self, max_num_seqs: int, max_num_batched_tokens: int, pool: BlockPool, watermark_blocks: int = 0
+    ) -> None:
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_num_seqs ({max_num_seqs}) "
@@ -58,19 +66,20 @@ class Scheduler:
             )
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.running: list[Sequence] = []  # index == slot; occupied slots are always [0, len(running))
-        self._prefilling: list[Sequence] = []  # admitted, prompt not done, in admission order
+        self.pool = pool
+        self.watermark_blocks = watermark_blocks
+        self.running: list[Sequence] = []  # in admission order
+        self._prefilling: list[Sequence] = []  # admitted, prefill not done, in admission order
         self._waiting: list[tuple[int, int, Sequence]] = []
         self._num_waiting = 0
         self._counter = itertools.count()
-        # prefix caching: may hold a request back for a step, and sets up its reused prefix once it has a slot
+        self.num_preemptions = 0
+        # prefix caching: may hold a request back for a step; finds and takes its cached prefix blocks
         self.should_defer: Callable[[Sequence, list[Sequence]], bool] | None = None
-        self.on_admit: Callable[[Sequence], None] | None = None
+        self.lookup_prefix: Lookup | None = None
+        self.take_prefix: Take | None = None
         # structured outputs: a request whose grammar is still compiling waits, without holding up those behind it
         self.is_ready: Callable[[Sequence], bool] | None = None
-        # rows joined decoding or left since the last look at their order (see rose.engine.slot_order)
-        self._order_changed = False
-        self.sort_rows = True  # off when decode attention reads exact lengths (no padding to save)
 
     @property
     def num_waiting(self) -> int:
@@ -84,12 +93,27 @@ class Scheduler:
         return bool(self.running) or self._num_waiting > 0
 
     def add(self, seq: Sequence) -> None:
-        heapq.heappush(self._waiting, (seq.priority, next(self._counter), seq))
+        seq.queue_order = next(self._counter)
+        self._push(seq)
+
+    def _push(self, seq: Sequence) -> None:
+        heapq.heappush(self._waiting, (seq.priority, seq.queue_order, seq))
         self._num_waiting += 1
 
+    @staticmethod
+    def _importance(seq: Sequence) -> tuple[int, int]:
+        """Sort key, most important first: the order waiting requests are served in."""
+        return seq.priority, seq.queue_order
+
     def schedule(self) -> ScheduledBatch:
-        batch = ScheduledBatch(decode=[s for s in self.running if not s.is_prefilling])
-        budget = self.max_num_batched_tokens - len(batch.decode)
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        for seq in sorted((s for s in self.running if not s.is_prefilling), key=self._importance):
+            if seq.status is not SequenceStatus.RUNNING:  # preempted for a more important one just now
+                continue
+            if self._grow(seq, seq.num_computed_tokens + 1, batch):
+                batch.decode.append(seq)
+                budget -= 1
         for seq in self._prefilling:
             if budget <= 0:
                 break
@@ -106,16 +130,11 @@ class Scheduler:
                     if not self.is_ready(seq):
                         continue
                     not_ready.pop()
-                if self.should_defer is not None and self.should_defer(seq, self._prefilling):
+                deferred = self.should_defer is not None and self.should_defer(seq, self._prefilling)
+                if deferred or not self._admit(seq):  # no room: it waits for blocks to come back
                     heapq.heappush(self._waiting, entry)  # same place in line; nothing behind it jumps ahead
                     self._num_waiting += 1
                     break
-                seq.status = SequenceStatus.RUNNING
-                seq.slot = len(self.running)
-                self.running.append(seq)
-                self._prefilling.append(seq)
-                if self.on_admit is not None:
-                    self.on_admit(seq)
                 budget -= self._chunk(batch, seq, budget)
         finally:
             for entry in not_ready:
@@ -123,12 +142,66 @@ class Scheduler:
             self._num_waiting += len(not_ready)
         return batch
 
+    def _admit(self, seq: Sequence) -> bool:
+        """Give `seq` the blocks of its whole prefill (its cached prefix shared) if the pool has them above the
+        watermark (an idle engine admits without it: nothing else will free blocks)."""
+        pool = self.pool
+        hits = self.lookup_prefix(seq) if self.lookup_prefix is not None else []
+        new = pool.blocks_for(seq.num_prefill_tokens) - len(hits)
+        available = pool.num_free - sum(1 for b in hits if pool.refs(b) == 0)  # free cached blocks taken back
+        if new > available - (self.watermark_blocks if self.running else 0):
+            return False
+        if self.take_prefix is not None:
+            self.take_prefix(seq, hits)
+        seq.block_ids = hits + pool.allocate(new)
+        seq.num_computed_tokens = len(hits) * pool.block_size
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        self._prefilling.append(seq)
+        return True
+
+    def _grow(self, seq: Sequence, num_tokens: int, batch: ScheduledBatch) -> bool:
+        """Make `seq` hold blocks for `num_tokens` positions, preempting less important sequences while the pool
+        is short. False when `seq` is itself the least important: then it is preempted."""
+        need = self.pool.blocks_for(num_tokens) - len(seq.block_ids)
+        while need > self.pool.num_free:
+            victim = max(self.running, key=self._importance)
+            self._preempt(victim, batch)
+            if victim is seq:
+                return False
+        if need > 0:
+            seq.block_ids.extend(self.pool.allocate(need))
+        return True
+
+    def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
+        """Free `seq`'s blocks and queue it again, to recompute its prompt and generated tokens when readmitted."""
+        self._release(seq)
+        seq.num_computed_tokens = 0
+        seq.num_prefill_tokens = seq.num_tokens
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.num_preemptions += 1
+        batch.preempted.append(seq)
+        self._push(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        if seq in self._prefilling:
+            self._prefilling.remove(seq)
+        self.pool.free(seq.block_ids)
+        seq.block_ids = []
+        seq.num_registered_blocks = 0
+
     def waiting_seqs(self) -> list[Sequence]:
-        """The requests still waiting for a slot (in no particular order)."""
+        """The requests still waiting to be admitted (in no particular order)."""
         return [e[2] for e in self._waiting if e[2].status is SequenceStatus.WAITING]
 
+    def waiting_blocks(self) -> int:
+        """Blocks the waiting requests' prefills will take (before any prefix hit)."""
+        return sum(self.pool.blocks_for(s.num_prefill_tokens) for s in self.waiting_seqs())
+
     def _chunk(self, batch: ScheduledBatch, seq: Sequence, budget: int) -> int:
-        length = min(seq.num_prompt_tokens - seq.num_computed_tokens, budget)
+        length = min(seq.num_prefill_tokens - seq.num_computed_tokens, budget)
         batch.prefill.append(PrefillChunk(seq, seq.num_computed_tokens, length))
         return length
 
@@ -142,48 +215,14 @@ class Scheduler:
 
     def prefill_done(self, seq: Sequence) -> None:
         self._prefilling.remove(seq)
-        self._order_changed = True
 
-    def reorder(self) -> list[SlotMove]:
-        """Sort the running rows longest context first when that pays (see rose.engine.slot_order).
-
-        Call before `schedule`. Returns the KV row moves to make, all at once (every source is read before any
-        destination is written): the sequences already have their new slots.
-        """
-        if not self._order_changed or not self.sort_rows:
-            return []
-        self._order_changed = False
-        running = self.running
-        # context after this step's write; rows mid-prefill take part in decode attention as 1-position dummies
-        lengths = [1 if s.is_prefilling else s.num_computed_tokens + 1 for s in running]
-        order = plan_reorder(lengths, [s.num_computed_tokens for s in running])
-        if order is None:
-            return []
-        moves = []
-        self.running = [running[i] for i in order]
-        for slot, seq in enumerate(self.running):
-            if seq.slot != slot:
-                moves.append(SlotMove(src=seq.slot, dst=slot, length=seq.num_computed_tokens))
-                seq.slot = slot
-        return moves
-
-    def remove(self, seq: Sequence) -> SlotMove | None:
-        """Take `seq` out (finished or aborted). Returns the KV row move that keeps slots contiguous, if any."""
+    def remove(self, seq: Sequence) -> None:
+        """Take `seq` out (finished or aborted), its blocks back to the pool."""
         if seq.status is SequenceStatus.WAITING:
             seq.status = SequenceStatus.FINISHED
             self._num_waiting -= 1
-            return None
+            return
         if seq.status is not SequenceStatus.RUNNING:
-            return None
+            return
         seq.status = SequenceStatus.FINISHED
-        if seq in self._prefilling:
-            self._prefilling.remove(seq)
-        self._order_changed = True
-        slot, last = seq.slot, self.running.pop()
-        seq.slot = -1
-        if last is seq:
-            return None
-        self.running[slot] = last
-        move = SlotMove(src=last.slot, dst=slot, length=last.num_computed_tokens)
-        last.slot = slot
-        return move
+        self._release(seq)

@@ -1,4 +1,4 @@
-"""Per-request state: metadata only. A sequence owns a slot index in the KV store, never KV tensors."""
+"""Per-request state: metadata only. A sequence holds a block table (block ids of the KV store), never KV tensors."""
 
 from __future__ import annotations
 
@@ -36,14 +36,30 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
     num_computed_tokens: int = 0  # tokens whose K/V are in the store
-    slot: int = -1
+    # the tokens to prefill before decoding: the prompt, or after a preemption the prompt and the generated tokens
+    num_prefill_tokens: int = 0
+    block_ids: list[int] = field(
+        default_factory=list
+    )  # block table: position p is in block_ids[p // block_size]
+    num_registered_blocks: int = 0  # full blocks indexed by the prefix cache
+    num_preemptions: int = 0
+    queue_order: int = 0  # arrival order in the scheduler (ties among equal priorities)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     text: str = ""
-    block_hashes: list[int] | None = None  # chained hashes of the prompt's full blocks (prefix caching only)
+    block_hashes: list[int] | None = None  # chained hashes of the full blocks so far (prefix caching only)
     structured: StructuredOutputRequest | None = (
         None  # a constrained request's grammar state (freed when done)
     )
+
+    def __post_init__(self) -> None:
+        if not self.num_prefill_tokens:
+            self.num_prefill_tokens = len(self.prompt_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """Prompt then generated tokens (a new list)."""
+        return self.prompt_token_ids + self.output_token_ids
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -55,7 +71,7 @@ class Sequence:
 
     @property
     def is_prefilling(self) -> bool:
-        return self.num_computed_tokens < len(self.prompt_token_ids)
+        return self.num_computed_tokens < self.num_prefill_tokens
 
     @property
     def last_token_id(self) -> int:

@@ -16,6 +16,37 @@ from engine_helpers import drain, greedy, make_engine
 from rose.engine import cpu_attention
 
 
+def _paged(k_rows: torch.Tensor, block_size: int, seed: int = 0) -> tuple[torch.Tensor, np.ndarray]:
+    """Row-major K or V [rows, kv_heads, max_len, dim] as a paged store [blocks, block_size, kv_heads, dim] with the
+    blocks shuffled, and each row's block table [rows, max_len / block_size]."""
+    rows, heads, max_len, dim = k_rows.shape
+    per_row = max_len // block_size
+    order = list(range(rows * per_row))
+    random.Random(seed).shuffle(order)
+    tables = np.array(order, dtype=np.int64).reshape(rows, per_row)
+    store = torch.empty(rows * per_row, block_size, heads, dim)
+    blocks = k_rows.reshape(rows, heads, per_row, block_size, dim).permute(0, 2, 3, 1, 4)
+    store[torch.from_numpy(tables.reshape(-1))] = blocks.reshape(rows * per_row, block_size, heads, dim)
+    return store, tables
+
+
+def _rows(store: torch.Tensor, tables: np.ndarray) -> torch.Tensor:
+    """The inverse of `_paged`: [rows, kv_heads, max_len, dim]."""
+    rows, per_row = tables.shape
+    picked = store[torch.from_numpy(tables.reshape(-1))]
+    return picked.reshape(rows, per_row * store.shape[1], *store.shape[2:]).transpose(1, 2)
+
+
+def _attention(q, k_new, v_new, k_rows, v_rows, rows, starts, ends, scale, block_size=8, **kwargs):
+    """The kernels over a paged copy of row-major stores; returns the output and the stores, back in rows."""
+    k, tables = _paged(k_rows, block_size)
+    v, _ = _paged(v_rows, block_size)
+    out = cpu_attention.decode_attention(
+        q, k_new, v_new, k, v, np.ascontiguousarray(tables[rows]), starts, ends, scale, **kwargs
+    )
+    return out, _rows(k, tables), _rows(v, tables)
+
+
 def _reference(q, k, v, rows, starts, ends, scale):
     out = []
     for i, (row, lo, hi) in enumerate(zip(rows, starts, ends, strict=True)):
@@ -28,7 +59,7 @@ def _reference(q, k, v, rows, starts, ends, scale):
 @pytest.mark.parametrize("window", [None, 5])
 def test_kernels_match_sdpa_over_each_rows_own_span(kv_heads, groups, head_dim, window):
     gen = torch.Generator().manual_seed(kv_heads * 100 + head_dim)
-    rows_total, max_len = 12, 40
+    rows_total, max_len = 12, 40  # 5 blocks of 8 per row
     k = torch.randn(rows_total, kv_heads, max_len, head_dim, generator=gen)
     v = torch.randn(rows_total, kv_heads, max_len, head_dim, generator=gen)
     rng = random.Random(head_dim)
@@ -45,23 +76,23 @@ def test_kernels_match_sdpa_over_each_rows_own_span(kv_heads, groups, head_dim, 
         want_k[row, :, end - 1] = k_new[i]
         want_v[row, :, end - 1] = v_new[i]
     want = _reference(q, want_k, want_v, rows.tolist(), starts.tolist(), ends.tolist(), scale)
-    got = cpu_attention.decode_attention(q, k_new, v_new, k, v, rows, starts, ends, scale)
+    got, k, v = _attention(q, k_new, v_new, k, v, rows, starts, ends, scale)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(k, want_k)  # the new tokens' K/V are stored, nothing else changes
     torch.testing.assert_close(v, want_v)
 
 
-def test_positions_past_a_rows_length_are_never_read():
-    k = torch.randn(2, 1, 16, 8)
-    v = torch.randn(2, 1, 16, 8)
+def test_positions_past_a_sequences_length_and_other_blocks_are_never_read():
+    k = torch.randn(4, 4, 1, 8)  # 4 blocks of 4 positions
+    v = torch.randn(4, 4, 1, 8)
     q = torch.randn(1, 1, 2, 8)
-    rows, starts, ends = np.array([1]), np.array([0]), np.array([6])
-    k_new, v_new = k[1, :, 5].clone()[None], v[1, :, 5].clone()[None]
-    before = cpu_attention.decode_attention(q, k_new, v_new, k, v, rows, starts, ends, 0.3)
-    k[1, :, 6:] = float("nan")  # garbage beyond the row's length (and in other rows) changes nothing
-    v[1, :, 6:] = float("nan")
-    k[0] = v[0] = float("nan")
-    after = cpu_attention.decode_attention(q, k_new, v_new, k, v, rows, starts, ends, 0.3)
+    tables, starts, ends = np.array([[3, 1]]), np.array([0]), np.array([6])  # positions 4, 5 in block 1
+    k_new, v_new = k[1, 1].clone()[None], v[1, 1].clone()[None]
+    before = cpu_attention.decode_attention(q, k_new, v_new, k, v, tables, starts, ends, 0.3)
+    k[1, 2:] = float("nan")  # garbage beyond the sequence's length (and in other blocks) changes nothing
+    v[1, 2:] = float("nan")
+    k[0] = v[0] = k[2] = v[2] = float("nan")
+    after = cpu_attention.decode_attention(q, k_new, v_new, k, v, tables, starts, ends, 0.3)
     torch.testing.assert_close(after, before)
 
 
@@ -160,13 +191,16 @@ def test_kernels_soft_cap_sinks_and_a_value_head_dim_of_its_own(softcap, with_si
     k_new = torch.randn(3, kv_heads, head_dim, generator=gen)
     v_new = torch.randn(3, kv_heads, v_dim, generator=gen)
     sinks = torch.randn(kv_heads * groups, generator=gen) if with_sinks else None
-    got = cpu_attention.decode_attention(
-        q, k_new, v_new, k, v, rows, starts, ends, 0.4, softcap=softcap, sinks=sinks
+    # the new tokens written where the reference already has them (it reads the stores as given)
+    for i, (row, end) in enumerate(zip(rows, ends, strict=True)):
+        k_new[i], v_new[i] = k[row, :, end - 1], v[row, :, end - 1]
+    got, _, _ = _attention(
+        q, k_new, v_new, k, v, rows, starts, ends, 0.4, block_size=5, softcap=softcap, sinks=sinks
     )
     want = _eager_reference(q, k, v, rows.tolist(), starts.tolist(), ends.tolist(), 0.4, softcap, sinks)
     assert got.shape == (3, kv_heads, groups, v_dim)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    plain = cpu_attention.decode_attention(q, k_new, v_new, k, v, rows, starts, ends, 0.4)
+    plain, _, _ = _attention(q, k_new, v_new, k, v, rows, starts, ends, 0.4, block_size=5)
     assert not torch.allclose(plain, got, atol=1e-3)  # the cap / the sinks changed the result
 
 
@@ -175,30 +209,30 @@ def test_kernels_soft_cap_sinks_and_a_value_head_dim_of_its_own(softcap, with_si
     [
         ("store_heads", "KV-head groups"),
         ("head_dim", "head dim"),
-        ("row", "out of the store's bounds"),
+        ("block", "out of the store's bounds"),
         ("length", "out of the store's bounds"),
         ("count", "queries but"),
     ],
 )
 def test_kernels_refuse_shapes_that_do_not_fit_the_store(case, message):
     """The kernels index without bounds checks: a mismatch must raise, never read another row's memory."""
-    k = torch.zeros(4, 2, 16, 8)
-    v = torch.zeros(4, 2, 16, 8)
+    k = torch.zeros(8, 4, 2, 8)  # 8 blocks of 4 positions, 2 KV heads
+    v = torch.zeros(8, 4, 2, 8)
     q = torch.zeros(2, 2, 2, 8)
-    rows, starts, ends = np.array([0, 3]), np.array([0, 0]), np.array([4, 9])
+    tables, starts, ends = np.array([[0, 1, 2], [3, 4, 5]]), np.array([0, 0]), np.array([4, 9])
     if case == "store_heads":
         q = torch.zeros(2, 4, 1, 8)  # 4 KV-head groups over a store of 2 KV heads
     elif case == "head_dim":
         q = torch.zeros(2, 2, 2, 16)
-    elif case == "row":
-        rows = np.array([0, 4])
+    elif case == "block":
+        tables = np.array([[0, 1, 2], [3, 8, 5]])
     elif case == "length":
-        ends = np.array([4, 17])
+        ends = np.array([4, 13])  # past its table's 12 positions
     elif case == "count":
-        rows, starts, ends = rows[:1], starts[:1], ends[:1]
+        tables, starts, ends = tables[:1], starts[:1], ends[:1]
     k_new = torch.zeros(q.shape[0], q.shape[1], q.shape[3])
     with pytest.raises(ValueError, match=message):
-        cpu_attention.decode_attention(q, k_new, k_new, k, v, rows, starts, ends, 1.0)
+        cpu_attention.decode_attention(q, k_new, k_new, k, v, tables, starts, ends, 1.0)
 
 
 _FIRST_COMPILE_PROBE = """
@@ -211,8 +245,8 @@ n, h, g, d, length = 2, 1, 2, 8, 16
 for _ in range(2):
     ca.decode_attention(
         torch.randn(n, h, g, d), torch.randn(n, h, d), torch.randn(n, h, d),
-        torch.zeros(n, h, length, d), torch.zeros(n, h, length, d),
-        np.arange(n, dtype=np.int64), np.zeros(n, dtype=np.int64), np.full(n, 3, dtype=np.int64), 0.1,
+        torch.zeros(n, length, h, d), torch.zeros(n, length, h, d),
+        np.arange(n, dtype=np.int64)[:, None], np.zeros(n, dtype=np.int64), np.full(n, 3, dtype=np.int64), 0.1,
     )
 print("cached after:", ca.kernels_cached(), flush=True)
 """
@@ -235,3 +269,61 @@ def test_a_cold_numba_cache_is_reported_once_then_the_kernels_are_cached(tmp_pat
     assert cold.count("compiling the CPU decode-attention kernels") == 1, cold
     warm = run()
     assert "cached before: True" in warm and "compiling" not in warm, warm
+
+
+def _fake_flash_attn_with_kvcache(
+    q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, causal, window_size, softcap
+):
+    """flash-attn's documented semantics in plain torch (one query per sequence, bottom-right aligned)."""
+    assert causal and block_table.dtype == cache_seqlens.dtype == torch.int32
+    out = []
+    for i in range(q.shape[0]):
+        length = int(cache_seqlens[i])
+        blocks = block_table[i, : -(-length // k_cache.shape[1])].long()
+        k = k_cache[blocks].flatten(0, 1)[:length]  # [length, kv_heads, d]
+        v = v_cache[blocks].flatten(0, 1)[:length]
+        lo = 0 if window_size[0] < 0 else max(0, length - 1 - window_size[0])
+        groups = q.shape[2] // k.shape[1]
+        k = k[lo:].repeat_interleave(groups, dim=1).transpose(0, 1)  # [heads, span, d]
+        v = v[lo:].repeat_interleave(groups, dim=1).transpose(0, 1)
+        scores = q[i, 0][:, None] @ k.transpose(1, 2) * softmax_scale  # [heads, 1, span]
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
+        out.append((scores.softmax(-1) @ v).transpose(0, 1))  # [1, heads, d]
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize(("window", "softcap"), [(None, None), (5, None), (None, 3.0)])
+def test_the_flash_attn_decode_path_is_wired_as_the_sdpa_path(window, softcap, monkeypatch):
+    """flash-attn's paged kernel cannot run here (no GPU): a torch stand-in with its documented semantics checks that
+    rose hands it the store, block tables, lengths and window as the SDPA path reads them."""
+    from rose.engine import attention, flash_attention
+    from rose.engine.kv_cache import AttentionMetadata, KVCache
+    from rose.engine.layer_spec import LayerSpec
+
+    spec = LayerSpec(6, 2, 8, 8, window=window, softcap=softcap)
+    cache = KVCache([spec], 12, 4, torch.float32, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(1)
+    cache.k[0].copy_(torch.randn(cache.k[0].shape, generator=gen))
+    cache.v[0].copy_(torch.randn(cache.v[0].shape, generator=gen))
+    tables = np.array([[3, 7, 1], [0, 5, 0], [11, 2, 9]], dtype=np.int64)
+    lengths = [10, 6, 12]
+    q = torch.randn(3, 6, 8, generator=gen)
+    meta = AttentionMetadata(
+        torch.zeros(3, dtype=torch.long), 3, 4, decode_tables=tables, decode_lengths=lengths
+    )
+    eager = None if spec.plain else attention.spec_eager(spec, 0.3, None)
+    want = attention._attend_decode(cache, 0, meta, q, 0.3, eager)
+    fn_tables, fn_lengths = meta.flash_inputs(torch.device("cpu"))
+    got = flash_attention.decode_attention(
+        _fake_flash_attn_with_kvcache, q, cache.k[0], cache.v[0], fn_tables, fn_lengths, 0.3, spec
+    )
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert flash_attention.supports(spec)
+    assert not flash_attention.enabled(torch.device("cpu"), torch.bfloat16, 256)  # CUDA only
+    monkeypatch.setattr(flash_attention, "kernel", lambda: _fake_flash_attn_with_kvcache)
+    assert flash_attention.enabled(torch.device("cuda"), torch.bfloat16, 256)
+    assert not flash_attention.enabled(torch.device("cuda"), torch.bfloat16, 16)  # flash-attn 2's page rule
+    assert flash_attention.preferred_block_size(torch.device("cuda"), torch.float16) == 256
+    monkeypatch.setenv("ROSE_ATTENTION_BACKEND", "sdpa")
+    assert not flash_attention.enabled(torch.device("cuda"), torch.bfloat16, 256)

@@ -52,8 +52,11 @@ def test_get_request_and_stats(engine):
     assert stats == {
         "num_running": 0,
         "num_waiting": 1,
-        "kv_slots_used": 0,
-        "kv_slots_total": 2,
+        "num_preemptions": 0,
+        "kv_blocks_used": 0,
+        "kv_blocks_free": 4,
+        "kv_blocks_total": 4,  # 2 sequences x 32 tokens, in blocks of 16
+        "kv_block_size": 16,
         "kv_tokens_used": 0,
         "kv_tokens_total": 64,
     }
@@ -63,26 +66,30 @@ def test_get_request_and_stats(engine):
     assert engine.get_stats()["num_steps"] == steps + 3
 
 
-def test_kv_budget_caps_or_rejects_max_model_len():
+def test_kv_budget_sizes_the_pool_and_caps_or_rejects_max_model_len():
     model, tok = build_preset("tiny-gpt2")
-    # gpt2 preset: 4 layers x 8 heads x 32 dims, K and V, float32 = 8 KiB per token per slot
+    # gpt2 preset: 4 layers x 8 heads x 32 dims, K and V, float32 = 8 KiB per token
     per_token = 2 * 4 * 8 * 32 * 4
-    engine = Engine(model, tok, device="cpu", max_num_seqs=2, max_kv_cache_bytes=2 * per_token * 200)
-    assert engine.max_model_len == 200
-    assert engine.cache.nbytes == 2 * per_token * 200
-    with pytest.raises(ValueError, match="max_model_len"):
+    engine = Engine(model, tok, device="cpu", max_num_seqs=2, max_kv_cache_bytes=per_token * 400)
+    # the pool takes the budget (25 blocks of 16); one sequence may use all of it
+    assert engine.kv_blocks_total == 25 and engine.max_model_len == 400
+    assert engine.cache.nbytes == per_token * 400
+    with pytest.raises(ValueError, match="max_model_len 500 is longer than the KV pool"):
         Engine(
             build_preset("tiny-gpt2")[0],
             tok,
             device="cpu",
             max_num_seqs=2,
-            max_model_len=300,
-            max_kv_cache_bytes=2 * per_token * 200,
+            max_model_len=500,
+            max_kv_cache_bytes=per_token * 400,
         )
-    with pytest.raises(ValueError, match="max_num_seqs"):
+    with pytest.raises(ValueError, match="max_kv_cache_bytes"):
         Engine(
             build_preset("tiny-gpt2")[0], tok, device="cpu", max_num_seqs=2, max_kv_cache_bytes=per_token * 10
         )
+    # a budget larger than max_num_seqs sequences of max_model_len could use: the pool stops there
+    engine = Engine(build_preset("tiny-gpt2")[0], tok, device="cpu", max_num_seqs=3, max_model_len=40)
+    assert engine.kv_blocks_total == 3 * 3
 
 
 def test_padded_embedding_rows_are_never_sampled():

@@ -132,9 +132,10 @@ def test_decoder_layers_that_drop_kwargs_are_served():
 
 def test_the_store_is_shaped_per_layer():
     model = tiny("deepseek_v3", **_MLA)
-    engine = Engine(model, None, device="cpu", max_num_seqs=3, max_model_len=40)
-    assert [tuple(t.shape) for t in engine.cache.k] == [(3, 4, 40, 12)] * 2
-    assert [tuple(t.shape) for t in engine.cache.v] == [(3, 4, 40, 6)] * 2
+    engine = Engine(model, None, device="cpu", max_num_seqs=3, max_model_len=40, block_size=8)
+    # [blocks, block size, KV heads, head dim]: 3 sequences of 40 tokens = 15 blocks of 8
+    assert [tuple(t.shape) for t in engine.cache.k] == [(15, 8, 4, 12)] * 2
+    assert [tuple(t.shape) for t in engine.cache.v] == [(15, 8, 4, 6)] * 2
 
 
 _MLA = dict(
