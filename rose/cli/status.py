@@ -17,8 +17,8 @@ _WORKER_INT_FIELDS = (
     "running_jobs",
     "num_running",
     "num_waiting",
-    "kv_slots_used",
-    "kv_slots_total",
+    "kv_blocks_used",
+    "kv_blocks_total",
 )
 _WORKER_FLOAT_FIELDS = ("tokens_per_s", "started_at", "updated_at")
 

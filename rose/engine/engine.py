@@ -363,10 +363,6 @@ class Engine:
     def kv_blocks_total(self) -> int:
         return self.pool.num_blocks
 
-    # the worker's metrics read these names: the KV store's use, now in blocks
-    kv_slots_used = kv_blocks_used
-    kv_slots_total = kv_blocks_total
-
     def num_admittable(self, tokens_per_request: int | None = None) -> int:
         """How many more requests the engine can start now: the batch cap left (`max_num_seqs` minus running and
         waiting requests) and the free blocks (less the waiting requests' prompts and the admission watermark)

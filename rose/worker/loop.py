@@ -133,7 +133,11 @@ class JobLoop:
         return int(getattr(self.engine, "max_num_seqs", 1))
 
     def room(self) -> int:
-        """How many more jobs the engine can take now."""
+        """How many more jobs the engine can take now: what its free KV blocks admit (`Engine.num_admittable`),
+        else its batch cap less what it holds. A worker whose memory is full leaves the jobs to others."""
+        admittable = getattr(self.engine, "num_admittable", None)
+        if admittable is not None:
+            return int(admittable())
         return self.max_jobs() - int(self.engine.num_running) - int(self.engine.num_waiting)
 
     def _take(self, block_s: float) -> int:

@@ -206,8 +206,8 @@ class WorkerMetrics:
     def gauges(self, engine: Any) -> None:
         self.running.set(int(getattr(engine, "num_running", 0)))
         self.waiting.set(int(getattr(engine, "num_waiting", 0)))
-        total = getattr(engine, "kv_slots_total", None)
-        used = getattr(engine, "kv_slots_used", None)
+        total = getattr(engine, "kv_blocks_total", None)
+        used = getattr(engine, "kv_blocks_used", None)
         if total:
             self.kv_usage.set(int(used or 0) / int(total))
 

@@ -329,7 +329,7 @@ class RoseWorker:
             "queues": ",".join(self.queue_names()),
             "version": __version__,
         }
-        for attr in ("max_model_len", "num_running", "num_waiting", "kv_slots_used", "kv_slots_total"):
+        for attr in ("max_model_len", "num_running", "num_waiting", "kv_blocks_used", "kv_blocks_total"):
             value = getattr(e, attr, None)
             if value is not None:
                 info[attr] = int(value)

@@ -136,4 +136,4 @@ def test_engine_built_under_inference_mode_works_outside_it(tokenizer):
     assert engine.abort("r0") is not None  # slot 0 freed: the last row moves into it
     run = drain(engine, stepped_before=True)
     assert {rid for rid, out in run.outputs.items() if out.finish_reason == "length"} == {"r1", "r2"}
-    assert engine.kv_slots_used == 0
+    assert engine.kv_blocks_used == 0

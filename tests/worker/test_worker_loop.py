@@ -345,3 +345,25 @@ def test_busy_loop_never_waits_for_queue_lengths(run_worker, r, q, monkeypatch):
     assert busy and all(lengths is not None for lengths in busy), asked
     assert status(r, first) == "started"  # the second job started while the first ran
     wait_status(r, first, "finished")
+
+
+def test_intake_takes_only_what_the_engines_free_blocks_admit(run_worker, r, q):
+    """An engine that says how many more requests its KV blocks admit (Engine.num_admittable) is never given more,
+    whatever its batch cap: the other jobs stay on the queue for other workers."""
+
+    class Paged(FakeEngine):
+        most = 0
+
+        def add_request(self, *args, **kwargs):
+            super().add_request(*args, **kwargs)
+            self.most = max(self.most, len(self.requests))
+
+        def num_admittable(self):
+            return max(0, 2 - len(self.requests))  # blocks for two jobs at a time
+
+    engine = Paged(max_num_seqs=8, step_delay=0.01)
+    jobs = [enqueue(q, prompt="x", max_tokens=4) for _ in range(6)]
+    run_worker(engine=engine)
+    for job in jobs:
+        wait_status(r, job, "finished")
+    assert engine.most == 2 and len(engine.added) == 6
