@@ -367,15 +367,29 @@ class Engine:
         """How many more requests the engine can start now: the batch cap left (`max_num_seqs` minus running and
         waiting requests) and the free blocks (less the waiting requests' prompts and the admission watermark)
         divided by the blocks of one request of `tokens_per_request` tokens (default: the mean prompt length of
-        the requests added so far; one block before any). What a queue worker's intake asks before taking jobs."""
+        the requests added so far; one block before any). An idle engine always takes one: any request that fits
+        `max_model_len` fits its pool. What a queue worker's intake asks before taking jobs."""
         room = self.max_num_seqs - self.num_running - self.num_waiting
         if room <= 0:
             return 0
+        if not self.num_running and not self.num_waiting:
+            return max(
+                1,
+                min(room, self.pool.num_free // self.pool.blocks_for(self._mean_prompt(tokens_per_request))),
+            )
+        watermark = self.scheduler.watermark_blocks
+        free = self.pool.num_free - watermark - self.scheduler.waiting_blocks()
+        per_request = min(
+            self.pool.blocks_for(self._mean_prompt(tokens_per_request)),
+            max(1, self.pool.num_blocks - watermark),
+        )
+        return max(0, min(room, free // per_request))
+
+    def _mean_prompt(self, tokens_per_request: int | None) -> int:
         if tokens_per_request is None:
             added, tokens = self._prompt_tokens_seen
             tokens_per_request = tokens // added if added else 1
-        free = self.pool.num_free - self.scheduler.watermark_blocks - self.scheduler.waiting_blocks()
-        return max(0, min(room, free // self.pool.blocks_for(max(1, tokens_per_request))))
+        return max(1, tokens_per_request)
 
     def get_stats(self) -> dict[str, int | float]:
         prefix = {}

@@ -10,7 +10,9 @@ follow-up turn finds the previous turn's generated tokens too.
 
 from __future__ import annotations
 
+import hashlib
 import logging
+from array import array
 from dataclasses import dataclass, field
 
 from rose.engine.block_pool import BlockPool
@@ -21,11 +23,15 @@ logger = logging.getLogger(__name__)
 
 def block_hashes(token_ids: list[int], block_size: int, prev: list[int] | None = None) -> list[int]:
     """Chained hashes of the full blocks of `token_ids`; with `prev` (the hashes of its first blocks, already
-    computed) only the blocks after those are hashed."""
+    computed) only the blocks after those are hashed. 128-bit BLAKE2b over the previous hash and the block's tokens:
+    a block's hash stands for its whole prefix, and a hit compares only the block's own tokens, so the hash must not
+    collide, even for inputs crafted to (Python's `hash` of a tuple is 64 bits and not collision-resistant)."""
     hashes = list(prev or [])
     last = hashes[-1] if hashes else 0
     for start in range(len(hashes) * block_size, len(token_ids) - block_size + 1, block_size):
-        last = hash((last, *token_ids[start : start + block_size]))
+        block = array("q", token_ids[start : start + block_size]).tobytes()
+        digest = hashlib.blake2b(last.to_bytes(16, "little") + block, digest_size=16).digest()
+        last = int.from_bytes(digest, "little")
         hashes.append(last)
     return hashes
 

@@ -127,6 +127,17 @@ def test_num_admittable_counts_blocks_and_the_batch_cap():
     assert engine.num_admittable(40) == 3
 
 
+def test_an_idle_engine_always_admits_one_request():
+    """Long prompts seen so far must not make an idle engine refuse work for good (a worker's intake asks it)."""
+    engine = _engine(1600, max_num_seqs=2, max_model_len=1600)  # 100 blocks, a watermark of 1
+    engine.add_request("long", [5] * 1590, greedy(1))  # the mean prompt is now 100 blocks
+    drain(engine)
+    assert not engine.has_unfinished() and engine.num_admittable() == 1
+    engine.add_request("short", [5] * 8, greedy(4))
+    engine.step()
+    assert engine.num_admittable(8) == 1  # once busy, blocks and the batch cap decide
+
+
 @pytest.mark.parametrize("backend", ["auto", "sdpa"])
 def test_preemption_with_prefix_caching_keeps_outputs(backend, monkeypatch):
     """Recompute after preemption finds the preempted request's own cached blocks (and shared prefixes)."""
