@@ -1,1 +1,1 @@
-"""The inference engine: continuous batching over a preallocated per-slot KV store."""
+"""The inference engine: continuous batching over a paged KV store (rose.engine.block_pool, kv_cache)."""

@@ -105,7 +105,7 @@ class WorkerMetrics:
             "rose_num_requests_waiting", "Jobs waiting in the engine.", ln, registry=reg
         ).labels(*lv)
         self.kv_usage = Gauge(
-            "rose_kv_cache_usage_perc", "Fraction of KV-cache slots in use (0-1).", ln, registry=reg
+            "rose_kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).", ln, registry=reg
         ).labels(*lv)
         self.prompt_tokens = Counter(
             "rose_prompt_tokens", "Prompt tokens of finished jobs.", ln, registry=reg
@@ -137,6 +137,12 @@ class WorkerMetrics:
         ).labels(*lv)
         self.prefix_hits = Counter(
             "rose_prefix_cache_hits", "Prompt tokens found in the prefix cache.", ln, registry=reg
+        ).labels(*lv)
+        self.preemptions = Counter(
+            "rose_num_preemptions",
+            "Sequences the engine preempted when its KV blocks ran out (recomputed when readmitted).",
+            ln,
+            registry=reg,
         ).labels(*lv)
         self.queue_time = Histogram(
             "rose_request_queue_time_seconds",
@@ -174,6 +180,7 @@ class WorkerMetrics:
             buckets=STEP_BUCKETS,
         ).labels(*lv)
         self._prefix_seen = (0, 0)
+        self._preemptions_seen = 0
         self._next_prefix_read = 0.0
         self._last_step_wall = 0.0
         self._rate_mark = (time.monotonic(), 0)
@@ -216,6 +223,10 @@ class WorkerMetrics:
         if get_stats is None:
             return
         stats = get_stats()
+        preempted = int(stats.get("num_preemptions", 0))
+        if preempted > self._preemptions_seen:
+            self.preemptions.inc(preempted - self._preemptions_seen)
+            self._preemptions_seen = preempted
         if "prefix_cache_query_tokens" not in stats:
             return
         queries, hits = int(stats["prefix_cache_query_tokens"]), int(stats["prefix_cache_hit_tokens"])

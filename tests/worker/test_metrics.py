@@ -148,10 +148,10 @@ def test_health_is_503_when_the_loop_stalls_or_redis_is_down():
         server.close()
 
 
-def test_prefix_cache_counters_follow_engine_stats():
+def test_prefix_cache_and_preemption_counters_follow_engine_stats():
     class Engine:
         num_running, num_waiting, kv_blocks_used, kv_blocks_total = 3, 1, 3, 4
-        stats = {"prefix_cache_query_tokens": 100, "prefix_cache_hit_tokens": 40}
+        stats = {"prefix_cache_query_tokens": 100, "prefix_cache_hit_tokens": 40, "num_preemptions": 2}
 
         def get_stats(self):
             return dict(self.stats)
@@ -159,12 +159,13 @@ def test_prefix_cache_counters_follow_engine_stats():
     m = WorkerMetrics(name="w", model="m", device="cpu", dtype="float32", queues=["q"], version="0")
     engine = Engine()
     m.on_step(engine, 0.01, 3, 0, 1000.0)
-    engine.stats = {"prefix_cache_query_tokens": 150, "prefix_cache_hit_tokens": 90}
+    engine.stats = {"prefix_cache_query_tokens": 150, "prefix_cache_hit_tokens": 90, "num_preemptions": 5}
     m.on_step(engine, 0.01, 3, 3, 1000.5)  # within a second: stats not read again
     m.on_step(engine, 0.01, 3, 3, 1001.5)
     get = m.registry.get_sample_value
     assert get("rose_prefix_cache_queries_total", {"model_name": "m"}) == 150
     assert get("rose_prefix_cache_hits_total", {"model_name": "m"}) == 90
+    assert get("rose_num_preemptions_total", {"model_name": "m"}) == 5
     assert get("rose_kv_cache_usage_perc", {"model_name": "m"}) == 0.75
     assert get("rose_num_requests_waiting", {"model_name": "m"}) == 1
     assert get("rose_generation_tokens_total", {"model_name": "m"}) == 9
