@@ -23,6 +23,12 @@ def stream_events(r: Any, job_id: str) -> list[dict]:
     return [json.loads(f[keys.STREAM_FIELD.encode()]) for _, f in r.xrange(keys.stream_key(job_id))]
 
 
+def last_attempt(events: list[dict]) -> list[dict]:
+    """The events after the stream's last reset (all of them without one)."""
+    resets = [i for i, e in enumerate(events) if e["type"] == "reset"]
+    return events[resets[-1] + 1 :] if resets else events
+
+
 def audit(r: Any, job_id: str, failed: bool = False) -> list[str]:
     """What is wrong with the finished (`failed`: failed) job `job_id` (empty: nothing)."""
     problems: list[str] = []
@@ -36,9 +42,7 @@ def audit(r: Any, job_id: str, failed: bool = False) -> list[str]:
     if len(results) != 1:
         problems.append(f"{job_id}: {len(results)} successful results")
     value = job.return_value() or {}
-    events = stream_events(r, job_id)
-    resets = [i for i, e in enumerate(events) if e["type"] == "reset"]
-    attempt = events[resets[-1] + 1 :] if resets else events
+    attempt = last_attempt(stream_events(r, job_id))
     terminal = [e for e in attempt if e["type"] in TERMINAL_TYPES]
     if len(terminal) != 1 or not attempt or attempt[-1] is not terminal[0] or terminal[0]["type"] != "done":
         problems.append(f"{job_id}: stream after its last reset ends {[e['type'] for e in attempt[-3:]]}")
@@ -55,9 +59,7 @@ def audit(r: Any, job_id: str, failed: bool = False) -> list[str]:
 def _audit_failed(r: Any, job_id: str, status: str) -> list[str]:
     if status != "failed":
         return [f"{job_id}: status {status}, not failed"]
-    events = stream_events(r, job_id)
-    resets = [i for i, e in enumerate(events) if e["type"] == "reset"]
-    attempt = events[resets[-1] + 1 :] if resets else events
+    attempt = last_attempt(stream_events(r, job_id))
     if [e["type"] for e in attempt if e["type"] in TERMINAL_TYPES] != ["error"] or attempt[-1][
         "type"
     ] != "error":

@@ -9,8 +9,8 @@ from rose.config import WorkerSettings
 from rose.engine.outputs import RequestMetrics, RequestOutput, StepOutput
 from rose.engine.sampling_params import SamplingParams
 from rose.harness import worker_process
+from rose.harness.job_audit import stream_events
 from rose.harness.worker_process import wait_for
-from rose.jobs import keys
 from rose.worker import RoseWorker
 from rose.worker.intake import Intake, parse
 from rose.worker.probe import Target
@@ -31,12 +31,6 @@ __all__ = [
     "wait_for",
     "wait_status",
 ]
-
-
-def stream_events(r, job_id: str) -> list[dict]:
-    import json
-
-    return [json.loads(f[keys.STREAM_FIELD.encode()]) for _, f in r.xrange(keys.stream_key(job_id))]
 
 
 def enqueue(q, **kwargs):
