@@ -107,7 +107,12 @@ def attend_layer(
             spans_checked=True,
         )
         parts.append(out.reshape(n, spec.num_heads, spec.v_head_dim))
-    elif meta.num_decode and cache.flash is not None and eager is None and flash_attention.supports(spec):
+    elif (
+        meta.num_decode
+        and cache.flash is not None
+        and eager is None
+        and flash_attention.supports(spec, cache.flash)
+    ):
         tables, lengths = meta.flash_inputs(q.device)
         n = meta.num_decode
         out = flash_attention.decode_attention(

@@ -24,7 +24,7 @@ from rose.engine.sampler import Sampler
 from rose.engine.sampling_params import SamplingParams
 from rose.engine.scheduler import Scheduler
 from rose.engine.sequence import Sequence, SequenceStatus
-from rose.engine.stopping import append_token, request_output
+from rose.engine.stopping import append_token, eos_token_ids, request_output
 
 if TYPE_CHECKING:
     from rose.engine.grammar import StructuredOutputManager
@@ -100,18 +100,17 @@ class Engine:
         )
         self.runner = ModelRunner(self.model, layers, self.cache)
         budget = layers.exact_step_tokens(max_num_batched_tokens, max(2048, max_num_seqs))
-        # ~1% of the pool kept free at admission, so that running sequences can grow without preempting at once
-        self.scheduler = Scheduler(max_num_seqs, budget, self.pool, watermark_blocks=num_blocks // 100)
+        # ~1% of the pool (at least a block) kept free at admission, so that running sequences can grow without
+        # preempting at once
+        self.scheduler = Scheduler(
+            max_num_seqs, budget, self.pool, watermark_blocks=max(1, num_blocks // 100)
+        )
         self.prefix_cache: PrefixCache | None = None
         if enable_prefix_caching:
             self.prefix_cache = PrefixCache(self.pool)
             self.scheduler.should_defer = self.prefix_cache.pending_overlap
             self.scheduler.lookup_prefix = self.prefix_cache.lookup
             self.scheduler.take_prefix = self.prefix_cache.take
-        self._prompt_tokens_seen = [
-            0,
-            0,
-        ]  # requests added, their prompt tokens: num_admittable's default size
 
         config_vocab = self.model.config.get_text_config().vocab_size
         vocab = config_vocab
@@ -119,7 +118,7 @@ class Engine:
         if self.tokenizer is not None and 0 < len(self.tokenizer) < config_vocab:
             vocab = len(self.tokenizer)
         self.vocab_size = vocab
-        self.eos_token_ids = self._eos_ids()
+        self.eos_token_ids = eos_token_ids(self.model, self.tokenizer)
         self.sampler = Sampler(vocab, self.device, self.eos_token_ids, seed=seed)
         self._seqs: dict[str, Sequence] = {}
         self._num_steps = 0  # forwards run
@@ -127,18 +126,6 @@ class Engine:
         self._structured: StructuredOutputManager | None = None  # built for the first constrained request
         self._disable_any_whitespace = disable_any_whitespace
         self.scheduler.is_ready = lambda seq: seq.structured is None or seq.structured.is_ready
-
-    # ----------------------------------------------------------------- configuration
-
-    def _eos_ids(self) -> set[int]:
-        ids: set[int] = set()
-        for source in (getattr(self.model, "generation_config", None), self.model.config, self.tokenizer):
-            value = getattr(source, "eos_token_id", None) if source is not None else None
-            if isinstance(value, int):
-                ids.add(value)
-            elif isinstance(value, list | tuple):
-                ids.update(v for v in value if isinstance(v, int))
-        return ids
 
     # ----------------------------------------------------------------- requests
 
@@ -218,8 +205,6 @@ class Engine:
         )
         if structured is not None:
             self._structured.num_live += 1
-        self._prompt_tokens_seen[0] += 1
-        self._prompt_tokens_seen[1] += len(ids)
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
 
@@ -364,42 +349,23 @@ class Engine:
         return self.pool.num_blocks
 
     def num_admittable(self, tokens_per_request: int | None = None) -> int:
-        """How many more requests the engine can start now: the batch cap left (`max_num_seqs` minus running and
-        waiting requests) and the free blocks (less the waiting requests' prompts and the admission watermark)
-        divided by the blocks of one request of `tokens_per_request` tokens (default: the mean prompt length of
-        the requests added so far; one block before any). An idle engine always takes one: any request that fits
-        `max_model_len` fits its pool. What a queue worker's intake asks before taking jobs."""
-        room = self.max_num_seqs - self.num_running - self.num_waiting
-        if room <= 0:
-            return 0
-        if not self.num_running and not self.num_waiting:
-            return max(
-                1,
-                min(room, self.pool.num_free // self.pool.blocks_for(self._mean_prompt(tokens_per_request))),
-            )
-        watermark = self.scheduler.watermark_blocks
-        free = self.pool.num_free - watermark - self.scheduler.waiting_blocks()
-        per_request = min(
-            self.pool.blocks_for(self._mean_prompt(tokens_per_request)),
-            max(1, self.pool.num_blocks - watermark),
-        )
-        return max(0, min(room, free // per_request))
-
-    def _mean_prompt(self, tokens_per_request: int | None) -> int:
-        if tokens_per_request is None:
-            added, tokens = self._prompt_tokens_seen
-            tokens_per_request = tokens // added if added else 1
-        return max(1, tokens_per_request)
+        """How many more requests the engine can start now (rose.engine.scheduler.Scheduler.num_admittable): what
+        a queue worker's intake asks before taking jobs."""
+        return self.scheduler.num_admittable(tokens_per_request)
 
     def get_stats(self) -> dict[str, int | float]:
         prefix = {}
         if self.prefix_cache is not None:
-            st = self.prefix_cache.stats
+            st, pre = self.prefix_cache.stats, self.prefix_cache.preempted_stats
             prefix = {
                 "prefix_cache_queries": st.queries,
                 "prefix_cache_hits": st.hits,
                 "prefix_cache_query_tokens": st.query_tokens,
                 "prefix_cache_hit_tokens": st.hit_tokens,
+                "prefix_cache_preempted_queries": pre.queries,
+                "prefix_cache_preempted_hits": pre.hits,
+                "prefix_cache_preempted_query_tokens": pre.query_tokens,
+                "prefix_cache_preempted_hit_tokens": pre.hit_tokens,
                 "prefix_cache_blocks": self.pool.num_cached(),
                 "prefix_cache_evicted_blocks": self.pool.num_evicted,
             }

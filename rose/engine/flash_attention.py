@@ -12,6 +12,8 @@ Not yet run on a GPU (no GPU was available while it was written): see ../shared/
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 import os
 from collections.abc import Callable
@@ -50,9 +52,17 @@ def enabled(device: torch.device, dtype: torch.dtype, block_size: int) -> bool:
     return usable(device, dtype) and block_size % PAGE_MULTIPLE == 0
 
 
-def supports(spec: LayerSpec) -> bool:
-    """Layers whose attention the kernel computes as transformers does."""
+def supports(spec: LayerSpec, fn: Callable) -> bool:
+    """Layers whose attention the kernel `fn` computes as transformers does (soft-capping only where it takes
+    `softcap=`: flash-attn 2.6 and later)."""
+    if spec.softcap is not None and not _takes_softcap(fn):
+        return False
     return not spec.sinks and spec.chunk is None and spec.v_head_dim == spec.head_dim and spec.head_dim <= 256
+
+
+@functools.cache
+def _takes_softcap(fn: Callable) -> bool:  # read once per kernel, not at every layer's call
+    return "softcap" in inspect.signature(fn).parameters
 
 
 def decode_attention(
@@ -78,6 +88,6 @@ def decode_attention(
         softmax_scale=scale,
         causal=True,
         window_size=window,
-        softcap=spec.softcap or 0.0,
+        **({"softcap": spec.softcap} if spec.softcap is not None else {}),  # flash-attn < 2.6 has no softcap
     )
     return out[:, 0]

@@ -1,7 +1,7 @@
 """Plugs rose's KV store into an unmodified transformers model that rose.engine.model_probe has checked and read.
 
 `attach` binds each probed attention call to its layer of the store and switches the model to rose's attention
-function (`rose_slots`, registered with transformers' `AttentionInterface`), then checks the switch reached every
+function (`rose_paged`, registered with transformers' `AttentionInterface`), then checks the switch reached every
 bound layer. At each step the ModelRunner sets the step's metadata on its `ForwardContext`, which every bound layer
 reads: it reaches the layers without forward kwargs, so models whose decoder layers do not pass `**kwargs` on are
 served too. The two modules are everything rose knows about transformers' attention internals.
@@ -20,7 +20,7 @@ from rose.engine.attention import Eager, attend_layer
 from rose.engine.kv_cache import AttentionMetadata, KVCache
 from rose.engine.model_probe import AttentionLayers, UnsupportedModelError
 
-ATTN_IMPLEMENTATION = "rose_slots"
+ATTN_IMPLEMENTATION = "rose_paged"
 
 
 @dataclass
@@ -77,7 +77,7 @@ def attach(model: PreTrainedModel, layers: AttentionLayers, cache: KVCache, cont
             )
 
 
-def slot_attention_forward(
+def paged_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
     key: torch.Tensor,
@@ -87,7 +87,7 @@ def slot_attention_forward(
     dropout: float = 0.0,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """transformers attention hook: write this step's K/V into the store, attend each token over its own slot.
+    """transformers attention hook: write this step's K/V into the store, attend each token over its own sequence's blocks.
 
     query/key/value: [1, heads, num_tokens, head_dim] (the step's tokens flattened into one row).
     Returns [1, num_tokens, heads, v_head_dim] as transformers expects.
@@ -139,4 +139,4 @@ def _model_eager(
     return eager
 
 
-AttentionInterface.register(ATTN_IMPLEMENTATION, slot_attention_forward)
+AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)

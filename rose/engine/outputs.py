@@ -28,6 +28,9 @@ class RequestMetrics:
     finished_time: float | None = None
     num_prompt_tokens: int = 0
     num_generated_tokens: int = 0
+    num_preemptions: int = (
+        0  # times its KV blocks were taken back and it was recomputed (rose.engine.scheduler)
+    )
 
     @property
     def time_to_first_token(self) -> float | None:

@@ -46,8 +46,13 @@ class PrefixCacheStats:
 
 @dataclass
 class PrefixCache:
+    """`stats` counts requests admitted for the first time; `preempted_stats` their readmissions after a
+    preemption (which find their own blocks again while those are not evicted), kept apart as vLLM does so that the
+    hit rate describes the workload, not memory pressure."""
+
     pool: BlockPool
     stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
+    preempted_stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
 
     @property
     def block_size(self) -> int:
@@ -74,12 +79,13 @@ class PrefixCache:
     def take(self, seq: Sequence, blocks: list[int]) -> None:
         """`seq` is admitted with `blocks` (from `lookup`) as the start of its block table: one more reference
         each, nothing copied (called at every admission: the stats count queries too)."""
-        self.stats.queries += 1
-        self.stats.query_tokens += seq.num_prefill_tokens
+        stats = self.preempted_stats if seq.num_preemptions else self.stats
+        stats.queries += 1
+        stats.query_tokens += seq.num_prefill_tokens
         if blocks:
             self.pool.share(blocks)
-            self.stats.hits += 1
-            self.stats.hit_tokens += len(blocks) * self.block_size
+            stats.hits += 1
+            stats.hit_tokens += len(blocks) * self.block_size
 
     def pending_overlap(self, seq: Sequence, prefilling: list[Sequence]) -> bool:
         """Whether a sequence still prefilling will soon hold more of `seq`'s prefix than the cache holds now.

@@ -3,7 +3,8 @@
 Every step, each running sequence that is decoding gets one token, which may need one more block; the rest of the
 per-step token budget goes to prompt chunks (chunked prefill), first of sequences already admitted, then of waiting
 requests admitted while the pool has the blocks for their whole prefill (minus what the prefix cache already holds)
-above a small watermark, up to `max_num_seqs` running. Waiting requests are served by priority, then FIFO: a lower
+above a small watermark, up to `max_num_seqs` running. Admission never preempts (as in vLLM V1): a waiting request
+of a better priority than running ones waits for blocks to come back. Waiting requests are served by priority, then FIFO: a lower
 `priority` value is served earlier (as in vLLM); a request that does not fit holds back those behind it.
 
 When a decoding sequence needs a block and none is free, the least important running sequence (highest priority
@@ -74,6 +75,8 @@ class Scheduler:
         self._num_waiting = 0
         self._counter = itertools.count()
         self.num_preemptions = 0
+        self._num_added = 0  # requests added and their prompt tokens: num_admittable's default request size
+        self._prompt_tokens_added = 0
         # prefix caching: may hold a request back for a step; finds and takes its cached prefix blocks
         self.should_defer: Callable[[Sequence, list[Sequence]], bool] | None = None
         self.lookup_prefix: Lookup | None = None
@@ -94,7 +97,27 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         seq.queue_order = next(self._counter)
+        self._num_added += 1
+        self._prompt_tokens_added += seq.num_prompt_tokens
         self._push(seq)
+
+    def num_admittable(self, tokens_per_request: int | None = None) -> int:
+        """How many more requests can start now: the batch cap left (`max_num_seqs` minus running and waiting
+        requests) and the free blocks (less the waiting requests' prompts and the admission watermark) divided by
+        the blocks of one request of `tokens_per_request` tokens (default: the mean prompt length of the requests
+        added so far; one block before any). When idle it always takes one: any request that fits
+        `max_model_len` fits the pool."""
+        room = self.max_num_seqs - self.num_running - self._num_waiting
+        if room <= 0:
+            return 0
+        if tokens_per_request is None:
+            tokens_per_request = self._prompt_tokens_added // self._num_added if self._num_added else 1
+        per_request = self.pool.blocks_for(max(1, tokens_per_request))
+        if not self.has_unfinished():
+            return max(1, min(room, self.pool.num_free // per_request))
+        free = self.pool.num_free - self.watermark_blocks - self.waiting_blocks()
+        per_request = min(per_request, max(1, self.pool.num_blocks - self.watermark_blocks))
+        return max(0, min(room, free // per_request))
 
     def _push(self, seq: Sequence) -> None:
         heapq.heappush(self._waiting, (seq.priority, seq.queue_order, seq))
@@ -178,7 +201,7 @@ class Scheduler:
         self._release(seq)
         seq.num_computed_tokens = 0
         seq.num_prefill_tokens = seq.num_tokens
-        seq.num_preemptions += 1
+        seq.metrics.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         self.num_preemptions += 1
         batch.preempted.append(seq)

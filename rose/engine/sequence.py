@@ -42,7 +42,6 @@ class Sequence:
         default_factory=list
     )  # block table: position p is in block_ids[p // block_size]
     num_registered_blocks: int = 0  # full blocks indexed by the prefix cache
-    num_preemptions: int = 0
     queue_order: int = 0  # arrival order in the scheduler (ties among equal priorities)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
@@ -76,6 +75,10 @@ class Sequence:
     @property
     def last_token_id(self) -> int:
         return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.metrics.num_preemptions
 
     @property
     def is_finished(self) -> bool:

@@ -9,6 +9,8 @@ refused (impossible with the mask applied) ends it with "error".
 
 from __future__ import annotations
 
+from typing import Any
+
 from rose.engine.outputs import RequestOutput, StepOutput, TokenLogprob
 from rose.engine.sequence import Sequence
 
@@ -62,6 +64,19 @@ def append_token(
     output = request_output(seq)
     output.error = error
     return StepOutput(seq.request_id, [token], delta, True, reason, new_logprobs=new_logprobs, output=output)
+
+
+def eos_token_ids(model: Any, tokenizer: Any) -> set[int]:
+    """Every EOS id the model's generation config, its config and the tokenizer name (transformers' `generate`
+    stops at any of them)."""
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list | tuple):
+            ids.update(v for v in value if isinstance(v, int))
+    return ids
 
 
 def request_output(seq: Sequence) -> RequestOutput:

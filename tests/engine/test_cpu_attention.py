@@ -272,7 +272,7 @@ def test_a_cold_numba_cache_is_reported_once_then_the_kernels_are_cached(tmp_pat
 
 
 def _fake_flash_attn_with_kvcache(
-    q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, causal, window_size, softcap
+    q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, causal, window_size, softcap=0.0
 ):
     """flash-attn's documented semantics in plain torch (one query per sequence, bottom-right aligned)."""
     assert causal and block_table.dtype == cache_seqlens.dtype == torch.int32
@@ -301,25 +301,41 @@ def test_the_flash_attn_decode_path_is_wired_as_the_sdpa_path(window, softcap, m
     from rose.engine.kv_cache import AttentionMetadata, KVCache
     from rose.engine.layer_spec import LayerSpec
 
+    monkeypatch.setenv("ROSE_ATTENTION_BACKEND", "sdpa")  # the reference: the SDPA decode path
     spec = LayerSpec(6, 2, 8, 8, window=window, softcap=softcap)
     cache = KVCache([spec], 12, 4, torch.float32, torch.device("cpu"))
+    monkeypatch.delenv("ROSE_ATTENTION_BACKEND")
     gen = torch.Generator().manual_seed(1)
     cache.k[0].copy_(torch.randn(cache.k[0].shape, generator=gen))
     cache.v[0].copy_(torch.randn(cache.v[0].shape, generator=gen))
     tables = np.array([[3, 7, 1], [0, 5, 0], [11, 2, 9]], dtype=np.int64)
     lengths = [10, 6, 12]
+    # each decoding token's K/V as the store already holds it at its position (the write is then a no-op)
+    slots = torch.tensor([int(tables[i, (n - 1) // 4]) * 4 + (n - 1) % 4 for i, n in enumerate(lengths)])
+    key = cache.k[0].view(-1, 2, 8)[slots].transpose(0, 1)[None]
+    value = cache.v[0].view(-1, 2, 8)[slots].transpose(0, 1)[None]
     q = torch.randn(3, 6, 8, generator=gen)
-    meta = AttentionMetadata(
-        torch.zeros(3, dtype=torch.long), 3, 4, decode_tables=tables, decode_lengths=lengths
-    )
-    eager = None if spec.plain else attention.spec_eager(spec, 0.3, None)
-    want = attention._attend_decode(cache, 0, meta, q, 0.3, eager)
+    meta = AttentionMetadata(slots, 3, 4, decode_tables=tables, decode_lengths=lengths)
+    want = attention.attend_layer(cache, 0, meta, q.transpose(0, 1)[None], key, value, 0.3, None)
     fn_tables, fn_lengths = meta.flash_inputs(torch.device("cpu"))
     got = flash_attention.decode_attention(
         _fake_flash_attn_with_kvcache, q, cache.k[0], cache.v[0], fn_tables, fn_lengths, 0.3, spec
     )
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    assert flash_attention.supports(spec)
+    assert flash_attention.supports(spec, _fake_flash_attn_with_kvcache)
+
+    def old_flash_attn(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, causal, window_size):
+        return _fake_flash_attn_with_kvcache(
+            q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, causal, window_size
+        )
+
+    # flash-attn < 2.6 has no softcap= argument: soft-capped layers keep the torch path, the others use it
+    assert flash_attention.supports(spec, old_flash_attn) == (softcap is None)
+    if softcap is None:
+        got_old = flash_attention.decode_attention(
+            old_flash_attn, q, cache.k[0], cache.v[0], fn_tables, fn_lengths, 0.3, spec
+        )
+        torch.testing.assert_close(got_old, want, rtol=1e-5, atol=1e-5)
     assert not flash_attention.enabled(torch.device("cpu"), torch.bfloat16, 256)  # CUDA only
     monkeypatch.setattr(flash_attention, "kernel", lambda: _fake_flash_attn_with_kvcache)
     assert flash_attention.enabled(torch.device("cuda"), torch.bfloat16, 256)

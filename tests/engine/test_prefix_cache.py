@@ -11,6 +11,7 @@ from engine_helpers import drain, greedy, make_engine
 
 from rose.engine.block_pool import BlockPool
 from rose.engine.kv_cache import KVCache
+from rose.engine.layer_spec import LayerSpec
 from rose.engine.prefix_cache import PrefixCache, block_hashes
 from rose.engine.sampling_params import SamplingParams
 
@@ -145,8 +146,14 @@ def test_block_pool_refcounts_and_eviction_order():
 
 
 def test_the_store_is_shaped_in_blocks():
-    cache = KVCache([], 3, 4, torch.float32, torch.device("cpu"))
-    assert cache.nbytes == 0 and cache.num_blocks == 3 and cache.block_size == 4
+    # two layers of their own geometry (K and V head dims may differ): [num_blocks, block_size, kv_heads, dim]
+    specs = [LayerSpec(8, 4, 32, 32), LayerSpec(6, 2, 16, 8)]
+    cache = KVCache(specs, 3, 4, torch.float32, torch.device("cpu"))
+    assert [tuple(k.shape) for k in cache.k] == [(3, 4, 4, 32), (3, 4, 2, 16)]
+    assert [tuple(v.shape) for v in cache.v] == [(3, 4, 4, 32), (3, 4, 2, 8)]
+    per_token = KVCache.bytes_per_token(specs, torch.float32)
+    assert per_token == (4 * 64 + 2 * 24) * 4
+    assert cache.nbytes == 3 * 4 * per_token and cache.num_blocks == 3 and cache.block_size == 4
 
 
 def test_sampled_requests_with_cache_match_without():
