@@ -8,7 +8,10 @@ model, one prompt at a time. The engine runs the same prompts in each mode of `M
   chunks beside decoding sequences and blocks are reused as requests finish; prefix caching on, with prompts that
   share prefixes, so cached blocks are shared;
 - `sdpa`: as `batched` with the other decode backend (SDPA over gathered blocks instead of the kernels);
-- `chunked_sdpa`: as `chunked` with SDPA, the path CUDA and low precision take.
+- `chunked_sdpa`: as `chunked` with SDPA, the path CUDA and low precision take;
+- `preempt`: every prompt admitted at once into a pool of a few blocks of 4 positions, far fewer than the prompts
+  and their tokens take, so decoding sequences preempt others, which are recomputed (prompt and generated tokens,
+  in chunks, finding their own cached blocks) when readmitted; the default backend.
 
 A mode's verdict is `exact` when every token matches; where tokens first differ, the reference's own logits decide
 whether it was a tie (the engine picked a token within `Target.tie_tolerance` times the best logit of it):
@@ -34,7 +37,7 @@ from rose.engine.loader import resolve_dtype
 from rose.engine.model_probe import UnsupportedModelError
 from rose.engine.sampling_params import SamplingParams
 
-MODES = ("batched", "chunked", "sdpa", "chunked_sdpa")
+MODES = ("batched", "chunked", "sdpa", "chunked_sdpa", "preempt")
 TIE_TOLERANCE = 1e-4  # of the best logit's magnitude (at least 1): float32 rounding is ~1e-7 of it
 LOW_PRECISION_TIE_TOLERANCE = 2**-6  # two bf16 steps: bf16 / fp16 kernels round differently
 PROMPT_LENGTHS = (3, 9, 17, 26, 6, 13)  # past the tiny configs' windows and chunks (8 tokens)
@@ -60,6 +63,7 @@ class ModeResult:
     ties: int = 0
     detail: str = ""
     prefix_hits: int = 0
+    preemptions: int = 0
 
     def __str__(self) -> str:
         if self.status == "exact":
@@ -115,7 +119,7 @@ def check_model(
     reference = None
     for mode in modes:
         try:
-            engine_out, hits = _run_engine(copy.deepcopy(pristine), prompts, max_tokens, mode, target)
+            engine_out, stats = _run_engine(copy.deepcopy(pristine), prompts, max_tokens, mode, target)
         except UnsupportedModelError as exc:
             return done("refused", str(exc))
         except Exception as exc:
@@ -126,7 +130,9 @@ def check_model(
                 reference = _reference(pristine, prompts, max_tokens)
             except Exception as exc:
                 return done("skipped", f"transformers' generate failed: {type(exc).__name__}: {exc}")
-        verdict.modes[mode] = _compare(engine_out, reference, hits, target.tie_tolerance)
+        verdict.modes[mode] = _compare(engine_out, reference, target.tie_tolerance)
+        verdict.modes[mode].prefix_hits = stats.get("prefix_cache_hits", 0)
+        verdict.modes[mode].preemptions = stats["num_preemptions"]
     failed = [m for m in verdict.modes.values() if m.status != "exact"]
     if not failed:
         return done("exact", verdict=verdict)
@@ -147,12 +153,20 @@ def _backend(name: str):
             os.environ["ROSE_ATTENTION_BACKEND"] = old
 
 
-def _run_engine(model, prompts, max_tokens, mode, target: Target) -> tuple[list[list[int]], int]:
+def _run_engine(model, prompts, max_tokens, mode, target: Target) -> tuple[list[list[int]], dict]:
     kwargs: dict = dict(
         device=target.device, dtype=target.dtype, max_model_len=128, max_num_seqs=len(prompts)
     )
     if mode.startswith("chunked"):
         kwargs.update(max_num_seqs=2, max_num_batched_tokens=8, enable_prefix_caching=True, block_size=4)
+    elif mode == "preempt":  # 14 blocks of 4 for prompts and outputs that take ~46 at their longest
+        kwargs.update(
+            max_model_len=56,
+            max_num_batched_tokens=16,
+            block_size=4,
+            num_gpu_blocks_override=14,
+            enable_prefix_caching=True,
+        )
     with _backend("sdpa" if mode.endswith("sdpa") else "auto"):
         engine = Engine(model, None, **kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
@@ -163,8 +177,7 @@ def _run_engine(model, prompts, max_tokens, mode, target: Target) -> tuple[list[
         for out in engine.step():
             if out.finished:
                 outputs[out.request_id] = out.output.token_ids
-    hits = engine.get_stats().get("prefix_cache_hits", 0)
-    return [outputs[str(i)] for i in range(len(prompts))], hits
+    return [outputs[str(i)] for i in range(len(prompts))], engine.get_stats()
 
 
 def _reference(model, prompts, max_tokens) -> list[tuple[list[int], torch.Tensor]]:
@@ -192,7 +205,7 @@ def _reference(model, prompts, max_tokens) -> list[tuple[list[int], torch.Tensor
     return results
 
 
-def _compare(engine_out, reference, hits: int, tie_tolerance: float) -> ModeResult:
+def _compare(engine_out, reference, tie_tolerance: float) -> ModeResult:
     ties = 0
     for i, (got, (want, logits)) in enumerate(zip(engine_out, reference, strict=True)):
         for step, (a, b) in enumerate(zip(got, want, strict=True)):
@@ -206,4 +219,4 @@ def _compare(engine_out, reference, hits: int, tie_tolerance: float) -> ModeResu
                 "wrong",
                 detail=f"prompt {i}: token {step} is {a}, transformers gives {b} (logit gap {gap:.3g})",
             )
-    return ModeResult("exact", ties=ties, prefix_hits=hits)
+    return ModeResult("exact", ties=ties)

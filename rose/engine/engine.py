@@ -38,7 +38,7 @@ class Engine:
     `max_num_seqs` caps the running batch; how many sequences run at once is otherwise decided by the blocks free
     (rose.engine.scheduler), with preemption by recompute when decoding sequences outgrow the pool. The pool holds
     `max_kv_cache_bytes` (default: rose.engine.kv_budget), at most what `max_num_seqs` sequences of `max_model_len`
-    tokens could use.
+    tokens could use; `num_gpu_blocks_override` (vLLM's name; on any device) sets the number of blocks instead.
 
         Single-threaded: call every method from the same thread (grammars of structured outputs compile on a small
         pool of their own). `disable_any_whitespace`: JSON constrained by a schema is written on one line (vLLM's
@@ -56,6 +56,7 @@ class Engine:
         max_model_len: int | None = None,
         max_num_batched_tokens: int | None = None,
         max_kv_cache_bytes: int | None = None,
+        num_gpu_blocks_override: int | None = None,
         seed: int = 0,
         max_logprobs: int = 20,
         enable_prefix_caching: bool = False,
@@ -83,8 +84,13 @@ class Engine:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         block_bytes = KVCache.bytes_per_token(layers.specs, self.dtype) * block_size
-        budget = max_kv_cache_bytes if max_kv_cache_bytes is not None else default_kv_budget(self.device)
-        num_blocks = pool_blocks(budget, block_bytes, max_num_seqs, max_model_len or context, block_size)
+        if num_gpu_blocks_override is not None:
+            if num_gpu_blocks_override < 1:
+                raise ValueError(f"num_gpu_blocks_override must be >= 1, got {num_gpu_blocks_override}")
+            num_blocks = num_gpu_blocks_override
+        else:
+            budget = max_kv_cache_bytes if max_kv_cache_bytes is not None else default_kv_budget(self.device)
+            num_blocks = pool_blocks(budget, block_bytes, max_num_seqs, max_model_len or context, block_size)
         self.max_model_len = resolve_max_model_len(max_model_len, context, num_blocks * block_size)
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, block_size)

@@ -1,6 +1,7 @@
 """Every causal-LM architecture of the installed transformers, built tiny (rose.bench.architectures): rose gives
-exactly `generate`'s greedy tokens in every engine mode (all prompts batched; chunked prefill in two reused slots
-with prefix caching; each with either decode backend), or refuses the model at construction with its type and the reason
+exactly `generate`'s greedy tokens in every engine mode (all prompts batched; chunked prefill of two sequences at a
+time with prefix caching; each with either decode backend; a pool so small that sequences are preempted and
+recomputed), or refuses the model at construction with its type and the reason
 (rose.bench.coverage; `rose bench coverage` prints the same sweep as a table).
 """
 
@@ -94,6 +95,7 @@ def test_exact_in_every_mode_or_refused_with_the_reason(model_type):
     assert v.modes["chunked"].prefix_hits > 0 and v.modes["chunked_sdpa"].prefix_hits > 0, (
         "no cached prefix reused"
     )
+    assert v.modes["preempt"].preemptions > 0, "the tight pool preempted nothing"
 
 
 def test_the_named_families():
