@@ -76,17 +76,18 @@ if numba is not None:
                         scores[i, h, g, p] = -np.inf
                     for p in range(hi, width):
                         scores[i, h, g, p] = -np.inf
-            for p in range(lo, hi):
-                b, o = tables[i, p // block], p % block
-                for h in range(kv_heads):
-                    for g in range(groups):
-                        acc = np.float32(0.0)
-                        for d in range(head_dim):
-                            acc += q[i, h, g, d] * k[b, o, h, d]
-                        if softcap > 0:
-                            scores[i, h, g, p] = np.tanh(acc * scale / softcap) * softcap
-                        else:
-                            scores[i, h, g, p] = acc * scale
+            for j in range(lo // block, (hi - 1) // block + 1):  # block by block: no division per position
+                b, base = tables[i, j], j * block
+                for o in range(max(lo - base, 0), min(hi - base, block)):
+                    for h in range(kv_heads):
+                        for g in range(groups):
+                            acc = np.float32(0.0)
+                            for d in range(head_dim):
+                                acc += q[i, h, g, d] * k[b, o, h, d]
+                            if softcap > 0:
+                                scores[i, h, g, base + o] = np.tanh(acc * scale / softcap) * softcap
+                            else:
+                                scores[i, h, g, base + o] = acc * scale
 
     @_jit
     def _weighted_values(probs, v, v_new, tables, starts, lengths, out):  # pragma: no cover - compiled
@@ -103,13 +104,14 @@ if numba is not None:
                 for g in range(groups):
                     for d in range(head_dim):
                         out[i, h, g, d] = 0.0
-            for p in range(lo, hi):
-                b, o = tables[i, p // block], p % block
-                for h in range(kv_heads):
-                    for g in range(groups):
-                        w = probs[i, h, g, p]
-                        for d in range(head_dim):
-                            out[i, h, g, d] += w * v[b, o, h, d]
+            for j in range(lo // block, (hi - 1) // block + 1):
+                b, base = tables[i, j], j * block
+                for o in range(max(lo - base, 0), min(hi - base, block)):
+                    for h in range(kv_heads):
+                        for g in range(groups):
+                            w = probs[i, h, g, base + o]
+                            for d in range(head_dim):
+                                out[i, h, g, d] += w * v[b, o, h, d]
 
 
 def kernels_cached() -> bool | None:

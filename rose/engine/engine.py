@@ -10,11 +10,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import PreTrainedModel
 
-from rose.engine import flash_attention, loader, model_probe
+from rose.engine import loader, model_probe
 from rose.engine.block_pool import BlockPool
 from rose.engine.detokenizer import IncrementalDetokenizer
 from rose.engine.host_malloc import tune_malloc
-from rose.engine.kv_budget import default_kv_budget, pool_blocks, resolve_max_model_len
+from rose.engine.kv_budget import (
+    default_block_size,
+    default_kv_budget,
+    pool_blocks,
+    resolve_max_model_len,
+    watermark_blocks,
+)
 from rose.engine.kv_cache import KVCache
 from rose.engine.model_runner import ModelRunner, model_context
 from rose.engine.outputs import RequestMetrics, RequestOutput, StepOutput
@@ -79,8 +85,8 @@ class Engine:
         # refuses, before any request, a model rose cannot serve exactly
         layers = model_probe.probe(self.model)
         context = layers.exact_context(model_context(self.model.config), max_model_len)
-        if block_size is None:  # 16, or flash-attn's page size where its paged kernel runs decode attention
-            block_size = flash_attention.preferred_block_size(self.device, self.dtype)
+        if block_size is None:
+            block_size = default_block_size(self.device, self.dtype)
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         block_bytes = KVCache.bytes_per_token(layers.specs, self.dtype) * block_size
@@ -106,10 +112,11 @@ class Engine:
         )
         self.runner = ModelRunner(self.model, layers, self.cache)
         budget = layers.exact_step_tokens(max_num_batched_tokens, max(2048, max_num_seqs))
-        # ~1% of the pool (at least a block) kept free at admission, so that running sequences can grow without
-        # preempting at once
         self.scheduler = Scheduler(
-            max_num_seqs, budget, self.pool, watermark_blocks=max(1, num_blocks // 100)
+            max_num_seqs,
+            budget,
+            self.pool,
+            watermark_blocks=watermark_blocks(num_blocks, max_num_seqs, self.max_model_len, block_size),
         )
         self.prefix_cache: PrefixCache | None = None
         if enable_prefix_caching:

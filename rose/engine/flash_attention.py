@@ -3,7 +3,7 @@
 `flash_attn_with_kvcache` reads each sequence's K/V straight from the paged store through its block table (the
 store's layout, `[num_blocks, block_size, kv_heads, head_dim]`, is the one it takes), so decode needs no gather.
 flash-attn 2 takes pages whose size is a multiple of 256 positions: the engine's default block size on such a
-device is then 256 (`preferred_block_size`), and other block sizes keep the torch path (gather + SDPA). Layers it
+device is then 256 (rose.engine.kv_budget.default_block_size), and other block sizes keep the torch path (gather + SDPA). Layers it
 cannot compute as transformers does (sinks, chunked attention, K and V of different head dims) and layers computed
 by the model's own eager function take the torch path too. `ROSE_ATTENTION_BACKEND=sdpa` turns it off.
 
@@ -42,10 +42,6 @@ def usable(device: torch.device, dtype: torch.dtype) -> bool:
     if os.environ.get("ROSE_ATTENTION_BACKEND", "auto").lower() == "sdpa":
         return False
     return device.type == "cuda" and dtype in _HALF and kernel() is not None
-
-
-def preferred_block_size(device: torch.device, dtype: torch.dtype) -> int:
-    return PAGE_MULTIPLE if usable(device, dtype) else 16
 
 
 def enabled(device: torch.device, dtype: torch.dtype, block_size: int) -> bool:

@@ -298,6 +298,7 @@ def test_the_flash_attn_decode_path_is_wired_as_the_sdpa_path(window, softcap, m
     """flash-attn's paged kernel cannot run here (no GPU): a torch stand-in with its documented semantics checks that
     rose hands it the store, block tables, lengths and window as the SDPA path reads them."""
     from rose.engine import attention, flash_attention
+    from rose.engine.kv_budget import default_block_size
     from rose.engine.kv_cache import AttentionMetadata, KVCache
     from rose.engine.layer_spec import LayerSpec
 
@@ -340,6 +341,7 @@ def test_the_flash_attn_decode_path_is_wired_as_the_sdpa_path(window, softcap, m
     monkeypatch.setattr(flash_attention, "kernel", lambda: _fake_flash_attn_with_kvcache)
     assert flash_attention.enabled(torch.device("cuda"), torch.bfloat16, 256)
     assert not flash_attention.enabled(torch.device("cuda"), torch.bfloat16, 16)  # flash-attn 2's page rule
-    assert flash_attention.preferred_block_size(torch.device("cuda"), torch.float16) == 256
+    assert default_block_size(torch.device("cuda"), torch.float16) == 256
+    assert default_block_size(torch.device("cpu"), torch.float32) == 64
     monkeypatch.setenv("ROSE_ATTENTION_BACKEND", "sdpa")
     assert not flash_attention.enabled(torch.device("cuda"), torch.bfloat16, 256)

@@ -54,11 +54,11 @@ def test_get_request_and_stats(engine):
         "num_waiting": 1,
         "num_preemptions": 0,
         "kv_blocks_used": 0,
-        "kv_blocks_free": 4,
-        "kv_blocks_total": 4,  # 2 sequences x 32 tokens, in blocks of 16
-        "kv_block_size": 16,
+        "kv_blocks_free": 2,
+        "kv_blocks_total": 2,  # 2 sequences x 32 tokens, in blocks of 64 (the CPU default)
+        "kv_block_size": 64,
         "kv_tokens_used": 0,
-        "kv_tokens_total": 64,
+        "kv_tokens_total": 128,
     }
     drain(engine)
     assert engine.get_request("x") is None
@@ -70,7 +70,9 @@ def test_kv_budget_sizes_the_pool_and_caps_or_rejects_max_model_len():
     model, tok = build_preset("tiny-gpt2")
     # gpt2 preset: 4 layers x 8 heads x 32 dims, K and V, float32 = 8 KiB per token
     per_token = 2 * 4 * 8 * 32 * 4
-    engine = Engine(model, tok, device="cpu", max_num_seqs=2, max_kv_cache_bytes=per_token * 400)
+    engine = Engine(
+        model, tok, device="cpu", block_size=16, max_num_seqs=2, max_kv_cache_bytes=per_token * 400
+    )
     # the pool takes the budget (25 blocks of 16); one sequence may use all of it
     assert engine.kv_blocks_total == 25 and engine.max_model_len == 400
     assert engine.cache.nbytes == per_token * 400
@@ -79,16 +81,24 @@ def test_kv_budget_sizes_the_pool_and_caps_or_rejects_max_model_len():
             build_preset("tiny-gpt2")[0],
             tok,
             device="cpu",
+            block_size=16,
             max_num_seqs=2,
             max_model_len=500,
             max_kv_cache_bytes=per_token * 400,
         )
     with pytest.raises(ValueError, match="max_kv_cache_bytes"):
         Engine(
-            build_preset("tiny-gpt2")[0], tok, device="cpu", max_num_seqs=2, max_kv_cache_bytes=per_token * 10
+            build_preset("tiny-gpt2")[0],
+            tok,
+            device="cpu",
+            block_size=16,
+            max_num_seqs=2,
+            max_kv_cache_bytes=per_token * 10,
         )
     # a budget larger than max_num_seqs sequences of max_model_len could use: the pool stops there
-    engine = Engine(build_preset("tiny-gpt2")[0], tok, device="cpu", max_num_seqs=3, max_model_len=40)
+    engine = Engine(
+        build_preset("tiny-gpt2")[0], tok, device="cpu", block_size=16, max_num_seqs=3, max_model_len=40
+    )
     assert engine.kv_blocks_total == 3 * 3
 
 
@@ -137,3 +147,21 @@ def test_engine_built_under_inference_mode_works_outside_it(tokenizer):
     run = drain(engine, stepped_before=True)
     assert {rid for rid, out in run.outputs.items() if out.finish_reason == "length"} == {"r1", "r2"}
     assert engine.kv_blocks_used == 0
+
+
+def test_num_gpu_blocks_override_sizes_the_pool_and_the_watermark_follows_it():
+    short = make_engine("tiny-gpt2", max_num_seqs=4, max_model_len=64, block_size=16, num_gpu_blocks_override=6)
+    assert short.kv_blocks_total == 6 and short.max_model_len == 64
+    assert short.scheduler.watermark_blocks == 1  # short of 4 x 64 positions: a block kept free at admission
+    whole = make_engine("tiny-gpt2", max_num_seqs=4, max_model_len=64, block_size=16, num_gpu_blocks_override=16)
+    assert whole.scheduler.watermark_blocks == 0  # every sequence fits at full length: it never runs short
+    # with no watermark the whole pool is admitted: 4 prompts of 4 blocks each
+    for i in range(4):
+        whole.add_request(str(i), [5 + i] * 60, greedy(4))
+    whole.step()
+    assert whole.num_running == 4 and whole.kv_blocks_used == 16
+    drain(whole, stepped_before=True)
+    with pytest.raises(ValueError, match="num_gpu_blocks_override must be >= 1"):
+        make_engine("tiny-gpt2", num_gpu_blocks_override=0)
+    with pytest.raises(ValueError, match="longer than the KV pool"):
+        make_engine("tiny-gpt2", max_model_len=64, block_size=16, num_gpu_blocks_override=3)

@@ -25,6 +25,7 @@ def _prompts(n: int, seed: int = 0) -> list[list[int]]:
 def _engine(pool_tokens: int | None, **kwargs):
     kwargs.setdefault("max_num_seqs", 8)
     kwargs.setdefault("max_model_len", 96)
+    kwargs.setdefault("block_size", 16)  # the tests count in blocks of 16
     if pool_tokens is not None:
         kwargs["max_kv_cache_bytes"] = pool_tokens * TOKEN_BYTES
     return make_engine("tiny-llama", **kwargs)

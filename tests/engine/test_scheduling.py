@@ -11,7 +11,10 @@ from rose.engine.sampling_params import SamplingParams
 
 @pytest.fixture(scope="module")
 def engine() -> Engine:
-    return make_engine("tiny-qwen2", max_num_seqs=2, max_model_len=64, max_num_batched_tokens=8)
+    # blocks of 16: a pool of 8 for 2 sequences of 64 positions
+    return make_engine(
+        "tiny-qwen2", max_num_seqs=2, max_model_len=64, max_num_batched_tokens=8, block_size=16
+    )
 
 
 @pytest.fixture(autouse=True)

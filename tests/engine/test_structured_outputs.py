@@ -379,6 +379,7 @@ def test_prefix_caching_with_constraints():
         max_model_len=MAX_MODEL_LEN,
         enable_prefix_caching=True,
         disable_any_whitespace=True,
+        block_size=16,  # the prompt's full blocks are cached
     )
     prompt = text_prompt(40)
     sp = SamplingParams(temperature=0, max_tokens=80, structured_outputs=so(json=SCHEMAS[0]))
