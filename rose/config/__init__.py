@@ -37,7 +37,11 @@ class WorkerSettings(BaseSettings):
         "auto",
         description="Weights dtype: auto (bfloat16 on CUDA, float32 on CPU), float32, float16, bfloat16.",
     )
-    max_num_seqs: int = Field(64, ge=1, description="Jobs generated at once (engine batch slots).")
+    max_num_seqs: int = Field(
+        256,
+        ge=1,
+        description="Most jobs generated at once: a batch cap (the engine's free KV blocks decide how many it takes).",
+    )
     max_model_len: int | None = Field(None, ge=1, description="Context limit per job; default: the model's.")
     max_num_batched_tokens: int | None = Field(
         None,

@@ -2,7 +2,8 @@
 own sequence's blocks.
 
 The step's tokens come flattened into one row: first one token per decoding sequence, then the prefill segments
-(rose.engine.kv_cache.AttentionMetadata). Decode tokens attend through the CPU kernels (exact spans read through the
+(rose.engine.kv_cache.AttentionMetadata). On CUDA with flash-attn, one paged varlen call serves them all
+(rose.engine.flash_attention). Otherwise decode tokens attend through the CPU kernels (exact spans read through the
 block tables, float32 on CPU) or through SDPA over their blocks gathered in length-sorted groups; prefill segments
 through SDPA over their own new K/V (a segment starting at position 0) or their sequence's gathered positions. Layers with soft-capping or sinks,
 which SDPA cannot compute, take an `Eager` function on the same views and masks instead: the model's own eager
@@ -83,11 +84,15 @@ def attend_layer(
     [num_tokens, heads, Dv], the step's K/V stored on the way. `eager` computes the layers SDPA cannot (soft-capping,
     sinks) outside the CPU kernels; by default `spec_eager`."""
     spec = cache.specs[layer]
+    q = query[0].transpose(0, 1)  # [num_tokens, heads, D]
+    if cache.flash is not None and eager is None and flash_attention.supports(spec, cache.flash):
+        cache.write(layer, meta, key, value)  # every token's K/V first: the kernel reads them from the store
+        inputs = meta.varlen_inputs(q.device)
+        return flash_attention.attention(cache.flash, q, cache.k[layer], cache.v[layer], inputs, scale, spec)
     if not spec.plain and eager is None:
         eager = spec_eager(spec, scale, sinks)
     kernels = cache.use_cpu_kernels and meta.num_decode > 0
     cache.write(layer, meta, key, value, first=meta.num_decode if kernels else 0)
-    q = query[0].transpose(0, 1)  # [num_tokens, heads, D]
     parts = []
     if kernels:
         n = meta.num_decode
@@ -107,18 +112,6 @@ def attend_layer(
             spans_checked=True,
         )
         parts.append(out.reshape(n, spec.num_heads, spec.v_head_dim))
-    elif (
-        meta.num_decode
-        and cache.flash is not None
-        and eager is None
-        and flash_attention.supports(spec, cache.flash)
-    ):
-        tables, lengths = meta.flash_inputs(q.device)
-        n = meta.num_decode
-        out = flash_attention.decode_attention(
-            cache.flash, q[:n], cache.k[layer], cache.v[layer], tables, lengths, scale, spec
-        )
-        parts.append(out)
     elif meta.num_decode:
         parts.append(_attend_decode(cache, layer, meta, q[: meta.num_decode], scale, eager))
     for i, seg in enumerate(meta.prefills):

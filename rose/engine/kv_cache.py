@@ -12,6 +12,8 @@ K/V for all heads in one stream, and a step's K/V are written with one scatter o
 from __future__ import annotations
 
 import logging
+import math
+import mmap
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -79,13 +81,25 @@ class AttentionMetadata:
             self._cached[key] = (tables, starts, ends)
         return self._cached[key]
 
-    def flash_inputs(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(block tables, context lengths) of the decoding tokens as int32 tensors on `device` (flash-attn's)."""
-        if "flash" not in self._cached:
-            tables = torch.from_numpy(self.decode_tables).to(device=device, dtype=torch.int32)
-            lengths = torch.tensor(self.decode_lengths, dtype=torch.int32, device=device)
-            self._cached["flash"] = (tables, lengths)
-        return self._cached["flash"]
+    def varlen_inputs(self, device: torch.device) -> flash_attention.VarlenInputs:
+        """The step's sequences for flash-attn's varlen kernel: each decoding token one query over its context,
+        then each prefill segment its queries over positions [0, start + length)."""
+        if "varlen" not in self._cached:
+            q_lens = [1] * self.num_decode + [seg.length for seg in self.prefills]
+            k_lens = list(self.decode_lengths) + [seg.start + seg.length for seg in self.prefills]
+            width = max([self.decode_tables.shape[1], *(len(seg.blocks) for seg in self.prefills)])
+            tables = np.zeros((len(q_lens), width), dtype=np.int32)  # padded with block 0: never read
+            tables[: self.num_decode, : self.decode_tables.shape[1]] = self.decode_tables
+            for i, seg in enumerate(self.prefills, start=self.num_decode):
+                tables[i, : len(seg.blocks)] = seg.blocks
+            self._cached["varlen"] = flash_attention.VarlenInputs(
+                cu_seqlens_q=torch.tensor(np.cumsum([0, *q_lens]), dtype=torch.int32, device=device),
+                cu_seqlens_k=torch.tensor(np.cumsum([0, *k_lens]), dtype=torch.int32, device=device),
+                max_seqlen_q=max(q_lens),
+                max_seqlen_k=max(k_lens),
+                block_table=torch.from_numpy(tables).to(device),
+            )
+        return self._cached["varlen"]
 
     def decode_plan(self, device: torch.device) -> tuple[list[DecodeGroup], torch.Tensor | None]:
         """SDPA decode: the decoding tokens sorted longest first and split into groups (rose.engine.decode_groups);
@@ -162,6 +176,20 @@ class AttentionMetadata:
         return first, self._cached[key]
 
 
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed store tensor. Zeros, not garbage: the SDPA path reads padding past a sequence's length (masked out,
+    so multiplied by 0, and 0 * NaN would be NaN). On CPU it lives in an anonymous mapping, whose pages the kernel
+    hands out zeroed on their first write: the process's memory grows with the blocks actually used, not with the
+    pool's size (torch.zeros would write every page up front)."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    numel = math.prod(shape)
+    if numel == 0:
+        return torch.zeros(shape, dtype=dtype)
+    buffer = mmap.mmap(-1, numel * torch.empty((), dtype=dtype).element_size())
+    return torch.frombuffer(buffer, dtype=dtype, count=numel).view(shape)  # the tensor keeps the mapping
+
+
 class KVCache:
     """The block pool's K/V tensors for every attention layer, each layer shaped by its LayerSpec."""
 
@@ -173,21 +201,15 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        # zeros, not empty: the SDPA path reads padding past a sequence's length (masked out, so multiplied by 0,
-        # and 0 * NaN garbage would be NaN)
         shape = (num_blocks, block_size)
-        self.k = [
-            torch.zeros((*shape, s.num_kv_heads, s.head_dim), dtype=dtype, device=device) for s in specs
-        ]
-        self.v = [
-            torch.zeros((*shape, s.num_kv_heads, s.v_head_dim), dtype=dtype, device=device) for s in specs
-        ]
+        self.k = [_zeros((*shape, s.num_kv_heads, s.head_dim), dtype, torch.device(device)) for s in specs]
+        self.v = [_zeros((*shape, s.num_kv_heads, s.v_head_dim), dtype, torch.device(device)) for s in specs]
         self.specs = list(specs)
         self.num_blocks = num_blocks
         self.block_size = block_size
         # decode attention through rose.engine.cpu_attention's kernels (exact lengths) instead of SDPA
         self.use_cpu_kernels = cpu_attention.enabled(torch.device(device), dtype)
-        # CUDA: flash-attn's paged decode kernel, where installed and the block size suits it
+        # CUDA: flash-attn's paged varlen kernel for the whole step, where installed and the block size suits it
         self.flash = (
             flash_attention.kernel()
             if flash_attention.enabled(torch.device(device), dtype, block_size)

@@ -271,74 +271,100 @@ def test_a_cold_numba_cache_is_reported_once_then_the_kernels_are_cached(tmp_pat
     assert "cached before: True" in warm and "compiling" not in warm, warm
 
 
-def _fake_flash_attn_with_kvcache(
-    q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, causal, window_size, softcap=0.0
+def _fake_flash_attn_varlen_func(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    softmax_scale,
+    causal,
+    window_size,
+    block_table,
+    softcap=0.0,
 ):
-    """flash-attn's documented semantics in plain torch (one query per sequence, bottom-right aligned)."""
-    assert causal and block_table.dtype == cache_seqlens.dtype == torch.int32
+    """flash-attn's documented semantics in plain torch: paged K/V through `block_table`, each sequence's queries the
+    last of its keys (causal mask aligned bottom right), a query at key position i sees [i - window_size[0], i]."""
+    assert causal and block_table.dtype == cu_seqlens_q.dtype == cu_seqlens_k.dtype == torch.int32
     out = []
-    for i in range(q.shape[0]):
-        length = int(cache_seqlens[i])
-        blocks = block_table[i, : -(-length // k_cache.shape[1])].long()
-        k = k_cache[blocks].flatten(0, 1)[:length]  # [length, kv_heads, d]
-        v = v_cache[blocks].flatten(0, 1)[:length]
-        lo = 0 if window_size[0] < 0 else max(0, length - 1 - window_size[0])
-        groups = q.shape[2] // k.shape[1]
-        k = k[lo:].repeat_interleave(groups, dim=1).transpose(0, 1)  # [heads, span, d]
-        v = v[lo:].repeat_interleave(groups, dim=1).transpose(0, 1)
-        scores = q[i, 0][:, None] @ k.transpose(1, 2) * softmax_scale  # [heads, 1, span]
+    for b in range(len(cu_seqlens_q) - 1):
+        q_b = q[cu_seqlens_q[b] : cu_seqlens_q[b + 1]]  # [Lq, heads, d]
+        lq, lk = q_b.shape[0], int(cu_seqlens_k[b + 1] - cu_seqlens_k[b])
+        assert lq <= max_seqlen_q and lk <= max_seqlen_k
+        blocks = block_table[b, : -(-lk // k.shape[1])].long()
+        groups = q.shape[1] // k.shape[2]
+        k_b = k[blocks].flatten(0, 1)[:lk].repeat_interleave(groups, dim=1).transpose(0, 1)  # [heads, Lk, d]
+        v_b = v[blocks].flatten(0, 1)[:lk].repeat_interleave(groups, dim=1).transpose(0, 1)
+        scores = q_b.transpose(0, 1) @ k_b.transpose(1, 2) * softmax_scale  # [heads, Lq, Lk]
         if softcap:
             scores = torch.tanh(scores / softcap) * softcap
-        out.append((scores.softmax(-1) @ v).transpose(0, 1))  # [1, heads, d]
-    return torch.stack(out)
+        pos = torch.arange(lq)[:, None] + lk - lq
+        keys = torch.arange(lk)[None, :]
+        visible = (keys <= pos) & ((keys >= pos - window_size[0]) if window_size[0] >= 0 else True)
+        scores = scores.masked_fill(~visible, float("-inf"))
+        out.append((scores.softmax(-1) @ v_b).transpose(0, 1))  # [Lq, heads, d]
+    return torch.cat(out)
 
 
 @pytest.mark.parametrize(("window", "softcap"), [(None, None), (5, None), (None, 3.0)])
-def test_the_flash_attn_decode_path_is_wired_as_the_sdpa_path(window, softcap, monkeypatch):
-    """flash-attn's paged kernel cannot run here (no GPU): a torch stand-in with its documented semantics checks that
-    rose hands it the store, block tables, lengths and window as the SDPA path reads them."""
+def test_the_flash_attn_path_computes_a_mixed_step_as_the_torch_path(window, softcap, monkeypatch):
+    """flash-attn's paged varlen kernel cannot run here (no GPU): a torch stand-in with its documented semantics
+    checks that rose hands it the store, every sequence's block table, query and context lengths and the window
+    as the torch path reads them, for decode tokens and prefill chunks (from position 0, and a later one) in one
+    step."""
     from rose.engine import attention, flash_attention
     from rose.engine.kv_budget import default_block_size
-    from rose.engine.kv_cache import AttentionMetadata, KVCache
+    from rose.engine.kv_cache import AttentionMetadata, KVCache, PrefillSegment
     from rose.engine.layer_spec import LayerSpec
 
-    monkeypatch.setenv("ROSE_ATTENTION_BACKEND", "sdpa")  # the reference: the SDPA decode path
+    monkeypatch.setenv("ROSE_ATTENTION_BACKEND", "sdpa")  # the reference: SDPA, decode over gathered blocks
     spec = LayerSpec(6, 2, 8, 8, window=window, softcap=softcap)
-    cache = KVCache([spec], 12, 4, torch.float32, torch.device("cpu"))
+    cache = KVCache([spec], 16, 4, torch.float32, torch.device("cpu"))
     monkeypatch.delenv("ROSE_ATTENTION_BACKEND")
     gen = torch.Generator().manual_seed(1)
     cache.k[0].copy_(torch.randn(cache.k[0].shape, generator=gen))
     cache.v[0].copy_(torch.randn(cache.v[0].shape, generator=gen))
-    tables = np.array([[3, 7, 1], [0, 5, 0], [11, 2, 9]], dtype=np.int64)
-    lengths = [10, 6, 12]
-    # each decoding token's K/V as the store already holds it at its position (the write is then a no-op)
-    slots = torch.tensor([int(tables[i, (n - 1) // 4]) * 4 + (n - 1) % 4 for i, n in enumerate(lengths)])
-    key = cache.k[0].view(-1, 2, 8)[slots].transpose(0, 1)[None]
-    value = cache.v[0].view(-1, 2, 8)[slots].transpose(0, 1)[None]
-    q = torch.randn(3, 6, 8, generator=gen)
-    meta = AttentionMetadata(slots, 3, 4, decode_tables=tables, decode_lengths=lengths)
-    want = attention.attend_layer(cache, 0, meta, q.transpose(0, 1)[None], key, value, 0.3, None)
-    fn_tables, fn_lengths = meta.flash_inputs(torch.device("cpu"))
-    got = flash_attention.decode_attention(
-        _fake_flash_attn_with_kvcache, q, cache.k[0], cache.v[0], fn_tables, fn_lengths, 0.3, spec
-    )
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    assert flash_attention.supports(spec, _fake_flash_attn_with_kvcache)
+    decode_tables = np.array([[3, 7, 1], [0, 5, 0], [11, 2, 9]], dtype=np.int64)
+    decode_lengths = [10, 6, 12]
+    # prefill: positions 0..4 of a new sequence, then positions 6..8 of one whose first 6 are stored
+    segments = [PrefillSegment([4, 6], 0, 5, 3), PrefillSegment([8, 10, 12], 6, 3, 8)]
+    slots = [int(decode_tables[i, (n - 1) // 4]) * 4 + (n - 1) % 4 for i, n in enumerate(decode_lengths)]
+    for seg in segments:
+        slots += [seg.blocks[p // 4] * 4 + p % 4 for p in range(seg.start, seg.start + seg.length)]
+    tokens = len(slots)
+    query = torch.randn(1, 6, tokens, 8, generator=gen)
+    key, value = torch.randn(1, 2, tokens, 8, generator=gen), torch.randn(1, 2, tokens, 8, generator=gen)
 
-    def old_flash_attn(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, causal, window_size):
-        return _fake_flash_attn_with_kvcache(
-            q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, causal, window_size
+    def step() -> torch.Tensor:
+        meta = AttentionMetadata(
+            torch.tensor(slots),
+            3,
+            4,
+            decode_tables=decode_tables,
+            decode_lengths=decode_lengths,
+            prefills=segments,
+        )
+        return attention.attend_layer(cache, 0, meta, query, key, value, 0.3, None)
+
+    want = step()
+    cache.flash = _fake_flash_attn_varlen_func
+    got = step()  # the same K/V written again, then one varlen call
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+    def old_flash_attn(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, causal, window_size, block_table):
+        return _fake_flash_attn_varlen_func(
+            q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, causal, window_size, block_table
         )
 
     # flash-attn < 2.6 has no softcap= argument: soft-capped layers keep the torch path, the others use it
+    assert flash_attention.supports(spec, _fake_flash_attn_varlen_func)
     assert flash_attention.supports(spec, old_flash_attn) == (softcap is None)
-    if softcap is None:
-        got_old = flash_attention.decode_attention(
-            old_flash_attn, q, cache.k[0], cache.v[0], fn_tables, fn_lengths, 0.3, spec
-        )
-        torch.testing.assert_close(got_old, want, rtol=1e-5, atol=1e-5)
+    cache.flash = old_flash_attn
+    torch.testing.assert_close(step(), want, rtol=1e-5, atol=1e-5)
     assert not flash_attention.enabled(torch.device("cpu"), torch.bfloat16, 256)  # CUDA only
-    monkeypatch.setattr(flash_attention, "kernel", lambda: _fake_flash_attn_with_kvcache)
+    monkeypatch.setattr(flash_attention, "kernel", lambda: _fake_flash_attn_varlen_func)
     assert flash_attention.enabled(torch.device("cuda"), torch.bfloat16, 256)
     assert not flash_attention.enabled(torch.device("cuda"), torch.bfloat16, 16)  # flash-attn 2's page rule
     assert default_block_size(torch.device("cuda"), torch.float16) == 256

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 from engine_helpers import drain, generate, greedy, hf_greedy, make_engine, text_prompt
@@ -165,3 +168,18 @@ def test_num_gpu_blocks_override_sizes_the_pool_and_the_watermark_follows_it():
         make_engine("tiny-gpt2", num_gpu_blocks_override=0)
     with pytest.raises(ValueError, match="longer than the KV pool"):
         make_engine("tiny-gpt2", max_model_len=64, block_size=16, num_gpu_blocks_override=3)
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads the process's resident memory on Linux")
+def test_a_cpu_pool_takes_memory_only_for_the_blocks_used():
+    def resident() -> int:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    before = resident()
+    engine = make_engine("tiny-llama", max_num_seqs=64, max_model_len=4096, max_kv_cache_bytes=2**30)
+    assert engine.cache.nbytes == 2**30
+    assert resident() - before < 2**30 // 4  # the model and the pool's untouched pages
+    engine.add_request("a", [5] * 100, greedy(4))
+    drain(engine)
+    assert float(engine.cache.k[0].abs().sum()) > 0  # a real, written store
+    assert all(float(t[-1].abs().sum()) == 0 for t in engine.cache.k + engine.cache.v)  # zeroed, never written
