@@ -26,7 +26,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tokenizer", default=None, help="tokenizer path or name (default: the model's)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N (default: auto)")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16 (default: auto)")
-    p.add_argument("--max-num-seqs", type=int, default=256, help="most requests decoding at once (a batch cap)")
+    p.add_argument(
+        "--max-num-seqs", type=int, default=256, help="most requests decoding at once (a batch cap)"
+    )
     p.add_argument("--max-model-len", type=int, default=None, help="context length per request")
     p.add_argument(
         "--stream", action="store_true", help="print tokens as they are generated (one prompt at a time)"

@@ -153,10 +153,14 @@ def test_engine_built_under_inference_mode_works_outside_it(tokenizer):
 
 
 def test_num_gpu_blocks_override_sizes_the_pool_and_the_watermark_follows_it():
-    short = make_engine("tiny-gpt2", max_num_seqs=4, max_model_len=64, block_size=16, num_gpu_blocks_override=6)
+    short = make_engine(
+        "tiny-gpt2", max_num_seqs=4, max_model_len=64, block_size=16, num_gpu_blocks_override=6
+    )
     assert short.kv_blocks_total == 6 and short.max_model_len == 64
     assert short.scheduler.watermark_blocks == 1  # short of 4 x 64 positions: a block kept free at admission
-    whole = make_engine("tiny-gpt2", max_num_seqs=4, max_model_len=64, block_size=16, num_gpu_blocks_override=16)
+    whole = make_engine(
+        "tiny-gpt2", max_num_seqs=4, max_model_len=64, block_size=16, num_gpu_blocks_override=16
+    )
     assert whole.scheduler.watermark_blocks == 0  # every sequence fits at full length: it never runs short
     # with no watermark the whole pool is admitted: 4 prompts of 4 blocks each
     for i in range(4):
@@ -170,7 +174,9 @@ def test_num_gpu_blocks_override_sizes_the_pool_and_the_watermark_follows_it():
         make_engine("tiny-gpt2", max_model_len=64, block_size=16, num_gpu_blocks_override=3)
 
 
-@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads the process's resident memory on Linux")
+@pytest.mark.skipif(
+    not Path("/proc/self/statm").exists(), reason="reads the process's resident memory on Linux"
+)
 def test_a_cpu_pool_takes_memory_only_for_the_blocks_used():
     def resident() -> int:
         return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -182,4 +188,6 @@ def test_a_cpu_pool_takes_memory_only_for_the_blocks_used():
     engine.add_request("a", [5] * 100, greedy(4))
     drain(engine)
     assert float(engine.cache.k[0].abs().sum()) > 0  # a real, written store
-    assert all(float(t[-1].abs().sum()) == 0 for t in engine.cache.k + engine.cache.v)  # zeroed, never written
+    assert all(
+        float(t[-1].abs().sum()) == 0 for t in engine.cache.k + engine.cache.v
+    )  # zeroed, never written
