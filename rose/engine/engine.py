@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -22,6 +23,7 @@ from rose.engine.kv_budget import (
     watermark_blocks,
 )
 from rose.engine.kv_cache import KVCache
+from rose.engine.layer_spec import first_needed
 from rose.engine.model_runner import ModelRunner, model_context
 from rose.engine.outputs import RequestMetrics, RequestOutput, StepOutput
 from rose.engine.prefix_cache import PrefixCache
@@ -112,11 +114,14 @@ class Engine:
         )
         self.runner = ModelRunner(self.model, layers, self.cache)
         budget = layers.exact_step_tokens(max_num_batched_tokens, max(2048, max_num_seqs))
+        # every layer windowed or chunked: blocks that all windows have passed are given back early
+        windowed = all(spec.visibility != (None, None) for spec in layers.specs)
         self.scheduler = Scheduler(
             max_num_seqs,
             budget,
             self.pool,
             watermark_blocks=watermark_blocks(num_blocks, max_num_seqs, self.max_model_len, block_size),
+            first_needed=functools.partial(first_needed, layers.specs) if windowed else None,
         )
         self.prefix_cache: PrefixCache | None = None
         if enable_prefix_caching:
@@ -394,7 +399,9 @@ class Engine:
             "kv_blocks_free": self.pool.num_free,
             "kv_blocks_total": self.kv_blocks_total,
             "kv_block_size": self.block_size,
-            "kv_tokens_used": sum(s.num_computed_tokens for s in self.scheduler.running),
+            "kv_tokens_used": sum(
+                s.num_computed_tokens - s.num_dropped_blocks * self.block_size for s in self.scheduler.running
+            ),
             "kv_tokens_total": self.pool.num_blocks * self.block_size,
         }
 

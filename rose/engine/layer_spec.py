@@ -66,6 +66,12 @@ class LayerSpec:
         return ", ".join(parts)
 
 
+def first_needed(specs: list[LayerSpec], position: int) -> int:
+    """The first key position that any layer's query at `position` or later sees: 0 as soon as one layer attends
+    to the whole context; with a window or chunks in every layer, the earlier positions are never read again."""
+    return min((first_visible(position, *v) for v in {s.visibility for s in specs}), default=0)
+
+
 def first_visible(last: Positions, window: int | None, chunk: int | None) -> Positions:
     """The first key position that a query at position `last` sees (ints, numpy arrays or tensors)."""
     if window is not None:

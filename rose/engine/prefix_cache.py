@@ -113,6 +113,6 @@ class PrefixCache:
             return
         hashes = self._hashes(seq)
         tokens, size = seq.all_token_ids, self.block_size
-        for i in range(seq.num_registered_blocks, done):
+        for i in range(max(seq.num_registered_blocks, seq.num_dropped_blocks), done):
             self.pool.cache(seq.block_ids[i], hashes[i], tuple(tokens[i * size : (i + 1) * size]))
         seq.num_registered_blocks = done

@@ -7,6 +7,11 @@ above a small watermark, up to `max_num_seqs` running. Admission never preempts 
 of a better priority than running ones waits for blocks to come back. Waiting requests are served by priority, then FIFO: a lower
 `priority` value is served earlier (as in vLLM); a request that does not fit holds back those behind it.
 
+With a sliding window (or chunked attention) in every layer, the leading blocks of a sequence that no layer's query
+will read again are given back as it advances (vLLM's sliding-window manager does the same): a sequence then holds
+about a window's worth of blocks however long it grows. Its block table keeps their places (NO_BLOCK), so position p
+still lives in entry p // block_size.
+
 When a decoding sequence needs a block and none is free, the least important running sequence (highest priority
 value, latest arrival) is preempted by recompute, as in vLLM V1: its blocks go back to the pool and it waits again,
 ahead of later arrivals of its priority, with its generated tokens as part of what it prefills when readmitted. Its
@@ -22,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from rose.engine.block_pool import BlockPool
-from rose.engine.sequence import Sequence, SequenceStatus
+from rose.engine.sequence import NO_BLOCK, Sequence, SequenceStatus
 
 
 @dataclass(slots=True)
@@ -58,8 +63,15 @@ Take = Callable[[Sequence, list[int]], None]
 
 class Scheduler:
     def __init__(
-        self, max_num_seqs: int, max_num_batched_tokens: int, pool: BlockPool, watermark_blocks: int = 0
+        self,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        pool: BlockPool,
+        watermark_blocks: int = 0,
+        first_needed: Callable[[int], int] | None = None,
     ) -> None:
+        """`first_needed(p)`: the first position a query at p or later reads (rose.engine.layer_spec.first_needed);
+        None where some layer reads the whole context."""
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_num_seqs ({max_num_seqs}) "
@@ -69,6 +81,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.pool = pool
         self.watermark_blocks = watermark_blocks
+        self.first_needed = first_needed
         self.running: list[Sequence] = []  # in admission order
         self._prefilling: list[Sequence] = []  # admitted, prefill not done, in admission order
         self._waiting: list[tuple[int, int, Sequence]] = []
@@ -131,6 +144,9 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
+        if self.first_needed is not None:
+            for seq in self.running:
+                self._drop_passed_blocks(seq)
         for seq in sorted((s for s in self.running if not s.is_prefilling), key=self._importance):
             if seq.status is not SequenceStatus.RUNNING:  # preempted for a more important one just now
                 continue
@@ -196,6 +212,16 @@ class Scheduler:
             seq.block_ids.extend(self.pool.allocate(need))
         return True
 
+    def _drop_passed_blocks(self, seq: Sequence) -> None:
+        """Give back the leading blocks that no query from the sequence's next position on will read."""
+        passed = self.first_needed(seq.num_computed_tokens) // self.pool.block_size
+        if passed <= seq.num_dropped_blocks:
+            return
+        dropped = seq.block_ids[seq.num_dropped_blocks : passed]
+        seq.block_ids[seq.num_dropped_blocks : passed] = [NO_BLOCK] * len(dropped)
+        seq.num_dropped_blocks = passed
+        self.pool.free(dropped)
+
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
         """Free `seq`'s blocks and queue it again, to recompute its prompt and generated tokens when readmitted."""
         self._release(seq)
@@ -211,9 +237,10 @@ class Scheduler:
         self.running.remove(seq)
         if seq in self._prefilling:
             self._prefilling.remove(seq)
-        self.pool.free(seq.block_ids)
+        self.pool.free(seq.block_ids[seq.num_dropped_blocks :])
         seq.block_ids = []
         seq.num_registered_blocks = 0
+        seq.num_dropped_blocks = 0
 
     def waiting_seqs(self) -> list[Sequence]:
         """The requests still waiting to be admitted (in no particular order)."""

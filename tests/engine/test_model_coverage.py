@@ -95,7 +95,8 @@ def test_exact_in_every_mode_or_refused_with_the_reason(model_type):
     assert v.modes["chunked"].prefix_hits > 0 and v.modes["chunked_sdpa"].prefix_hits > 0, (
         "no cached prefix reused"
     )
-    assert v.modes["preempt"].preemptions > 0, "the tight pool preempted nothing"
+    preempt = v.modes["preempt"]
+    assert preempt.preemptions > 0 or preempt.windowed, "the tight pool preempted nothing"
 
 
 def test_the_named_families():

@@ -1,0 +1,97 @@
+"""Blocks that every layer's sliding window has passed are given back as a sequence grows.
+
+A model with a window in every layer (tiny mistral: 8 positions) holds about a window's worth of blocks however long
+its sequences grow; its tokens stay those of transformers' `generate`, also when the pool is so small that
+sequences are preempted and recomputed. A model with one layer that reads the whole context gives nothing back.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+from engine_helpers import drain, greedy
+
+from rose.bench.architectures import prompt_id_range, tiny_model
+from rose.engine.engine import Engine
+
+WINDOW = 8  # tiny mistral's sliding window (rose.bench.architectures)
+
+
+@pytest.fixture(scope="module")
+def mistral():
+    return tiny_model("mistral")
+
+
+def _engine(model, **kwargs) -> Engine:
+    """An engine on a copy of `model` (the engine owns its model; `model` stays transformers' reference)."""
+    kwargs.setdefault("block_size", 4)
+    return Engine(copy.deepcopy(model), None, device="cpu", dtype="float32", **kwargs)
+
+
+def _prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(*prompt_id_range()) for _ in range(length)] for _ in range(n)]
+
+
+def _reference(model, prompt: list[int], max_tokens: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=max_tokens,
+            eos_token_id=[],
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+def test_a_long_sequence_holds_a_windows_worth_of_blocks(mistral):
+    engine = _engine(mistral, max_num_seqs=1, max_model_len=128)
+    assert engine.scheduler.first_needed is not None  # every layer of mistral is windowed
+    prompt = _prompts(1, 20)[0]
+    engine.add_request("long", prompt, greedy(100))
+    held = []
+    run = drain(engine, on_step=lambda e, _outs: held.append(e.kv_blocks_used))
+    # positions (p - 8, p] and the block being written: at most 4 blocks of 4, never the 30 of 120 positions
+    assert max(held[2:]) <= -(-WINDOW // 4) + 2, held
+    assert run.outputs["long"].token_ids == _reference(mistral, prompt, 100)
+    assert engine.kv_blocks_used == 0
+
+
+def test_windowed_sequences_under_memory_pressure_keep_generates_tokens(mistral):
+    prompts = _prompts(6, 8, seed=1)
+    engine = _engine(mistral, max_num_seqs=6, max_model_len=48, num_gpu_blocks_override=12)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, greedy(40))
+    run = drain(engine)
+    assert engine.get_stats()["num_preemptions"] > 0
+    for i, prompt in enumerate(prompts):
+        assert run.outputs[str(i)].token_ids == _reference(mistral, prompt, 40), i
+    assert engine.kv_blocks_used == 0
+
+
+def test_windowed_sequences_with_prefix_caching(mistral):
+    shared = _prompts(1, 24, seed=2)[0]
+    prompts = [shared + tail for tail in _prompts(4, 5, seed=3)]
+    engine = _engine(mistral, max_num_seqs=2, max_model_len=96, enable_prefix_caching=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, greedy(30))
+    run = drain(engine)
+    assert engine.get_stats()["prefix_cache_hits"] > 0
+    for i, prompt in enumerate(prompts):
+        assert run.outputs[str(i)].token_ids == _reference(mistral, prompt, 30), i
+
+
+def test_a_model_with_a_global_layer_gives_nothing_back():
+    engine = _engine(
+        tiny_model("gemma3_text"), max_num_seqs=1, max_model_len=128
+    )  # windowed and global layers
+    assert engine.scheduler.first_needed is None
+    engine.add_request("long", _prompts(1, 20)[0], greedy(60))
+    held = []
+    drain(engine, on_step=lambda e, _outs: held.append(e.kv_blocks_used))
+    assert max(held) == -(-(20 + 60 - 1) // 4)
