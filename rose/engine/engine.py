@@ -15,13 +15,7 @@ from rose.engine import loader, model_probe
 from rose.engine.block_pool import BlockPool
 from rose.engine.detokenizer import IncrementalDetokenizer
 from rose.engine.host_malloc import tune_malloc
-from rose.engine.kv_budget import (
-    default_block_size,
-    default_kv_budget,
-    pool_blocks,
-    resolve_max_model_len,
-    watermark_blocks,
-)
+from rose.engine.kv_budget import plan_store
 from rose.engine.kv_cache import KVCache
 from rose.engine.layer_spec import first_needed
 from rose.engine.model_runner import ModelRunner, model_context
@@ -87,27 +81,25 @@ class Engine:
         # refuses, before any request, a model rose cannot serve exactly
         layers = model_probe.probe(self.model)
         context = layers.exact_context(model_context(self.model.config), max_model_len)
-        if block_size is None:
-            block_size = default_block_size(self.device, self.dtype)
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
-        block_bytes = KVCache.bytes_per_token(layers.specs, self.dtype) * block_size
-        if num_gpu_blocks_override is not None:
-            if num_gpu_blocks_override < 1:
-                raise ValueError(f"num_gpu_blocks_override must be >= 1, got {num_gpu_blocks_override}")
-            num_blocks = num_gpu_blocks_override
-        else:
-            budget = max_kv_cache_bytes if max_kv_cache_bytes is not None else default_kv_budget(self.device)
-            num_blocks = pool_blocks(budget, block_bytes, max_num_seqs, max_model_len or context, block_size)
-        self.max_model_len = resolve_max_model_len(max_model_len, context, num_blocks * block_size)
-        self.block_size = block_size
-        self.pool = BlockPool(num_blocks, block_size)
-        self.cache = KVCache(layers.specs, num_blocks, block_size, self.dtype, self.device)
+        plan = plan_store(
+            KVCache.bytes_per_token(layers.specs, self.dtype),
+            self.device,
+            self.dtype,
+            context=context,
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+            max_kv_cache_bytes=max_kv_cache_bytes,
+            num_gpu_blocks_override=num_gpu_blocks_override,
+            block_size=block_size,
+        )
+        self.max_model_len, self.block_size = plan.max_model_len, plan.block_size
+        self.pool = BlockPool(plan.num_blocks, plan.block_size)
+        self.cache = KVCache(layers.specs, plan.num_blocks, plan.block_size, self.dtype, self.device)
         logger.info(
             "KV store: %d blocks x %d tokens (%d tokens, %.1f MiB), max_model_len %d, up to %d sequences",
-            num_blocks,
-            block_size,
-            num_blocks * block_size,
+            plan.num_blocks,
+            plan.block_size,
+            plan.num_blocks * plan.block_size,
             self.cache.nbytes / 2**20,
             self.max_model_len,
             max_num_seqs,
@@ -120,7 +112,7 @@ class Engine:
             max_num_seqs,
             budget,
             self.pool,
-            watermark_blocks=watermark_blocks(num_blocks, max_num_seqs, self.max_model_len, block_size),
+            watermark_blocks=plan.watermark_blocks,
             first_needed=functools.partial(first_needed, layers.specs) if windowed else None,
         )
         self.prefix_cache: PrefixCache | None = None
@@ -372,21 +364,7 @@ class Engine:
         return self.scheduler.num_admittable(tokens_per_request)
 
     def get_stats(self) -> dict[str, int | float]:
-        prefix = {}
-        if self.prefix_cache is not None:
-            st, pre = self.prefix_cache.stats, self.prefix_cache.preempted_stats
-            prefix = {
-                "prefix_cache_queries": st.queries,
-                "prefix_cache_hits": st.hits,
-                "prefix_cache_query_tokens": st.query_tokens,
-                "prefix_cache_hit_tokens": st.hit_tokens,
-                "prefix_cache_preempted_queries": pre.queries,
-                "prefix_cache_preempted_hits": pre.hits,
-                "prefix_cache_preempted_query_tokens": pre.query_tokens,
-                "prefix_cache_preempted_hit_tokens": pre.hit_tokens,
-                "prefix_cache_blocks": self.pool.num_cached(),
-                "prefix_cache_evicted_blocks": self.pool.num_evicted,
-            }
+        prefix = self.prefix_cache.get_stats() if self.prefix_cache is not None else {}
         if self._structured is not None:
             prefix.update(self._structured.get_stats())
         return {

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -30,6 +31,47 @@ def default_block_size(device: torch.device, dtype: torch.dtype) -> int:
     if flash_attention.usable(device, dtype):
         return flash_attention.PAGE_MULTIPLE
     return CPU_BLOCK_SIZE if device.type == "cpu" else GPU_BLOCK_SIZE
+
+
+@dataclass(frozen=True, slots=True)
+class StorePlan:
+    block_size: int
+    num_blocks: int
+    max_model_len: int
+    watermark_blocks: int
+
+
+def plan_store(
+    bytes_per_token: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    *,
+    context: int,
+    max_num_seqs: int,
+    max_model_len: int | None,
+    max_kv_cache_bytes: int | None,
+    num_gpu_blocks_override: int | None,
+    block_size: int | None,
+) -> StorePlan:
+    """The pool's block size, its blocks (`num_gpu_blocks_override`, else what `max_kv_cache_bytes` or the device's
+    default budget holds, at most `max_num_seqs` sequences of the longest length), the longest sequence it serves
+    (`max_model_len` checked, else the model's `context` capped at the pool) and its admission watermark."""
+    if block_size is None:
+        block_size = default_block_size(device, dtype)
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    if num_gpu_blocks_override is not None:
+        if num_gpu_blocks_override < 1:
+            raise ValueError(f"num_gpu_blocks_override must be >= 1, got {num_gpu_blocks_override}")
+        num_blocks = num_gpu_blocks_override
+    else:
+        budget = max_kv_cache_bytes if max_kv_cache_bytes is not None else default_kv_budget(device)
+        num_blocks = pool_blocks(
+            budget, bytes_per_token * block_size, max_num_seqs, max_model_len or context, block_size
+        )
+    max_len = resolve_max_model_len(max_model_len, context, num_blocks * block_size)
+    watermark = watermark_blocks(num_blocks, max_num_seqs, max_len, block_size)
+    return StorePlan(block_size, num_blocks, max_len, watermark)
 
 
 def pool_blocks(budget: int, block_bytes: int, max_num_seqs: int, max_len: int, block_size: int) -> int:

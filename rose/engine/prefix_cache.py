@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from array import array
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from rose.engine.block_pool import BlockPool
 from rose.engine.sequence import Sequence
@@ -86,6 +86,16 @@ class PrefixCache:
             self.pool.share(blocks)
             stats.hits += 1
             stats.hit_tokens += len(blocks) * self.block_size
+
+    def get_stats(self) -> dict[str, int]:
+        """`prefix_cache_queries` / `_hits` / `_query_tokens` / `_hit_tokens` (requests admitted the first time),
+        the same as `prefix_cache_preempted_*` (readmissions), and the pool's cached and evicted blocks."""
+        return {
+            **{f"prefix_cache_{name}": value for name, value in asdict(self.stats).items()},
+            **{f"prefix_cache_preempted_{name}": value for name, value in asdict(self.preempted_stats).items()},
+            "prefix_cache_blocks": self.pool.num_cached(),
+            "prefix_cache_evicted_blocks": self.pool.num_evicted,
+        }
 
     def pending_overlap(self, seq: Sequence, prefilling: list[Sequence]) -> bool:
         """Whether a sequence still prefilling will soon hold more of `seq`'s prefix than the cache holds now.
