@@ -40,7 +40,8 @@ def make_engine(preset: str, **kwargs) -> Engine:
 
 
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    """transformers' own greedy generation, forced to exactly `max_new_tokens` tokens."""
+    """transformers' own greedy generation of exactly `max_new_tokens` tokens: EOS is an ordinary token, as the
+    engine's `ignore_eos` makes it (never stopped at, never masked)."""
     input_ids = torch.tensor([prompt_ids])
     with torch.inference_mode():
         out = model.generate(
@@ -48,7 +49,7 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
             attention_mask=torch.ones_like(input_ids),
             do_sample=False,
             max_new_tokens=max_new_tokens,
-            min_new_tokens=max_new_tokens,
+            eos_token_id=[],
             pad_token_id=2,
         )
     return out[0, len(prompt_ids) :].tolist()

@@ -11,8 +11,7 @@ import copy
 import random
 
 import pytest
-import torch
-from engine_helpers import drain, greedy
+from engine_helpers import drain, greedy, hf_greedy
 
 from rose.bench.architectures import prompt_id_range, tiny_model
 from rose.engine.engine import Engine
@@ -36,17 +35,14 @@ def _prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(*prompt_id_range()) for _ in range(length)] for _ in range(n)]
 
 
-def _reference(model, prompt: list[int], max_tokens: int) -> list[int]:
-    ids = torch.tensor([prompt])
-    with torch.inference_mode():
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            do_sample=False,
-            max_new_tokens=max_tokens,
-            eos_token_id=[],
-        )
-    return out[0, len(prompt) :].tolist()
+def _generate_and_check(engine: Engine, model, prompts: list[list[int]], max_tokens: int):
+    """Run `prompts` through `engine` at once; each output must be transformers' greedy tokens."""
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, greedy(max_tokens))
+    run = drain(engine)
+    for i, prompt in enumerate(prompts):
+        assert run.outputs[str(i)].token_ids == hf_greedy(model, prompt, max_tokens), i
+    return run
 
 
 def test_a_long_sequence_holds_a_windows_worth_of_blocks(mistral):
@@ -58,19 +54,15 @@ def test_a_long_sequence_holds_a_windows_worth_of_blocks(mistral):
     run = drain(engine, on_step=lambda e, _outs: held.append(e.kv_blocks_used))
     # positions (p - 8, p] and the block being written: at most 4 blocks of 4, never the 30 of 120 positions
     assert max(held[2:]) <= -(-WINDOW // 4) + 2, held
-    assert run.outputs["long"].token_ids == _reference(mistral, prompt, 100)
+    assert run.outputs["long"].token_ids == hf_greedy(mistral, prompt, 100)
     assert engine.kv_blocks_used == 0
 
 
 def test_windowed_sequences_under_memory_pressure_keep_generates_tokens(mistral):
     prompts = _prompts(6, 8, seed=1)
     engine = _engine(mistral, max_num_seqs=6, max_model_len=48, num_gpu_blocks_override=12)
-    for i, prompt in enumerate(prompts):
-        engine.add_request(str(i), prompt, greedy(40))
-    run = drain(engine)
+    _generate_and_check(engine, mistral, prompts, 40)
     assert engine.get_stats()["num_preemptions"] > 0
-    for i, prompt in enumerate(prompts):
-        assert run.outputs[str(i)].token_ids == _reference(mistral, prompt, 40), i
     assert engine.kv_blocks_used == 0
 
 
@@ -78,12 +70,8 @@ def test_windowed_sequences_with_prefix_caching(mistral):
     shared = _prompts(1, 24, seed=2)[0]
     prompts = [shared + tail for tail in _prompts(4, 5, seed=3)]
     engine = _engine(mistral, max_num_seqs=2, max_model_len=96, enable_prefix_caching=True)
-    for i, prompt in enumerate(prompts):
-        engine.add_request(str(i), prompt, greedy(30))
-    run = drain(engine)
+    _generate_and_check(engine, mistral, prompts, 30)
     assert engine.get_stats()["prefix_cache_hits"] > 0
-    for i, prompt in enumerate(prompts):
-        assert run.outputs[str(i)].token_ids == _reference(mistral, prompt, 30), i
 
 
 def test_a_model_with_a_global_layer_gives_nothing_back():
