@@ -31,6 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 import torch  # noqa: E402
+from pydantic import ByteSize, TypeAdapter  # noqa: E402
 
 from rose.bench.workload import make_workload  # noqa: E402
 from rose.engine.engine import Engine  # noqa: E402
@@ -41,12 +42,8 @@ logger = logging.getLogger("bench_paged")
 
 
 def parse_bytes(text: str) -> int:
-    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9, "b": 1}
-    lower = text.strip().lower()
-    for unit, scale in units.items():
-        if lower.endswith(unit):
-            return int(float(lower[: -len(unit)]) * scale)
-    return int(lower)
+    """'256MiB', '1GB', '4096' -> bytes (pydantic's ByteSize, as rose-worker's --max-kv-cache-bytes)."""
+    return int(TypeAdapter(ByteSize).validate_python(text))
 
 
 DEVICE = {"device": "cpu", "dtype": "float32"}

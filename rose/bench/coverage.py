@@ -9,8 +9,8 @@ model, one prompt at a time. The engine runs the same prompts in each mode of `M
   share prefixes, so cached blocks are shared;
 - `sdpa`: as `batched` with the other decode backend (SDPA over gathered blocks instead of the kernels);
 - `chunked_sdpa`: as `chunked` with SDPA, the path CUDA and low precision take;
-- `preempt`: every prompt admitted at once into a pool of 10 blocks of 4 positions, far fewer than the prompts
-  and their tokens take, so decoding sequences preempt others, which are recomputed (prompt and generated tokens,
+- `preempt`: every prompt added at once, for a pool of 10 blocks of 4 positions, far fewer than the prompts and
+  their tokens take (over 40 blocks at their longest), so decoding sequences preempt others, which are recomputed (prompt and generated tokens,
   in chunks, finding their own cached blocks) when readmitted; the default backend. (Models windowed in every
   layer give passed blocks back and may fit: tests/engine/test_sliding_window_blocks.py preempts them.)
 
@@ -65,9 +65,8 @@ class ModeResult:
     detail: str = ""
     prefix_hits: int = 0
     preemptions: int = 0
-    windowed: bool = (
-        False  # every layer windowed: passed blocks are given back, so a tight pool may not preempt
-    )
+    # every layer windowed: passed blocks are given back, so a tight pool may not preempt
+    windowed: bool = False
 
     def __str__(self) -> str:
         if self.status == "exact":
@@ -164,8 +163,7 @@ def _run_engine(model, prompts, max_tokens, mode, target: Target) -> tuple[list[
     )
     if mode.startswith("chunked"):
         kwargs.update(max_num_seqs=2, max_num_batched_tokens=8, enable_prefix_caching=True, block_size=4)
-    elif mode == "preempt":  # 10 blocks of 4 for prompts and outputs that take ~46 at their longest (windowed
-        # models give passed blocks back, ~4 per sequence: 6 sequences still outgrow the pool)
+    elif mode == "preempt":  # 10 blocks of 4 for prompts and outputs that take over 40 at their longest
         kwargs.update(
             max_model_len=40,
             max_num_batched_tokens=16,

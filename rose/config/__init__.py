@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import ByteSize, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
@@ -43,6 +43,14 @@ class WorkerSettings(BaseSettings):
         description="Most jobs generated at once: a batch cap (the engine's free KV blocks decide how many it takes).",
     )
     max_model_len: int | None = Field(None, ge=1, description="Context limit per job; default: the model's.")
+    max_kv_cache_bytes: ByteSize | None = Field(
+        None,
+        description="Memory for the KV store's blocks, e.g. 4GiB. Default: 85% of the free CUDA memory once the "
+        "weights are loaded; on CPU a quarter of RAM, taken only as blocks are used.",
+    )
+    block_size: int | None = Field(
+        None, ge=1, description="Positions per KV block. Default: 64 on CPU, 16 on CUDA, 256 with flash-attn."
+    )
     max_num_batched_tokens: int | None = Field(
         None,
         ge=1,

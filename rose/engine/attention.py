@@ -133,8 +133,10 @@ def _attend_decode(
     groups, inverse = meta.decode_plan(q.device)
     parts = []
     for i, group in enumerate(groups):
-        k, v = cache.gather(layer, group.tables, group.longest)
-        mask = meta.decode_mask(i, spec.visibility, q.device)
+        first_block, mask = meta.decode_mask(i, spec.visibility, q.device)
+        k, v = cache.gather(
+            layer, group.tables[:, first_block:], group.longest - first_block * meta.block_size
+        )
         rows = len(group.rows)
         q_rows = q[group.rows]
         if eager is None:  # plain: SDPA (attend_layer gives an eager function to the others)

@@ -82,7 +82,7 @@ class Engine:
         layers = model_probe.probe(self.model)
         context = layers.exact_context(model_context(self.model.config), max_model_len)
         plan = plan_store(
-            KVCache.bytes_per_token(layers.specs, self.dtype),
+            layers,
             self.device,
             self.dtype,
             context=context,
@@ -107,13 +107,14 @@ class Engine:
         self.runner = ModelRunner(self.model, layers, self.cache)
         budget = layers.exact_step_tokens(max_num_batched_tokens, max(2048, max_num_seqs))
         # every layer windowed or chunked: blocks that all windows have passed are given back early
-        windowed = all(spec.visibility != (None, None) for spec in layers.specs)
+        visibilities = frozenset(spec.visibility for spec in layers.specs)
+        windowed = (None, None) not in visibilities
         self.scheduler = Scheduler(
             max_num_seqs,
             budget,
             self.pool,
             watermark_blocks=plan.watermark_blocks,
-            first_needed=functools.partial(first_needed, layers.specs) if windowed else None,
+            first_needed=functools.partial(first_needed, visibilities) if windowed else None,
         )
         self.prefix_cache: PrefixCache | None = None
         if enable_prefix_caching:
@@ -322,11 +323,14 @@ class Engine:
             chunk.seq.num_computed_tokens += chunk.length
             if chunk.completes_prefill:
                 self.scheduler.prefill_done(chunk.seq)
-        if self.prefix_cache is not None:
+        if (
+            self.prefix_cache is not None
+        ):  # before passed blocks go back: they stay findable in the free queue
             for seq in batch.decode:
                 self.prefix_cache.register(seq)
             for chunk in batch.prefill:
                 self.prefix_cache.register(chunk.seq)
+        self.scheduler.drop_passed_blocks([*batch.decode, *(chunk.seq for chunk in batch.prefill)])
         if result is None:
             return []
         now = time.time()

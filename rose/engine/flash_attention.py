@@ -8,7 +8,8 @@ V1's FlashAttention backend does. flash-attn 2 takes pages whose size is a multi
 default block size on such a device is then 256 (rose.engine.kv_budget.default_block_size), and other block sizes
 keep the torch path (SDPA per prefill chunk, gather + SDPA for decode). Layers it cannot compute as transformers
 does (sinks, chunked attention, K and V of different head dims, soft-capping before flash-attn 2.6) and layers
-computed by the model's own eager function take the torch path too. `ROSE_ATTENTION_BACKEND=sdpa` turns it off.
+computed by the model's own eager function take the torch path too; a model none of whose layers would take it
+keeps CUDA's default block size of 16. `ROSE_ATTENTION_BACKEND=sdpa` turns it off.
 
 Not yet run on a GPU (no GPU was available while it was written): its wiring is checked on CPU against a stand-in
 with the kernel's documented semantics (tests/engine/test_cpu_attention.py); see ../shared/gpu-checklist.md.
@@ -46,6 +47,7 @@ class VarlenInputs:
     block_table: torch.Tensor
 
 
+@functools.cache
 def kernel() -> Callable | None:
     """flash-attn's `flash_attn_varlen_func`, None when it is not installed or takes no block table (< 2.5)."""
     try:
@@ -69,12 +71,31 @@ def enabled(device: torch.device, dtype: torch.dtype, block_size: int) -> bool:
     return usable(device, dtype) and block_size % PAGE_MULTIPLE == 0
 
 
+def serves_any(
+    specs: list[LayerSpec], reference_implementation: str, device: torch.device, dtype: torch.dtype
+) -> bool:
+    """Whether some layer of a model would run the kernel here (then the pool takes the kernel's page size): a
+    plain layer it supports, in a model that did not come with eager attention (whose layers all run the model's
+    own eager function)."""
+    fn = kernel() if usable(device, dtype) else None
+    if fn is None or reference_implementation == "eager":
+        return False
+    return any(spec.plain and supports(spec, fn) for spec in specs)
+
+
 def supports(spec: LayerSpec, fn: Callable) -> bool:
     """Layers whose attention the kernel `fn` computes as transformers does (soft-capping only where it takes
     `softcap=`: flash-attn 2.6 and later)."""
     if spec.softcap is not None and not _takes_softcap(fn):
         return False
-    return not spec.sinks and spec.chunk is None and spec.v_head_dim == spec.head_dim and spec.head_dim <= 256
+    # head dims flash-attn pads to a multiple of 8 would have it copy the whole paged store at every call
+    return (
+        not spec.sinks
+        and spec.chunk is None
+        and spec.v_head_dim == spec.head_dim
+        and spec.head_dim <= 256
+        and spec.head_dim % 8 == 0
+    )
 
 
 @functools.cache

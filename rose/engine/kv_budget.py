@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from rose.engine import flash_attention
+from rose.engine.kv_cache import KVCache
+from rose.engine.model_probe import AttentionLayers
 
 logger = logging.getLogger(__name__)
 
@@ -25,10 +27,10 @@ CPU_BLOCK_SIZE = 64
 GPU_BLOCK_SIZE = 16  # vLLM's on GPUs, for the gather + SDPA path
 
 
-def default_block_size(device: torch.device, dtype: torch.dtype) -> int:
-    """flash-attn's page size where its paged kernel runs decode attention, else CPU_BLOCK_SIZE on CPU and
+def default_block_size(device: torch.device, flash: bool) -> int:
+    """flash-attn's page size where its paged kernel serves the model (`flash`), else CPU_BLOCK_SIZE on CPU and
     GPU_BLOCK_SIZE elsewhere."""
-    if flash_attention.usable(device, dtype):
+    if flash:
         return flash_attention.PAGE_MULTIPLE
     return CPU_BLOCK_SIZE if device.type == "cpu" else GPU_BLOCK_SIZE
 
@@ -42,7 +44,7 @@ class StorePlan:
 
 
 def plan_store(
-    bytes_per_token: int,
+    layers: AttentionLayers,
     device: torch.device,
     dtype: torch.dtype,
     *,
@@ -57,7 +59,8 @@ def plan_store(
     default budget holds, at most `max_num_seqs` sequences of the longest length), the longest sequence it serves
     (`max_model_len` checked, else the model's `context` capped at the pool) and its admission watermark."""
     if block_size is None:
-        block_size = default_block_size(device, dtype)
+        flash = flash_attention.serves_any(layers.specs, layers.reference_implementation, device, dtype)
+        block_size = default_block_size(device, flash)
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     if num_gpu_blocks_override is not None:
@@ -67,7 +70,11 @@ def plan_store(
     else:
         budget = max_kv_cache_bytes if max_kv_cache_bytes is not None else default_kv_budget(device)
         num_blocks = pool_blocks(
-            budget, bytes_per_token * block_size, max_num_seqs, max_model_len or context, block_size
+            budget,
+            KVCache.bytes_per_token(layers.specs, dtype) * block_size,
+            max_num_seqs,
+            max_model_len or context,
+            block_size,
         )
     max_len = resolve_max_model_len(max_model_len, context, num_blocks * block_size)
     watermark = watermark_blocks(num_blocks, max_num_seqs, max_len, block_size)
@@ -106,11 +113,13 @@ def resolve_max_model_len(requested: int | None, context: int, pool_tokens: int)
         if requested > pool_tokens:
             raise ValueError(
                 f"max_model_len {requested} is longer than the KV pool's {pool_tokens} tokens: lower "
-                "max_model_len or raise max_kv_cache_bytes"
+                "max_model_len or raise max_kv_cache_bytes (or num_gpu_blocks_override)"
             )
         return requested
     if pool_tokens < min(context, _MIN_MODEL_LEN):
-        raise ValueError(f"the KV pool holds only {pool_tokens} tokens: raise max_kv_cache_bytes")
+        raise ValueError(
+            f"the KV pool holds only {pool_tokens} tokens: raise max_kv_cache_bytes (or num_gpu_blocks_override)"
+        )
     if pool_tokens < context:
         logger.warning(
             "max_model_len capped at %d (model context %d) to fit the KV pool", pool_tokens, context

@@ -47,6 +47,7 @@ class DecodeGroup:
     tables: torch.Tensor
     lengths: torch.Tensor
     longest: int
+    shortest: int
 
 
 @dataclass
@@ -118,6 +119,7 @@ class AttentionMetadata:
                         tables=tables,
                         lengths=torch.tensor(lengths[start:end], device=device),
                         longest=longest,
+                        shortest=min(lengths[start:end]),
                     )
                 )
             inverse = None
@@ -128,17 +130,23 @@ class AttentionMetadata:
             self._cached["plan"] = (groups, inverse)
         return self._cached["plan"]
 
-    def decode_mask(self, group: int, visibility: Visibility, device: torch.device) -> torch.Tensor:
-        """[rows, 1, 1, longest] of decode group `group`: True where a row may attend."""
+    def decode_mask(
+        self, group: int, visibility: Visibility, device: torch.device
+    ) -> tuple[int, torch.Tensor]:
+        """(first_block, mask) of decode group `group`: no row sees a position before block `first_block` of its
+        table (a window or chunks leave them behind), and mask [rows, 1, 1, longest - first_block * block_size]
+        is True where a row may attend among the positions from there on."""
         key = ("decode", group, visibility)
         if key not in self._cached:
             g = self.decode_plan(device)[0][group]
-            pos = torch.arange(g.longest, device=device)
+            # first_visible never decreases with the position: the shortest row reaches back furthest
+            first_block = first_visible(g.shortest - 1, *visibility) // self.block_size
+            pos = torch.arange(first_block * self.block_size, g.longest, device=device)
             lengths = g.lengths[:, None]
             mask = pos[None, :] < lengths
             if visibility != (None, None):
                 mask &= pos[None, :] >= first_visible(lengths - 1, *visibility)
-            self._cached[key] = mask[:, None, None, :]
+            self._cached[key] = (first_block, mask[:, None, None, :])
         return self._cached[key]
 
     def causal_mask(self, length: int, device: torch.device) -> torch.Tensor:
@@ -186,7 +194,10 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     numel = math.prod(shape)
     if numel == 0:
         return torch.zeros(shape, dtype=dtype)
-    buffer = mmap.mmap(-1, numel * torch.empty((), dtype=dtype).element_size())
+    # private: reading an untouched page maps the zero page (a shared mapping would make it resident)
+    buffer = mmap.mmap(
+        -1, numel * torch.empty((), dtype=dtype).element_size(), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+    )
     return torch.frombuffer(buffer, dtype=dtype, count=numel).view(shape)  # the tensor keeps the mapping
 
 

@@ -66,10 +66,11 @@ class LayerSpec:
         return ", ".join(parts)
 
 
-def first_needed(specs: list[LayerSpec], position: int) -> int:
-    """The first key position that any layer's query at `position` or later sees: 0 as soon as one layer attends
-    to the whole context; with a window or chunks in every layer, the earlier positions are never read again."""
-    return min((first_visible(position, *v) for v in {s.visibility for s in specs}), default=0)
+def first_needed(visibilities: frozenset[tuple[int | None, int | None]], position: int) -> int:
+    """The first key position that a query at `position` or later sees in any layer of these visibilities (the
+    distinct `LayerSpec.visibility` of a model's layers): 0 as soon as one layer attends to the whole context; with
+    a window or chunks in every layer, the earlier positions are never read again."""
+    return min((first_visible(position, *v) for v in visibilities), default=0)
 
 
 def first_visible(last: Positions, window: int | None, chunk: int | None) -> Positions:

@@ -28,9 +28,8 @@ class RequestMetrics:
     finished_time: float | None = None
     num_prompt_tokens: int = 0
     num_generated_tokens: int = 0
-    num_preemptions: int = (
-        0  # times its KV blocks were taken back and it was recomputed (rose.engine.scheduler)
-    )
+    # times its KV blocks were taken back and it was recomputed (rose.engine.scheduler)
+    num_preemptions: int = 0
 
     @property
     def time_to_first_token(self) -> float | None:

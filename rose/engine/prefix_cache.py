@@ -92,7 +92,10 @@ class PrefixCache:
         the same as `prefix_cache_preempted_*` (readmissions), and the pool's cached and evicted blocks."""
         return {
             **{f"prefix_cache_{name}": value for name, value in asdict(self.stats).items()},
-            **{f"prefix_cache_preempted_{name}": value for name, value in asdict(self.preempted_stats).items()},
+            **{
+                f"prefix_cache_preempted_{name}": value
+                for name, value in asdict(self.preempted_stats).items()
+            },
             "prefix_cache_blocks": self.pool.num_cached(),
             "prefix_cache_evicted_blocks": self.pool.num_evicted,
         }

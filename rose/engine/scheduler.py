@@ -144,9 +144,6 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
-        if self.first_needed is not None:
-            for seq in self.running:
-                self._drop_passed_blocks(seq)
         for seq in sorted((s for s in self.running if not s.is_prefilling), key=self._importance):
             if seq.status is not SequenceStatus.RUNNING:  # preempted for a more important one just now
                 continue
@@ -212,15 +209,20 @@ class Scheduler:
             seq.block_ids.extend(self.pool.allocate(need))
         return True
 
-    def _drop_passed_blocks(self, seq: Sequence) -> None:
-        """Give back the leading blocks that no query from the sequence's next position on will read."""
-        passed = self.first_needed(seq.num_computed_tokens) // self.pool.block_size
-        if passed <= seq.num_dropped_blocks:
+    def drop_passed_blocks(self, seqs: list[Sequence]) -> None:
+        """Give back the leading blocks that no query from each sequence's next position on will read (called once
+        a step has advanced them, so that the free blocks count them at once); a no-op unless every layer is
+        windowed or chunked."""
+        if self.first_needed is None:
             return
-        dropped = seq.block_ids[seq.num_dropped_blocks : passed]
-        seq.block_ids[seq.num_dropped_blocks : passed] = [NO_BLOCK] * len(dropped)
-        seq.num_dropped_blocks = passed
-        self.pool.free(dropped)
+        for seq in seqs:
+            passed = self.first_needed(seq.num_computed_tokens) // self.pool.block_size
+            if passed <= seq.num_dropped_blocks:
+                continue
+            dropped = seq.block_ids[seq.num_dropped_blocks : passed]
+            seq.block_ids[seq.num_dropped_blocks : passed] = [NO_BLOCK] * len(dropped)
+            seq.num_dropped_blocks = passed
+            self.pool.free(dropped)
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
         """Free `seq`'s blocks and queue it again, to recompute its prompt and generated tokens when readmitted."""

@@ -29,6 +29,8 @@ _FLAGS: list[tuple[str, str, dict[str, Any]]] = [
     ("--max-num-seqs", "max_num_seqs", {"type": int, "metavar": "N"}),
     ("--max-model-len", "max_model_len", {"type": int, "metavar": "TOKENS"}),
     ("--max-num-batched-tokens", "max_num_batched_tokens", {"type": int, "metavar": "N"}),
+    ("--max-kv-cache-bytes", "max_kv_cache_bytes", {"metavar": "SIZE"}),
+    ("--block-size", "block_size", {"type": int, "metavar": "N"}),
     ("--enable-prefix-caching", "enable_prefix_caching", {"action": "store_const", "const": True}),
     ("--with-scheduler", "with_scheduler", {"action": "store_const", "const": True}),
     (
@@ -71,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
                 f"Queue to serve; repeat for several, highest priority first. [env ROSE_QUEUES, "
                 f"comma-separated; default: {','.join(default)}]"
             )
-        parser.add_argument(flag, dest=name, default=None, help=help_text, **extra)
+        # argparse formats help with %: a literal one (a percentage) is written %%
+        parser.add_argument(flag, dest=name, default=None, help=help_text.replace("%", "%%"), **extra)
     parser.add_argument(
         "--burst", action="store_true", help="Exit once the queues are empty and no job runs."
     )
@@ -119,6 +122,8 @@ def build_engine(settings: WorkerSettings) -> Any:
         max_num_seqs=settings.max_num_seqs,
         max_model_len=settings.max_model_len,
         max_num_batched_tokens=settings.max_num_batched_tokens,
+        max_kv_cache_bytes=settings.max_kv_cache_bytes,
+        block_size=settings.block_size,
         enable_prefix_caching=settings.enable_prefix_caching,
         disable_any_whitespace=settings.disable_any_whitespace,
     )

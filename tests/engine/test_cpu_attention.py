@@ -367,7 +367,14 @@ def test_the_flash_attn_path_computes_a_mixed_step_as_the_torch_path(window, sof
     monkeypatch.setattr(flash_attention, "kernel", lambda: _fake_flash_attn_varlen_func)
     assert flash_attention.enabled(torch.device("cuda"), torch.bfloat16, 256)
     assert not flash_attention.enabled(torch.device("cuda"), torch.bfloat16, 16)  # flash-attn 2's page rule
-    assert default_block_size(torch.device("cuda"), torch.float16) == 256
-    assert default_block_size(torch.device("cpu"), torch.float32) == 64
+    plain, sinks = LayerSpec(6, 2, 8, 8), LayerSpec(6, 2, 8, 8, sinks=True)
+    cuda = torch.device("cuda")
+    assert flash_attention.serves_any([sinks, plain], "sdpa", cuda, torch.float16)
+    assert not flash_attention.serves_any([sinks], "sdpa", cuda, torch.float16)  # no layer would take it
+    assert not flash_attention.serves_any([plain], "eager", cuda, torch.float16)  # every layer runs eager
+    assert not flash_attention.serves_any([plain], "sdpa", cuda, torch.float32)
+    assert default_block_size(cuda, flash=True) == 256
+    assert default_block_size(cuda, flash=False) == 16
+    assert default_block_size(torch.device("cpu"), flash=False) == 64
     monkeypatch.setenv("ROSE_ATTENTION_BACKEND", "sdpa")
     assert not flash_attention.enabled(torch.device("cuda"), torch.bfloat16, 256)

@@ -33,6 +33,33 @@ def test_defaults():
     assert s.queues == ["rose"]
     assert s.heartbeat_timeout == 60
     assert s.max_requeues == 3
+    assert s.max_num_seqs == 256  # a batch cap: the engine's free KV blocks decide how many jobs run
+    assert s.max_kv_cache_bytes is None and s.block_size is None  # the engine's defaults
+
+
+def test_kv_store_size_and_block_size(monkeypatch):
+    monkeypatch.setenv("ROSE_MAX_KV_CACHE_BYTES", "1GB")
+    assert WorkerSettings().max_kv_cache_bytes == 10**9
+    s, _ = load_settings(["--max-kv-cache-bytes", "8MiB", "--block-size", "32"])
+    assert s.max_kv_cache_bytes == 8 * 2**20 and s.block_size == 32
+    with pytest.raises(ValidationError):
+        WorkerSettings(max_kv_cache_bytes="lots")
+    with pytest.raises(ValidationError):
+        WorkerSettings(block_size=0)
+
+
+def test_the_worker_builds_its_engine_with_the_store_settings():
+    from rose.worker.cli import build_engine
+
+    s = WorkerSettings(
+        model="tiny-llama", device="cpu", max_kv_cache_bytes="8MiB", block_size=32, max_model_len=256
+    )
+    engine = build_engine(s)
+    try:
+        assert engine.block_size == 32 and engine.max_model_len == 256
+        assert engine.cache.nbytes <= 8 * 2**20 and engine.kv_blocks_total == 8 * 2**20 // (32 * 4096)
+    finally:
+        engine.close()
 
 
 @pytest.mark.parametrize(
@@ -61,6 +88,8 @@ def test_help_mentions_every_flag():
         "--dtype",
         "--max-num-seqs",
         "--max-model-len",
+        "--max-kv-cache-bytes",
+        "--block-size",
         "--name",
         "--drain-timeout",
         "--log-level",
