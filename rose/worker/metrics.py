@@ -133,10 +133,16 @@ class WorkerMetrics:
             registry=reg,
         ).labels(*lv)
         self.prefix_queries = Counter(
-            "rose_prefix_cache_queries", "Prompt tokens looked up in the prefix cache (first admissions).", ln, registry=reg
+            "rose_prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache (first admissions).",
+            ln,
+            registry=reg,
         ).labels(*lv)
         self.prefix_hits = Counter(
-            "rose_prefix_cache_hits", "Prompt tokens found in the prefix cache (first admissions).", ln, registry=reg
+            "rose_prefix_cache_hits",
+            "Prompt tokens found in the prefix cache (first admissions).",
+            ln,
+            registry=reg,
         ).labels(*lv)
         self.preemptions = Counter(
             "rose_num_preemptions",
