@@ -45,11 +45,14 @@ class WorkerSettings(BaseSettings):
     max_model_len: int | None = Field(None, ge=1, description="Context limit per job; default: the model's.")
     max_kv_cache_bytes: ByteSize | None = Field(
         None,
-        description="Memory for the KV store's blocks, e.g. 4GiB. Default: 85% of the free CUDA memory once the "
-        "weights are loaded; on CPU a quarter of RAM, taken only as blocks are used.",
+        description="Memory for the KV store's blocks, e.g. 4GiB (GiB, MiB: binary; GB, MB, G, M: decimal). "
+        "Default: 85% of the free CUDA memory once the weights are loaded; on CPU a quarter of RAM, taken only as "
+        "blocks are used.",
     )
     block_size: int | None = Field(
-        None, ge=1, description="Positions per KV block. Default: 64 on CPU, 16 on CUDA, 256 with flash-attn."
+        None,
+        ge=1,
+        description="Positions per KV block. Default: 64 on CPU, 16 on CUDA, 256 where flash-attn serves the model.",
     )
     max_num_batched_tokens: int | None = Field(
         None,

@@ -323,9 +323,8 @@ class Engine:
             chunk.seq.num_computed_tokens += chunk.length
             if chunk.completes_prefill:
                 self.scheduler.prefill_done(chunk.seq)
-        if (
-            self.prefix_cache is not None
-        ):  # before passed blocks go back: they stay findable in the free queue
+        # registered before passed blocks go back to the pool: they stay findable in its free queue
+        if self.prefix_cache is not None:
             for seq in batch.decode:
                 self.prefix_cache.register(seq)
             for chunk in batch.prefill:

@@ -41,7 +41,8 @@ class PrefillSegment:
 @dataclass(slots=True)
 class DecodeGroup:
     """SDPA decode: decoding tokens `rows` (indices into the decode tokens), their block tables `tables`
-    [rows, blocks] padded with block 0, read up to `longest` positions."""
+    [rows, blocks] padded with block 0, their context `lengths`, read up to `longest` positions (from the first
+    block the `shortest` row's window reaches, AttentionMetadata.decode_mask)."""
 
     rows: torch.Tensor
     tables: torch.Tensor
