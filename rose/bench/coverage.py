@@ -10,9 +10,10 @@ model, one prompt at a time. The engine runs the same prompts in each mode of `M
 - `sdpa`: as `batched` with the other decode backend (SDPA over gathered blocks instead of the kernels);
 - `chunked_sdpa`: as `chunked` with SDPA, the path CUDA and low precision take;
 - `preempt`: every prompt added at once, for a pool of 10 blocks of 4 positions, far fewer than the prompts and
-  their tokens take (over 40 blocks at their longest), so decoding sequences preempt others, which are recomputed (prompt and generated tokens,
-  in chunks, finding their own cached blocks) when readmitted; the default backend. (Models windowed in every
-  layer give passed blocks back and may fit: tests/engine/test_sliding_window_blocks.py preempts them.)
+  their tokens take (over 40 blocks at their longest), so decoding sequences preempt others, which are recomputed
+  (prompt and generated tokens, in chunks, finding their own cached blocks) when readmitted; the default backend.
+  (Models windowed in every layer give passed blocks back and may fit: tests/engine/test_sliding_window_blocks.py
+  preempts them.)
 
 A mode's verdict is `exact` when every token matches; where tokens first differ, the reference's own logits decide
 whether it was a tie (the engine picked a token within `Target.tie_tolerance` times the best logit of it):

@@ -87,7 +87,8 @@ def paged_attention_forward(
     dropout: float = 0.0,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """transformers attention hook: write this step's K/V into the store, attend each token over its own sequence's blocks.
+    """transformers attention hook: write this step's K/V into the store, attend each token over its own
+    sequence's blocks.
 
     query/key/value: [1, heads, num_tokens, head_dim] (the step's tokens flattened into one row).
     Returns [1, num_tokens, heads, v_head_dim] as transformers expects.

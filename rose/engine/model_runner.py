@@ -60,8 +60,6 @@ class ModelRunner:
             tokens = seq.prompt_token_ids if end <= seq.num_prompt_tokens else seq.all_token_ids
             ids.extend(tokens[chunk.start : end])
             blocks = seq.block_ids
-            if seq.num_dropped_blocks:  # entries no query of this chunk reads: any valid block will do
-                blocks = [0] * seq.num_dropped_blocks + blocks[seq.num_dropped_blocks :]
             pos = np.arange(chunk.start, end)
             first, last = chunk.start // size, (end - 1) // size + 1  # the blocks this chunk writes
             table = np.asarray(blocks[first:last], dtype=np.int64)
@@ -85,9 +83,7 @@ class ModelRunner:
             width = max(len(seq.block_ids) for seq in batch.decode)
             tables = np.zeros((num_decode, width), dtype=np.int64)  # padded with block 0: never read unmasked
             for i, seq in enumerate(batch.decode):
-                tables[i, seq.num_dropped_blocks : len(seq.block_ids)] = seq.block_ids[
-                    seq.num_dropped_blocks :
-                ]
+                tables[i, : len(seq.block_ids)] = seq.block_ids
             meta.decode_tables = tables
         keep = self._tensor(sample_index)
         self.context.begin(meta)

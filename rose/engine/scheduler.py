@@ -4,13 +4,14 @@ Every step, each running sequence that is decoding gets one token, which may nee
 per-step token budget goes to prompt chunks (chunked prefill), first of sequences already admitted, then of waiting
 requests admitted while the pool has the blocks for their whole prefill (minus what the prefix cache already holds)
 above a small watermark, up to `max_num_seqs` running. Admission never preempts (as in vLLM V1): a waiting request
-of a better priority than running ones waits for blocks to come back. Waiting requests are served by priority, then FIFO: a lower
-`priority` value is served earlier (as in vLLM); a request that does not fit holds back those behind it.
+of a better priority than running ones waits for blocks to come back. Waiting requests are served by priority, then
+FIFO: a lower `priority` value is served earlier (as in vLLM); a request that does not fit holds back those behind
+it.
 
 With a sliding window (or chunked attention) in every layer, the leading blocks of a sequence that no layer's query
 will read again are given back as it advances (vLLM's sliding-window manager does the same): a sequence then holds
-about a window's worth of blocks however long it grows. Its block table keeps their places (NO_BLOCK), so position p
-still lives in entry p // block_size.
+about a window's worth of blocks however long it grows. Its block table keeps their places (PASSED_BLOCK), so
+position p still lives in entry p // block_size.
 
 When a decoding sequence needs a block and none is free, the least important running sequence (highest priority
 value, latest arrival) is preempted by recompute, as in vLLM V1: its blocks go back to the pool and it waits again,
@@ -27,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from rose.engine.block_pool import BlockPool
-from rose.engine.sequence import NO_BLOCK, Sequence, SequenceStatus
+from rose.engine.sequence import PASSED_BLOCK, Sequence, SequenceStatus
 
 
 @dataclass(slots=True)
@@ -220,7 +221,7 @@ class Scheduler:
             if passed <= seq.num_dropped_blocks:
                 continue
             dropped = seq.block_ids[seq.num_dropped_blocks : passed]
-            seq.block_ids[seq.num_dropped_blocks : passed] = [NO_BLOCK] * len(dropped)
+            seq.block_ids[seq.num_dropped_blocks : passed] = [PASSED_BLOCK] * len(dropped)
             seq.num_dropped_blocks = passed
             self.pool.free(dropped)
 

@@ -16,7 +16,9 @@ if TYPE_CHECKING:  # xgrammar is imported only by engines that get a constrained
     from rose.engine.grammar import StructuredOutputRequest
 
 
-NO_BLOCK = -1  # a block-table entry whose block was given back: positions no query reads any more
+# The entry of a block given back because every window has passed it (Sequence.num_dropped_blocks counts them): a
+# valid block id, so that tables built from block_ids need no special case; never read unmasked, never freed.
+PASSED_BLOCK = 0
 
 
 class SequenceStatus(enum.Enum):
@@ -45,7 +47,7 @@ class Sequence:
         default_factory=list
     )  # block table: position p is in block_ids[p // block_size]
     num_registered_blocks: int = 0  # full blocks indexed by the prefix cache
-    # leading blocks given back because every layer's window has passed them (NO_BLOCK in block_ids)
+    # leading blocks given back because every layer's window has passed them (PASSED_BLOCK in block_ids)
     num_dropped_blocks: int = 0
     queue_order: int = 0  # arrival order in the scheduler (ties among equal priorities)
     status: SequenceStatus = SequenceStatus.WAITING
