@@ -123,8 +123,18 @@ class WorkerSettings(BaseSettings):
     check_interval: float = Field(
         0.05,
         ge=0,
-        description="Seconds between a busy worker's checks of its running jobs in Redis (cancels, deletions, "
-        "timeouts); 0: every engine step. A job's status is always checked before its result is stored.",
+        description="Seconds between a busy worker's looks for canceled jobs (the size of each queue's canceled "
+        "registry: one command a queue, whatever the number of running jobs) and timeouts; 0: every engine step. "
+        "Each running job's status is read once a second (deletions, jobs taken over), and always before its "
+        "result is stored.",
+    )
+    stream_interval: float = Field(
+        0.1,
+        ge=0,
+        description="Seconds between a streamed job's token events: the first token goes out at once, later ones "
+        "are published together, one event per job at most this often (vLLM's option of that name counts tokens; "
+        "what a reader sees and what Redis pays both follow time); 0: every engine step. Jobs sent with stream: "
+        "false publish no token events at all.",
     )
 
     @field_validator("queues", mode="before")

@@ -47,6 +47,11 @@ class GenerateRequest(BaseModel):
     )
     metadata: dict[str, Any] | None = Field(None, description="Any JSON object, echoed into the result.")
     priority: int = Field(0, description="Engine scheduling priority among waiting jobs (lower runs first).")
+    stream: bool = Field(
+        True,
+        description="Publish the tokens as they are generated; false: only the job's end is published (its "
+        "terminal event), so a job nobody watches costs Redis nothing per token.",
+    )
 
     # SamplingParams (same names, defaults and checks)
     max_tokens: int | None = 16

@@ -50,6 +50,7 @@ _FLAGS: list[tuple[str, str, dict[str, Any]]] = [
     ("--max-requeues", "max_requeues", {"type": int, "metavar": "N"}),
     ("--recovery-interval", "recovery_interval", {"type": float, "metavar": "SECONDS"}),
     ("--check-interval", "check_interval", {"type": float, "metavar": "SECONDS"}),
+    ("--stream-interval", "stream_interval", {"type": float, "metavar": "SECONDS"}),
 ]
 
 

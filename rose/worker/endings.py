@@ -119,19 +119,19 @@ class Endings:
         rq_store.succeed(self.rq, run, run.result)  # type: ignore[arg-type]
         self.stored(run)
 
-    def stored(self, run: Running) -> None:
-        """The job's result is stored (by `succeed` or a retirer batch): its `done` event, metrics, log line."""
+    def stored(self, run: Running, announced: bool = False) -> None:
+        """The job's result is stored (by `succeed`, or by a retirer batch with its `done` event: `announced`): its
+        `done` event if not written yet, metrics, log line. A job found stored after a lost reply announces itself
+        here: written only if its seal marker is there (RQ's handler stored it), a no-op after a retirer batch."""
         faults.point("result_stored")
         result = run.result or result_dict(run, self.rq.name)
-        self.outbox.terminal(
-            run,
-            DoneEvent(
-                job_id=run.id,
-                seq=run.next_seq(),
+        if not announced:
+            self.outbox.terminal(
+                run,
+                DoneEvent,
                 finish_reason=result["finish_reason"] or "stop",
                 usage=Usage(**result["usage"]),
-            ),
-        )
+            )
         self.completed += 1
         self.metrics.on_success(result)
         if not log.isEnabledFor(logging.INFO):
@@ -181,14 +181,16 @@ class Endings:
             message,
             extra=self._end_fields(run, "failed", error=message, will_retry=will_retry),
         )
-        if not will_retry:  # a retried job's stream goes on with a reset when it restarts
-            self.outbox.terminal(run, ErrorEvent(job_id=run.id, seq=run.next_seq(), message=message))
+        if will_retry:  # a retried job's stream goes on with a reset when it restarts
+            self.outbox.forget(run)
+        else:
+            self.outbox.terminal(run, ErrorEvent, message=message)
 
     def cancel(self, run: Running, reason: str) -> None:
         """The job was canceled (job.cancel(), client cancel) or deleted: clean up, tell subscribers."""
         seal.mark(self.rq.connection, run, self.rq.name)
         rq_store.cancel(self.rq.connection, self.rq, run)
-        self.outbox.terminal(run, CanceledEvent(job_id=run.id, seq=run.next_seq(), reason=reason))
+        self.outbox.terminal(run, CanceledEvent, reason=reason)
         self.metrics.canceled.inc()
         log.info("job %s %s", run.id, reason, extra=self._end_fields(run, "canceled", reason=reason))
 
@@ -199,7 +201,7 @@ class Endings:
             "the job was failed by RQ while this worker ran it (its registry entry was taken for abandoned)"
         )
         seal.mark(self.rq.connection, run, self.rq.name)
-        self.outbox.terminal(run, ErrorEvent(job_id=run.id, seq=run.next_seq(), message=message))
+        self.outbox.terminal(run, ErrorEvent, message=message)
         self.metrics.failure.inc()
         log.warning("job %s: %s", run.id, message, extra=self._end_fields(run, "failed", error=message))
 
@@ -207,7 +209,7 @@ class Endings:
         """`rq`'s stop commands: status `stopped`, as RQ's own worker does."""
         seal.mark(self.rq.connection, run, self.rq.name)
         rq_store.stop(self.rq, run)
-        self.outbox.terminal(run, CanceledEvent(job_id=run.id, seq=run.next_seq(), reason="stopped"))
+        self.outbox.terminal(run, CanceledEvent, reason="stopped")
         self.metrics.canceled.inc()
         log.info(
             "job %s stopped by command", run.id, extra=self._end_fields(run, "canceled", reason="stopped")

@@ -9,7 +9,10 @@
     publish  the iteration's events (rose.worker.publisher: sent at once, acknowledged at the next send)
 
 On a busy loop nothing waits for a Redis round trip: the probe and the retirer's rounds are sent before a step and
-read after it. `running` (job id -> rose.worker.running.Running) is owned here: only this module adds or removes a
+read after it. A finished job's result is stored only once Redis has acknowledged its token events
+(`Outbox.delivered`), so a job stored as finished never lacks tokens in its stream, whatever Redis went through; if
+Redis refused or lost events (`Publisher.take_dropped` / `lost`), the streams of the jobs held here start over
+(`Outbox.resync`) before any of them is stored, and the iteration asks the worker to reconcile with Redis. `running` (job id -> rose.worker.running.Running) is owned here: only this module adds or removes a
 job, or changes its phase. Each stage touching Redis runs through the worker's RedisGuard: while Redis is down the
 engine keeps stepping, and whatever a failed stage owed (a check, a store, a stop) is tried again later.
 """
@@ -19,6 +22,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from rose.config import WorkerSettings
@@ -35,6 +39,17 @@ from rose.worker.running import CHECKED_PHASE, STORE_RETRY_PHASE, Phase, Running
 from rose.worker.watch import Finding, Verdict, Watch, owed
 
 log = logging.getLogger(__name__)
+
+DELIVERY_WAIT_S = 1.0  # an idle loop waits this long for Redis to acknowledge finished jobs' events
+
+
+@dataclass(frozen=True, slots=True)
+class Iterated:
+    """What one iteration did: `took` jobs; `reconcile`: Redis refused or lost events of this worker, so the worker
+    must compare what Redis says of its jobs and streams with what it holds (rose.worker.worker)."""
+
+    took: int = 0
+    reconcile: bool = False
 
 
 class JobLoop:
@@ -56,11 +71,10 @@ class JobLoop:
         self.guard = guard
         self.metrics = metrics
         self.running: dict[str, Running] = {}
+        self._reconcile = False  # set by an iteration that found events refused or lost
         self.intake = Intake(rq)
-        self.watch = Watch(
-            probe.Target(rq.connection, rq.name, tuple(q.key for q in rq.queues)), settings.check_interval
-        )
-        self.retirer = Retirer(rq)
+        self.watch = Watch(probe.target(rq), settings.check_interval)
+        self.retirer = Retirer(rq, outbox.done_commands)
 
     @property
     def busy(self) -> bool:
@@ -85,9 +99,10 @@ class JobLoop:
 
     # ---- one iteration -------------------------------------------------------------------------------------------
 
-    def iterate(self, taking: bool, block_s: float = 0.0) -> int:
+    def iterate(self, taking: bool, block_s: float = 0.0) -> Iterated:
         """One iteration. `taking`: jobs may be taken (not draining, not suspended); `block_s`: how long an idle
-        worker may wait on the queues. Returns how many jobs were taken."""
+        worker may wait on the queues."""
+        self._reconcile = False
         took = (self.guard.run("intake", self._take, block_s) or 0) if taking else 0
         if not taking:
             self.watch.abandon_lengths()
@@ -107,14 +122,15 @@ class JobLoop:
             self.guard.run("retire", self._retire)
         if not self.busy and not self.intake.limbo_ids():
             self.guard.run("state", self.rq.sync_state, False)  # busy since the first start (rq_store)
-        self.outbox.flush()
-        return took
+        self._publish()
+        return Iterated(took, self._reconcile)
 
     def wind_down(self) -> list[Running]:
         """At shutdown: apply stop commands, store what finished (waiting for Redis), and let go of the jobs still
         running, returned in start order for the caller to requeue."""
         self.guard.run("stops", self._stop_commanded)
         if self.running:
+            self.watch.check_all()
             self.guard.run("checks", self._check)
             self.guard.run("retire", self._retire)
         self._retired(self.retirer.drain())
@@ -124,8 +140,13 @@ class JobLoop:
         left = sorted(self.running.values(), key=lambda r: r.started_mono)
         for run in left:
             self._let_go(run)
-        self.outbox.flush()
+        self._publish()
         return left
+
+    def resync(self, reason: str) -> None:
+        """Start over the streams of every job held here (Redis lost some of their events: a failover)."""
+        for run in [*self.running.values(), *self.retirer.runs()]:
+            self.outbox.resync(run, reason)
 
     # ---- take ----------------------------------------------------------------------------------------------------
 
@@ -206,8 +227,9 @@ class JobLoop:
                     self.endings.first_token(run, now)
                 run.text.append(out.new_text)
                 run.token_ids.extend(out.new_token_ids)
-                self.outbox.token(run, out.new_text, list(out.new_token_ids))
+                self.outbox.token(run, out.new_text, list(out.new_token_ids), last=out.finished)
             if out.finished:
+                self.outbox.release(run)  # its held tokens go out now, ahead of its result
                 run.phase = Phase.FINISHED  # out of the engine
                 if out.finish_reason == "error":  # the request could not run (its grammar failed to compile)
                     # deterministic (a grammar that will not compile): RQ's Retry would fail the same way
@@ -285,10 +307,15 @@ class JobLoop:
         finished = [run for run in self.running.values() if run.phase in phases]
         if not finished:
             return
-        self.outbox.flush()  # their last token events reach the publisher before their `done` events
+        self._publish()  # their last token events go out (and the replies in so far are read)
         faults.point("events_sent")
+        if not self.engine.has_unfinished():  # no step to overlap the round trip with
+            self.outbox.publisher.flush(timeout=DELIVERY_WAIT_S)
+            self._publish()
         batch: list[Running] = []
         for run in finished:
+            if run.phase is Phase.FINISHED and not self.outbox.delivered(run):
+                continue  # stored once Redis has its tokens: a later iteration
             if run.phase is Phase.FINISHED:
                 if run.job.success_callback:
                     run.phase = Phase.CHECKING  # its status is read before the callback runs
@@ -322,7 +349,7 @@ class JobLoop:
 
     def _retired(self, retired: Retired) -> None:
         for run in retired.stored:
-            self.endings.stored(run)
+            self.endings.stored(run, announced=True)
         for (
             run
         ) in retired.handed_back:  # the loop checks them, then stores what is still ours by RQ's handler
@@ -338,15 +365,39 @@ class JobLoop:
             except Exception:  # the request may already be gone from a broken engine
                 log.debug("engine.abort(%s) failed", run.id, exc_info=True)
 
-    def _let_go(self, run: Running) -> None:
-        """The job is no longer this worker's to run (it ended, or someone else has it)."""
+    def _let_go(self, run: Running, forget: bool = True) -> None:
+        """The job is no longer this worker's to run (it ended, or someone else has it). `forget`: drop its held
+        tokens (its end, if any, was queued: it released them)."""
         if self.running.get(run.id) is run:
             del self.running[run.id]
         self._leave_engine(run)
+        if forget:
+            self.outbox.forget(run)
         rq_store.release(self.rq, run.execution)  # RQ 3's in-memory `worker.executions`
 
     def _fail(self, run: Running, message: str, retry: bool = True, **kwargs: Any) -> None:
         """Fail the job. It is let go first, and the failure is written through the guard: if Redis is down the job
-        is out of the engine all the same, and recovery requeues it later (it runs, and fails, again)."""
-        self._let_go(run)
+        is out of the engine all the same, and recovery requeues it later (it runs, and fails, again). Its held
+        tokens go out before its error event, or are dropped if RQ retries it (rose.worker.endings)."""
+        self._let_go(run, forget=False)
         self.guard.run("failure", functools.partial(self.endings.fail, run, message, retry=retry, **kwargs))
+
+    # ---- publish -------------------------------------------------------------------------------------------------
+
+    def _publish(self) -> None:
+        """Hand the queued events to the publisher, then act on what Redis's replies so far say: jobs whose events
+        it refused, or events it lost, have their streams started over here before any of them is stored, and the
+        worker reconciles."""
+        self.outbox.flush()
+        publisher = self.outbox.publisher
+        dropped = publisher.take_dropped()
+        if publisher.lost:
+            publisher.lost = False
+            self.resync("redis lost events")
+            self._reconcile = True
+        elif dropped:
+            for job_id in dropped:
+                run = self.running.get(job_id)
+                if run is not None:
+                    self.outbox.resync(run, "redis refused events")
+            self._reconcile = True  # an ended job's terminal event may be among them: its stream is repaired

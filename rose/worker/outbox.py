@@ -1,18 +1,29 @@
 """The job events of one loop iteration, queued in order and handed to the publisher at the end of the iteration.
 
+What a token costs Redis is decided here. A job with `stream: false` gets no token events at all: only its terminal
+event, so its cost in Redis does not grow with its tokens. A streamed job's first tokens go out at once (time to the
+first token), and later ones are held and released together, one event per job carrying every token since its last
+(`text` and `token_ids` cover them all), at most every `stream_interval` seconds (the worker's `--stream-interval`;
+0: every step). A job's held tokens go out as soon as it finishes or ends otherwise, ahead of its terminal event,
+which takes the next seq. The outbox numbers every event (`Running.seq`) and records, on each job, the publisher
+batch that carries its latest events (`Running.events_batch`): `delivered(run)` says whether Redis has them, which
+the loop requires before it stores a result.
+
 Streams (`rose:stream:<id>`) expire with the job's result TTL once the job has ended (-1: never); while the job
 runs, they live at least until its timeout plus that TTL. A running job's events re-set the expiry once a minute
-only (one Redis command less per token otherwise).
+only (one Redis command less per event otherwise).
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from rq.job import Job
 
-from rose.jobs.events import ResetEvent, token_event_json
+from rose.jobs import keys
+from rose.jobs.events import DoneEvent, ResetEvent, Usage, token_event_json
 from rose.worker.publisher import KEEP_TTL, NO_EXPIRY, Outgoing, Publisher
 from rose.worker.running import Running
 
@@ -34,44 +45,141 @@ def stream_ttl(default_result_ttl: int, job: Job, run: Running | None = None) ->
     return ttl
 
 
-class Outbox:
-    """Owns the events not yet handed to `publisher`."""
+@dataclass(slots=True)
+class _Held:
+    """A streamed job's tokens not in an event yet."""
 
-    def __init__(self, publisher: Publisher, default_result_ttl: int) -> None:
+    run: Running
+    texts: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+
+
+class Outbox:
+    """Owns the events not yet handed to `publisher`, and the streamed jobs' tokens held until the next release."""
+
+    def __init__(self, publisher: Publisher, default_result_ttl: int, stream_interval: float = 0.0) -> None:
         self.publisher = publisher
         self.default_result_ttl = default_result_ttl
+        self.stream_interval = stream_interval
         self._events: list[Outgoing] = []
+        self._runs: list[Running] = []  # the jobs of `_events`, for their `events_batch`
+        self._held: dict[str, _Held] = {}
+        self._release_at = 0.0  # monotonic time of the next release of held tokens
 
-    def token(self, run: Running, text: str, token_ids: list[int]) -> None:
-        data = token_event_json(run.id, run.next_seq(), text, token_ids)
-        self._events.append(Outgoing(run.id, data, self._running_ttl(run)))
+    # ---- a job's events ----------------------------------------------------------------------------------------
+
+    def token(self, run: Running, text: str, token_ids: list[int], *, last: bool = False) -> None:
+        """New tokens of the job (`last`: it finished with them). Nothing for a job that is not streamed."""
+        if not run.streamed:
+            return
+        held = self._held.get(run.id)
+        if held is None:
+            if run.seq == 0 or last or self.stream_interval <= 0:  # the first event goes out at once
+                self._token_event(run, text, token_ids)
+                return
+            if not self._held:  # the clock starts with the first tokens held
+                self._release_at = time.monotonic() + self.stream_interval
+            held = self._held[run.id] = _Held(run)
+        held.texts.append(text)
+        held.token_ids.extend(token_ids)
+        if last:
+            self.release(run)
+
+    def release(self, run: Running) -> None:
+        """The job's held tokens, now, as one event."""
+        held = self._held.pop(run.id, None)
+        if held is not None:
+            self._token_event(run, "".join(held.texts), held.token_ids)
 
     def reset(self, run: Running, reason: str = "restart") -> None:
         """The job starts over (an earlier attempt's events are in its stream): subscribers drop what they had."""
+        self._held.pop(run.id, None)
         run.stream_ttl_due = 0.0
-        self._events.append(
-            Outgoing(run.id, ResetEvent(job_id=run.id, reason=reason).to_json(), self._running_ttl(run))
-        )
+        run.seq = 0
+        data = ResetEvent(job_id=run.id, reason=reason).to_json()
+        self._append(run, Outgoing(run.id, data, self._running_ttl(run)))
 
-    def terminal(self, run: Running, event: Any) -> None:
-        """The job's last event (done, error, canceled), its end stored in RQ and the job marked
-        (rose.worker.seal): written while the mark holds. Its stream now expires with the job's result."""
+    def resync(self, run: Running, reason: str) -> None:
+        """Redis may have lost some of the job's events (a failover, a refused batch): start its stream over with a
+        reset and every token generated so far in one event, so that its stream after the last reset is whole."""
+        self.reset(run, reason)
+        if run.streamed and run.token_ids:
+            self._token_event(run, "".join(run.text), list(run.token_ids))
+
+    def terminal(self, run: Running, kind: Any, **fields: Any) -> None:
+        """The job's last event (`kind`: DoneEvent, ErrorEvent, CanceledEvent, with its `fields`), after its held
+        tokens, its end stored in RQ and the job marked (rose.worker.seal): written while the mark holds. Its stream
+        now expires with the job's result."""
+        self.release(run)
+        event = kind(job_id=run.id, seq=run.next_seq(), **fields)
         ttl = stream_ttl(self.default_result_ttl, run.job)
-        self._events.append(Outgoing(run.id, event.to_json(), ttl, seals=True))
+        self._append(run, Outgoing(run.id, event.to_json(), ttl, seals=True))
+
+    def done_commands(self, run: Running) -> list[tuple[Any, ...]]:
+        """The commands that write the finished job's `done` event (its result built, its tokens delivered), for the
+        transaction that stores its result (rose.worker.retirer): the end and its announcement become visible at
+        once, with no seal to hold in between. The seq is taken only once they are committed (`Running.seq` is left
+        as it is: a job handed back announces itself through `terminal`)."""
+        result = run.result or {}
+        event = DoneEvent(
+            job_id=run.id,
+            seq=run.seq,
+            finish_reason=result.get("finish_reason") or "stop",
+            usage=Usage(**result["usage"]),
+        ).to_json()
+        stream, ttl = keys.stream_key(run.id), stream_ttl(self.default_result_ttl, run.job)
+        expiry = ("PERSIST", stream) if ttl == NO_EXPIRY else ("EXPIRE", stream, ttl)
+        return [
+            ("XADD", stream, "*", keys.STREAM_FIELD, event),
+            expiry,
+            ("PUBLISH", keys.tokens_channel(run.id), event),
+        ]
+
+    def forget(self, run: Running) -> None:
+        """Drop what is held for a job this worker lets go without an end of its own (taken by another worker)."""
+        self._held.pop(run.id, None)
+
+    # ---- delivery ------------------------------------------------------------------------------------------------
+
+    def delivered(self, run: Running) -> bool:
+        """Whether Redis has written (or refused) every event of the job handed to the publisher so far."""
+        return run.events_batch <= self.publisher.acked
+
+    def in_flight(self) -> set[str]:
+        """The jobs with events queued here or not acknowledged by Redis yet."""
+        return {e.job_id for e in self._events} | self.publisher.unacked_jobs()
 
     @property
     def idle(self) -> bool:
-        """Nothing queued here nor unacknowledged by Redis."""
-        return not self._events and self.publisher.backlog == 0
+        """Nothing queued or held here, nor unacknowledged by Redis."""
+        return not self._events and not self._held and self.publisher.backlog == 0
 
-    def flush(self) -> None:
+    def flush(self, *, release: bool = False) -> None:
         """Hand the queued events to the publisher (which also collects Redis's replies, or retries after an
-        outage)."""
+        outage), with the held tokens if their release is due (`release`: now)."""
+        now = time.monotonic()
+        if self._held and (release or now >= self._release_at):
+            for held in list(self._held.values()):
+                self.release(held.run)
+            self._release_at = now + self.stream_interval
         if self._events:
-            self.publisher.send(self._events)
-            self._events = []
+            number = self.publisher.send(self._events)
+            for run in self._runs:
+                run.events_batch = number
+            self._events, self._runs = [], []
         else:
             self.publisher.poll()
+
+    # ---- internals -----------------------------------------------------------------------------------------------
+
+    def _token_event(self, run: Running, text: str, token_ids: list[int]) -> None:
+        data = token_event_json(run.id, run.next_seq(), text, token_ids)
+        self._append(run, Outgoing(run.id, data, self._running_ttl(run)))
+
+    def _append(self, run: Running, event: Outgoing) -> None:
+        self._events.append(event)
+        if not self._runs or self._runs[-1] is not run:
+            self._runs.append(run)
 
     def _running_ttl(self, run: Running) -> int | None:
         t = time.monotonic()

@@ -7,10 +7,21 @@ connection, and its reply is read later: at the next `send` or `poll`, one engin
 answered. So the loop pays a socket write per step, never a round trip, and no publishing thread competes with it
 for the GIL (measured with a thread doing the same: -4% tokens/s on a busy 2-core host).
 
-Batches are applied in order and none is dropped: on a connection error every batch not yet acknowledged is sent
-again, with backoff, at a later `send`/`poll`. The script is numbered (a per-publisher counter key), so a batch that
-did reach Redis before the connection broke is a no-op the second time: subscribers see every seq exactly once,
-without gaps, even across Redis blips. Used by the engine loop's thread only (not thread-safe).
+Batches are applied in order: on a connection error every batch not yet acknowledged is sent again, with a short
+backoff (at most MAX_BACKOFF_S, so events go out within a second of Redis answering again), at a later `send` /
+`poll`. The script is numbered (a per-publisher counter key), so a batch that did reach Redis before the connection
+broke is a no-op the second time: subscribers see every seq exactly once, without gaps, even across Redis blips.
+`acked` is the number of the last batch Redis answered: everything handed over up to it is written (the loop stores
+a job's result only once its token events are, rose.worker.loop).
+
+Two things make the publisher's view of Redis wrong, and it reports both rather than hide them:
+- a batch Redis refused (a script error, out of memory) is dropped, not retried forever: `take_dropped()` names
+  the jobs whose events it held, for the loop to repair their streams at once;
+- writes Redis acknowledged and then lost (a failover to a replica that had not received them, a restart without
+  persistence): the counter is behind the last acknowledged batch. The batch is applied all the same and `lost`
+  is set, for the loop to restart the streams of the jobs it holds (rose.worker.outbox `resync`).
+
+Used by the engine loop's thread only (not thread-safe).
 
 A terminal event of a job whose end is stored in RQ `seals` the job (rose.worker.seal): it is written only if the
 job's seal marker is still there, and removes it in the same script, so the worker and a repair after its death
@@ -37,37 +48,43 @@ log = logging.getLogger(__name__)
 
 NO_EXPIRY = -1
 KEEP_TTL = None  # leave the stream's expiry as an earlier event of the job set it
-_COUNTER_TTL_S = 3600
+# The counter outlives a day without events; an idle worker whose counter lapsed reports `lost` once (harmless: it
+# holds no jobs to resync).
+_COUNTER_TTL_S = 86400
 MAX_IN_FLIGHT = (
     1024  # batches sent and unanswered before `send` waits for Redis (a live but overloaded server)
 )
+MAX_BACKOFF_S = 0.5  # reconnecting costs nothing while Redis is down; events must flow soon after it is back
+LOG_EVERY_S = 10.0  # while an outage lasts, one log line this often
 _REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError)
 CONNECT_TIMEOUT_S = 1.0  # longest a (re)connect may hold the engine loop; Redis is local or on the LAN
+APPLIED, DUPLICATE, APPLIED_AFTER_LOSS = 1, 0, -1  # the script's replies
 
 # KEYS[1]: this publisher's batch counter; KEYS[2]: the seal markers (job id -> worker); KEYS[2 + i]: stream of
-# event i. ARGV[1]: batch number; ARGV[2]: counter TTL; ARGV[3]: channel prefix; ARGV[4]: stream key prefix length;
-# then per event: data, stream TTL ('' = keep, -1 = persist), seal ('1': written only if the job's seal marker is
-# there, which it removes). The channel is the prefix + the job id.
+# event i. ARGV[1]: batch number; ARGV[2]: the last batch number acknowledged when this one was packed; ARGV[3]:
+# counter TTL; then per event: data, stream TTL ('' = keep, -1 = persist), seal ('1': written only if the job's seal
+# marker is there, which it removes), job id, channel. Returns APPLIED, DUPLICATE (applied before, its reply lost) or
+# APPLIED_AFTER_LOSS (the counter is behind a batch Redis acknowledged: Redis lost writes).
 _SCRIPT = """
 local batch = tonumber(ARGV[1])
 local last = tonumber(redis.call('GET', KEYS[1]) or '0')
 if batch <= last then return 0 end
-redis.call('SET', KEYS[1], batch, 'EX', ARGV[2])
-local channel, skip = ARGV[3], tonumber(ARGV[4])
+redis.call('SET', KEYS[1], batch, 'EX', ARGV[3])
+local a = 4
 for i = 3, #KEYS do
-  local a = 5 + (i - 3) * 3
   local data, ttl = ARGV[a], ARGV[a + 1]
-  local job = string.sub(KEYS[i], skip + 1)
-  if ARGV[a + 2] == '' or redis.call('HDEL', KEYS[2], job) == 1 then
+  if ARGV[a + 2] == '' or redis.call('HDEL', KEYS[2], ARGV[a + 3]) == 1 then
     redis.call('XADD', KEYS[i], '*', 'event', data)
     if ttl ~= '' then
       ttl = tonumber(ttl)
       if ttl < 0 then redis.call('PERSIST', KEYS[i]) else redis.call('EXPIRE', KEYS[i], ttl) end
     end
-    redis.call('PUBLISH', channel .. job, data)
+    redis.call('PUBLISH', ARGV[a + 4], data)
   end
+  a = a + 5
 end
-return #KEYS - 2
+if last < tonumber(ARGV[2]) then return -1 end
+return 1
 """
 
 
@@ -81,34 +98,59 @@ class Outgoing:
 
 @dataclass(slots=True)
 class _Batch:
+    number: int
     packed: bytes  # the numbered EVAL, ready to send (the same bytes when sent again)
-    events: int
+    job_ids: tuple[str, ...]  # of its events, in order
 
 
 class Publisher:
-    def __init__(self, connection: redis.Redis, *, max_backoff: float = 5.0):
+    def __init__(self, connection: redis.Redis, *, max_backoff: float = MAX_BACKOFF_S):
         self.connection = connection
         self.max_backoff = max_backoff
         self._conn: Any = None  # the publisher's own connection, made on first use
         self._unacked: collections.deque[_Batch] = collections.deque()  # in order; the first `_sent` are sent
         self._sent = 0
         self._retry_at = 0.0  # after a connection error: when to reconnect and send the unacknowledged again
-        self._backoff = 0.1
+        self._backoff = 0.05
+        self._down_since: float | None = None  # monotonic time of the first failure of an outage
+        self._logged_at = 0.0
         self._counter_key = f"rose:publisher:{uuid.uuid4().hex}"
         self._batch_no = 0
+        self._dropped: set[str] = set()
+        self.acked = 0  # number of the last batch Redis answered (applied, or refused and dropped)
         self.sent_events = 0  # events acknowledged by Redis
+        self.lost = False  # Redis lost writes it had acknowledged (set here, cleared by the reader)
 
-    def send(self, batch: list[Outgoing]) -> None:
-        """Send a batch (and collect the replies Redis has given since the last call). Never waits for Redis,
-        except with MAX_IN_FLIGHT batches unanswered; while Redis is unreachable batches are kept, in order."""
+    def send(self, batch: list[Outgoing]) -> int:
+        """Send a batch (and collect the replies Redis has given since the last call); its number (0 for none).
+        Never waits for Redis, except with MAX_IN_FLIGHT batches unanswered; while Redis is unreachable batches
+        are kept, in order."""
+        number = 0
         if batch:
             self._unacked.append(self._pack(batch))
+            number = self._batch_no
         self._pump()
+        return number
+
+    def verify(self) -> None:
+        """Send an empty batch: its reply says whether Redis lost acknowledged writes (`lost`), e.g. after a
+        reconnection to a promoted replica, even when no job has events to send."""
+        self._unacked.append(self._pack([]))
+        self._pump()
+
+    def take_dropped(self) -> set[str]:
+        """The jobs whose events were in batches Redis refused since the last call."""
+        dropped, self._dropped = self._dropped, set()
+        return dropped
 
     def poll(self) -> None:
         """Collect replies; after a connection error, send the unacknowledged batches again once the backoff ends."""
         if self._unacked:
             self.send([])
+
+    def unacked_jobs(self) -> set[str]:
+        """The jobs with events in batches Redis has not answered yet."""
+        return {job_id for batch in self._unacked for job_id in batch.job_ids}
 
     @property
     def backlog(self) -> int:
@@ -132,7 +174,7 @@ class Publisher:
     def close(self, timeout: float = 10.0) -> None:
         """Write what is pending (up to `timeout` s), then let the connection go."""
         if not self.flush(timeout):
-            events = sum(b.events for b in self._unacked)
+            events = sum(len(b.job_ids) for b in self._unacked)
             log.warning(
                 "publisher: %d event batches (%d events) not written after %.0f s; dropping them",
                 len(self._unacked),
@@ -150,15 +192,17 @@ class Publisher:
         # restart. Packed by resp.pack_command: a step's batch has a few hundred arguments.
         items: list[str | int] = ["EVAL", _SCRIPT, len(events) + 2, self._counter_key, keys.SEALS_KEY]
         items += [keys.stream_key(e.job_id) for e in events]
-        items += [self._batch_no, _COUNTER_TTL_S, keys.TOKENS_CHANNEL_PREFIX, len(keys.STREAM_PREFIX)]
+        items += [self._batch_no, self.acked, _COUNTER_TTL_S]
         for e in events:
             ttl = e.stream_ttl
             items += [
                 e.data,
                 "" if ttl is KEEP_TTL else ttl if ttl == NO_EXPIRY else max(1, ttl),
                 "1" if e.seals else "",
+                e.job_id,
+                keys.tokens_channel(e.job_id),
             ]
-        return _Batch(resp.pack_command(items), len(events))
+        return _Batch(self._batch_no, resp.pack_command(items), tuple(e.job_id for e in events))
 
     def _pump(self, wait_s: float = 0.0) -> None:
         """Read the replies that are there (waiting up to `wait_s` for the first), then send what is unsent."""
@@ -179,31 +223,50 @@ class Publisher:
                     [b.packed for b in list(self._unacked)[self._sent :]], check_health=False
                 )
                 self._sent = len(self._unacked)
-            self._backoff = 0.1
+            self._backoff = 0.05
         except _REDIS_ERRORS as exc:
             if self._conn is not None:
                 self._conn.disconnect()
             self._sent = 0
-            log.warning(
-                "publisher: Redis unreachable (%s); %d event batches kept, sending them again in %.1f s",
-                exc,
-                len(self._unacked),
-                self._backoff,
-            )
-            self._retry_at = time.monotonic() + self._backoff
+            now = time.monotonic()
+            if self._down_since is None or now - self._logged_at >= LOG_EVERY_S:
+                self._down_since = self._down_since or now
+                self._logged_at = now
+                log.warning(
+                    "publisher: Redis unreachable for %.1f s (%s); %d event batches kept, sent again once it answers",
+                    now - self._down_since,
+                    exc,
+                    len(self._unacked),
+                )
+            self._retry_at = now + self._backoff
             self._backoff = min(self._backoff * 2, self.max_backoff)
 
     def _acknowledge(self, conn: Any) -> None:
         batch = self._unacked[0]
         try:
-            conn.read_response()
+            reply = conn.read_response()
         except redis.ResponseError:
-            # A server-side refusal (e.g. OOM) or a bug: sending the same batch again would fail forever.
-            log.exception("publisher: Redis refused %d events; dropping them", batch.events)
+            # A server-side refusal (e.g. OOM) or a bug: sending the same batch again would fail forever. The
+            # script may have written some of its events before the error: the loop repairs these jobs' streams.
+            log.exception("publisher: Redis refused %d events; dropping them", len(batch.job_ids))
+            self._dropped.update(batch.job_ids)
         else:
-            self.sent_events += batch.events
+            if self._down_since is not None:
+                log.warning(
+                    "publisher: Redis answers again after %.1f s; kept events written",
+                    time.monotonic() - self._down_since,
+                )
+                self._down_since = None
+            self.sent_events += len(batch.job_ids)
+            if reply == APPLIED_AFTER_LOSS:
+                log.error(
+                    "publisher: Redis lost event batches it had acknowledged (a failover, or a restart without "
+                    "persistence); the streams of running jobs start over"
+                )
+                self.lost = True
         self._unacked.popleft()
         self._sent -= 1
+        self.acked = batch.number
 
     def _open(self) -> Any:
         """The publisher's own connection (same settings and client name as the worker's), made to fail fast: a

@@ -8,7 +8,9 @@ the model runs, Redis answers):
 
 1. WATCH every job's hash and dependents key; read the dependents and each job's status and owner;
 2. MULTI, then for each job exactly what `handle_job_success` writes (RQ's own calls: worker counters, the job's
-   status and Result, registries, expiry, execution cleanup), EXEC.
+   status and Result, registries, expiry, execution cleanup) and its `done` event (XADD, EXPIRE, PUBLISH: its token
+   events are already in its stream, rose.worker.loop), EXEC: a job's end and its announcement become visible
+   together, whatever the instant of a crash.
 
 Both rounds' commands come from rose.worker.rq_store; this module only pipelines them. `submit`, `advance` and
 `drain` return what became of the jobs (`Retired`: stored, or handed back to the loop).
@@ -27,12 +29,13 @@ from __future__ import annotations
 import collections
 import enum
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import redis
 
-from rose.worker import resp, rq_store, seal
+from rose.worker import resp, rq_store
 from rose.worker.rq_worker import RQWorker
 from rose.worker.running import Running
 
@@ -56,8 +59,8 @@ class _Batch:
 
 @dataclass(slots=True)
 class Retired:
-    """What became of retiring jobs: `stored` (their results are in Redis), `handed_back` (the loop must check
-    them and store what is still ours through RQ's handler)."""
+    """What became of retiring jobs: `stored` (their results and `done` events are in Redis), `handed_back` (the
+    loop must check them and store what is still ours through RQ's handler)."""
 
     stored: list[Running] = field(default_factory=list)
     handed_back: list[Running] = field(default_factory=list)
@@ -69,8 +72,10 @@ class Retired:
 
 
 class Retirer:
-    def __init__(self, rq: RQWorker) -> None:
+    def __init__(self, rq: RQWorker, announce: Callable[[Running], list[tuple[Any, ...]]]) -> None:
+        """`announce(run)`: the commands writing the job's `done` event (rose.worker.outbox `done_commands`)."""
         self.rq = rq
+        self.announce = announce
         self._batches: collections.deque[_Batch] = collections.deque()
         self.batched_jobs = 0  # jobs stored by the pipelined rounds (the others went through RQ's handler)
 
@@ -85,6 +90,10 @@ class Retirer:
 
     def holds(self, job_id: str) -> bool:
         return any(run.id == job_id for batch in self._batches for run in batch.runs)
+
+    def runs(self) -> list[Running]:
+        """The jobs being retired."""
+        return [run for batch in self._batches for run in batch.runs]
 
     def submit(self, runs: list[Running]) -> Retired:
         """Start storing these finished jobs (their `result` built, their token events queued). Returns the jobs
@@ -139,7 +148,7 @@ class Retirer:
         commands = [
             ("MULTI",),
             *rq_store.success_commands(self.rq, batch.runs),
-            *seal.mark_commands(batch.runs, self.rq.name),  # their done events are owed (rose.worker.seal)
+            *(command for run in batch.runs for command in self.announce(run)),
             ("EXEC",),
         ]
         _send(batch.conn, commands)

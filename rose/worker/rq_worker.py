@@ -11,6 +11,7 @@ the methods below; RQ's private attributes are touched only here, in rq_store.py
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -23,6 +24,9 @@ from rq.utils import now
 from rq.worker import BaseWorker, WorkerStatus
 
 log = logging.getLogger(__name__)
+
+PUBSUB_RETRY_S = 0.1  # while Redis is unreachable the command channel is reconnected this often
+PUBSUB_POLL_S = 1.0  # longest the pub/sub thread blocks on a read (how late it notices it must stop)
 
 Command = tuple[str, str, str]  # (command, job id, execution id): "stop-job" / "stop-execution" / "shutdown"
 
@@ -72,6 +76,51 @@ class RQWorker(BaseWorker):
     def heartbeat(self, timeout: int | None = None, pipeline: Any = None) -> None:
         # RQ adds 60 s to worker_ttl; here the key must lapse within --heartbeat-timeout of the last beat.
         super().heartbeat(timeout or self.worker_ttl, pipeline=pipeline)
+
+    def subscribe(self) -> None:
+        """Listen to the worker's command channel on a thread, as RQ does, but reconnect and resubscribe within
+        PUBSUB_RETRY_S of Redis answering again (RQ's thread waits 2 s between tries: a stop command sent right
+        after a Redis restart reached nobody). A command published while the channel is down is lost: pub/sub
+        keeps nothing."""
+        log.info("worker %s: subscribing to %s", self.name, self.pubsub_channel_name)
+        self.pubsub = self.connection.pubsub()
+        self.pubsub.subscribe(**{self.pubsub_channel_name: self.handle_payload})
+        self._pubsub_down_since: float | None = None
+        self.pubsub_thread = self.pubsub.run_in_thread(
+            sleep_time=PUBSUB_POLL_S, daemon=True, exception_handler=self._pubsub_error
+        )
+
+    def _pubsub_error(self, exc: BaseException, pubsub: Any, thread: Any) -> None:
+        if not isinstance(exc, redis.ConnectionError | redis.TimeoutError):
+            log.error("worker %s: command channel thread stops on %r", self.name, exc)
+            raise exc
+        if self._pubsub_down_since is None:
+            self._pubsub_down_since = time.monotonic()
+            log.warning("worker %s: command channel lost (%s); reconnecting", self.name, exc)
+        time.sleep(PUBSUB_RETRY_S)
+        conn = pubsub.connection
+        if conn is None:
+            return
+        try:
+            conn.connect()  # a no-op if connected; else it resubscribes (PubSub.on_connect) once Redis answers
+        except (redis.ConnectionError, redis.TimeoutError):
+            return
+        log.warning(
+            "worker %s: command channel back after %.1f s",
+            self.name,
+            time.monotonic() - self._pubsub_down_since,
+        )
+        self._pubsub_down_since = None
+
+    def unsubscribe(self) -> None:
+        """Stop listening. The thread closes the pub/sub connection on its way out (closing it here too, as RQ does,
+        races with that: redis-py's close is not idempotent)."""
+        thread = self.pubsub_thread
+        if thread is None:
+            return
+        thread.stop()
+        thread.join(timeout=PUBSUB_POLL_S + 1)
+        self.pubsub_thread = None
 
     def handle_payload(self, message: dict) -> None:
         """RQ worker commands (pub/sub thread): handed to the loop's callback."""

@@ -84,6 +84,7 @@ class Running:
     output: Any = None  # the engine's RequestOutput once FINISHED
     result: dict[str, Any] | None = None  # the job's result, built once it is FINISHED
     stream_ttl_due: float = 0.0  # monotonic time at which the next event (re)sets the stream's expiry
+    events_batch: int = 0  # the publisher batch carrying the job's latest events (rose.worker.outbox)
     queue_s: float | None = None  # seconds on the queue (enqueued to started), when RQ recorded both
     ttft_s: float | None = None  # seconds from start to the first token
     # The job's id and hash key, read once: RQ's properties recompute them, and the loop reads them for every
@@ -94,6 +95,11 @@ class Running:
     def __post_init__(self) -> None:
         self.id = self.job.id
         self.key = self.job.key
+
+    @property
+    def streamed(self) -> bool:
+        """Whether the job's tokens are streamed (its `stream` field; a job not parsed yet has none)."""
+        return self.request is not None and self.request.stream
 
     @property
     def composite_key(self) -> str:

@@ -1,11 +1,12 @@
 """The seal: a job's end stored in RQ and its last stream events become visible together, whatever the instant of a
 kill -9.
 
-The worker writes a job's end into RQ first (its result, failure, stop or cancel) and the job's terminal event after,
-at the next publish. In between, the job is marked in `rose:seals` (job id -> worker name): in the same MULTI/EXEC as
-a batched result (rose.worker.retirer), or just before any other end is written (rose.worker.endings). The terminal
-event is written only while the marker is there, and removes it in the same script (rose.worker.publisher). So a
-kill at any instant leaves either no end stored, or the terminal event written, or the marker. A marker whose worker
+A result stored in a retirer batch carries its `done` event in the same transaction (rose.worker.retirer): nothing to
+seal. Every other end (a result stored by RQ's handler, a failure, a stop, a cancel) is written into RQ first and the
+job's terminal event after, at the next publish. In between, the job is marked in `rose:seals` (job id -> worker
+name), just before the end is written (rose.worker.endings). The terminal event is written only while the marker is
+there, and removes it in the same script (rose.worker.publisher). So a kill at any instant leaves either no end
+stored, or the terminal event written, or the marker. A marker whose worker
 is dead is claimed (HDEL: one claimant) by a live worker's recovery scan, at once by a restart under the same name,
 and the job's stream is repaired from what RQ stored: the token events the stream lacks after its last reset (the
 stored text beyond the streamed text), then the terminal event. A job stored as ended thus always ends its stream
@@ -20,18 +21,27 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable
-from typing import Any
 
 import redis
 
 from rose.jobs import keys
-from rose.jobs.events import TERMINAL_TYPES, CanceledEvent, DoneEvent, ErrorEvent, Usage, token_event_json
+from rose.jobs.events import (
+    TERMINAL_TYPES,
+    CanceledEvent,
+    DoneEvent,
+    ErrorEvent,
+    ResetEvent,
+    Usage,
+    token_event_json,
+)
 from rose.worker import rq_scan, rq_store
 from rose.worker.outbox import ended_stream_ttl
 from rose.worker.rq_worker import RQWorker
 from rose.worker.running import Running
 
 log = logging.getLogger(__name__)
+
+_ENDED = (rq_store.FINISHED, rq_store.FAILED, rq_store.CANCELED, rq_store.STOPPED)
 
 # KEYS[1]: the seal markers; ARGV[1]: job id; ARGV[2]: the owner it was seen with. The claim of a dead worker's
 # marker: only if nobody (a live worker that reran the job) marked the job since.
@@ -58,13 +68,6 @@ return #ARGV - 4
 """
 
 
-def mark_commands(runs: list[Running], worker_name: str) -> list[tuple[Any, ...]]:
-    """Commands marking these jobs, for the transaction that stores their results."""
-    if not runs:
-        return []
-    return [("HSET", keys.SEALS_KEY, *(x for run in runs for x in (run.id, worker_name)))]
-
-
 def mark(conn: redis.Redis, run: Running, worker_name: str) -> None:
     """Mark the job before its end is written by RQ's handler (one round trip: those ends are the rare ones)."""
     conn.hset(keys.SEALS_KEY, run.id, worker_name)
@@ -73,11 +76,11 @@ def mark(conn: redis.Redis, run: Running, worker_name: str) -> None:
 class SealWatch:
     """Repairs the streams of jobs whose terminal event is owed by nobody any more.
 
-    That is a marker of a dead worker, or one of this worker's own for a job it no longer holds while nothing of its
-    own is left to publish (its event was dropped: Redis refused the batch). Either is repaired once seen so in two
-    scans in a row, so that a live worker whose registration lapsed in a Redis outage has time to come back and
-    write its own events (its marker claimed by a repair, its terminal event would be dropped and its last tokens
-    sent twice); a killed predecessor's (same name, at start-up) at once."""
+    That is a marker of a dead worker, repaired once seen so in two scans in a row (a live worker whose registration
+    lapsed in a Redis outage has time to come back and write its own events: its marker claimed by a repair, its
+    terminal event would be dropped and its last tokens sent twice); a killed predecessor's (same name, at start-up)
+    at once. Or one of this worker's own for a job it neither holds nor has events in flight for (its terminal event
+    was refused by Redis, or lost in a failover): at once, busy or not, since the worker knows it owes nothing."""
 
     def __init__(self) -> None:
         self._stale: set[str] = set()
@@ -87,12 +90,12 @@ class SealWatch:
         rq: RQWorker,
         alive: Callable[[str], bool],
         *,
+        held: Callable[[str], bool],
         predecessor: bool = False,
-        held: Callable[[str], bool] | None = None,
     ) -> int:
-        """One scan. `predecessor`: markers under this worker's name are a killed predecessor's (at start-up);
-        `held`: which of its own marked jobs this worker still holds, or None while it has events left to publish
-        (its own markers are then all in flight). Returns how many streams were repaired."""
+        """One scan. `held`: whether this worker still holds a job of its own marker or has its events in flight;
+        `predecessor`: markers under this worker's name are a killed predecessor's (at start-up). Returns how many
+        streams were repaired."""
         conn = rq.connection
         markers = {
             rq_store.decoded(job): rq_store.decoded(owner)
@@ -102,10 +105,8 @@ class SealWatch:
         verdicts: dict[str, bool] = {}
         for job_id, owner in markers.items():
             if owner == rq.name:
-                if predecessor:
+                if predecessor or not held(job_id):
                     due.add(job_id)
-                elif held is not None and not held(job_id):
-                    stale.add(job_id)
                 continue
             if owner not in verdicts:
                 verdicts[owner] = alive(owner)
@@ -127,7 +128,10 @@ class SealWatch:
 
 def repair(conn: redis.Redis, rq: RQWorker, job_id: str, owner: str = "") -> bool:
     """Append what the job's stream lacks after its last reset, from the end RQ stored. The caller has claimed the
-    job's marker (nothing is written while a worker holds one). Returns whether anything was written."""
+    job's marker (nothing is written while a worker holds one). Returns whether anything was written.
+
+    A stream whose last attempt is not whole (a gap in its seqs, or tokens that disagree with the stored result:
+    Redis lost or refused some of its events) starts over: a reset, the stored text as one token event, the end."""
     end = rq_scan.job_end(conn, job_id, rq)
     raw = conn.xrange(keys.stream_key(job_id))
     last_id = rq_store.decoded(raw[-1][0]) if raw else ""
@@ -136,14 +140,27 @@ def repair(conn: redis.Redis, rq: RQWorker, job_id: str, owner: str = "") -> boo
     attempt = entries[resets[-1] + 1 :] if resets else entries
     if any(e.get("type") in TERMINAL_TYPES for e in attempt):
         return False
-    seq = max((e["seq"] for e in attempt if "seq" in e), default=-1) + 1
+    if end.status not in _ENDED and (end.status is not None or not entries):
+        return False  # queued, started, ...: it runs again, its next attempt begins with a reset; or nothing to end
     events: list[str] = []
-    if end.status == rq_store.FINISHED and isinstance(end.return_value, dict):
-        tail = _missing_tokens(job_id, attempt, end.return_value)
-        if tail is not None:
+    if [e.get("seq") for e in attempt] != list(range(len(attempt))):
+        events.append(ResetEvent(job_id=job_id, reason="redis lost events").to_json())
+        attempt = []
+    value = end.return_value if isinstance(end.return_value, dict) else None
+    if end.status == rq_store.FINISHED and value is not None:
+        tail = _missing_tokens(attempt, value)
+        if tail is None:  # the stream disagrees with the stored result: it starts over
+            log.error(
+                "job %s: its stream disagrees with its stored result; streaming the result anew", job_id
+            )
+            events = [ResetEvent(job_id=job_id, reason="redis lost events").to_json()]
+            attempt = []
+            tail = _missing_tokens(attempt, value)
+    seq = len(attempt)
+    if end.status == rq_store.FINISHED and value is not None:
+        if tail is not None and (tail[0] or tail[1]):
             events.append(token_event_json(job_id, seq, *tail))
             seq += 1
-        value = end.return_value
         usage = (
             Usage(**value["usage"])
             if isinstance(value.get("usage"), dict)
@@ -158,21 +175,20 @@ def repair(conn: redis.Redis, rq: RQWorker, job_id: str, owner: str = "") -> boo
     elif end.status in (rq_store.CANCELED, rq_store.STOPPED):
         reason = "stopped" if end.status == rq_store.STOPPED else "canceled"
         events.append(CanceledEvent(job_id=job_id, seq=seq, reason=reason).to_json())
-    elif end.status is None and entries:
+    elif end.status is None:
         events.append(CanceledEvent(job_id=job_id, seq=seq, reason="deleted").to_json())
-    elif end.status == rq_store.FINISHED:  # stored without a readable result: end the stream all the same
+    else:  # finished without a readable result: end the stream all the same
         streamed = sum(len(e.get("token_ids", [])) for e in attempt if e.get("type") == "token")
         usage = Usage(prompt_tokens=0, completion_tokens=streamed)
         events.append(DoneEvent(job_id=job_id, seq=seq, finish_reason="stop", usage=usage).to_json())
-    else:  # queued, started, scheduled, deferred: it runs again, and its next attempt begins with a reset
-        return False
     ttl = ended_stream_ttl(end.result_ttl)
     stream, channel = keys.stream_key(job_id), keys.tokens_channel(job_id)
     if not conn.eval(_APPEND, 2, keys.SEALS_KEY, stream, job_id, last_id, ttl, channel, *events):
         log.info("job %s: its stream moved on meanwhile (a live worker holds it); not repaired", job_id)
         return False
     log.warning(
-        "job %s: its worker %s died between storing its end and streaming it; appended %d events from RQ's record",
+        "job %s: its end was stored but its stream did not show it (worker %s died, or Redis refused or lost its "
+        "events); appended %d events from RQ's record",
         job_id,
         owner or "?",
         len(events),
@@ -181,16 +197,13 @@ def repair(conn: redis.Redis, rq: RQWorker, job_id: str, owner: str = "") -> boo
     return True
 
 
-def _missing_tokens(job_id: str, attempt: list[dict], value: dict) -> tuple[str, list[int]] | None:
-    """(text, token ids) the stream lacks to equal the stored result, None if nothing (or if they disagree)."""
+def _missing_tokens(attempt: list[dict], value: dict) -> tuple[str, list[int]] | None:
+    """(text, token ids) the stream lacks to equal the stored result (both empty: nothing), None if they disagree."""
     tokens = [e for e in attempt if e.get("type") == "token"]
     streamed_text = "".join(e.get("text", "") for e in tokens)
     streamed_ids = [i for e in tokens for i in e.get("token_ids", [])]
     text, ids = value.get("text") or "", list(value.get("token_ids") or [])
     if not text.startswith(streamed_text) or ids[: len(streamed_ids)] != streamed_ids:
-        log.error("job %s: its stream disagrees with its stored result; appending only its end", job_id)
-        return None
-    if len(text) == len(streamed_text) and len(ids) == len(streamed_ids):
         return None
     return text[len(streamed_text) :], ids[len(streamed_ids) :]
 

@@ -1,10 +1,16 @@
 """What the worker watches about its running jobs, and how often; it answers with findings the loop applies.
 
-Every `check_interval` seconds (0: every engine step) the probe (rose.worker.probe) is sent before a step and read
-after it: cancels, deletions and jobs no longer ours (taken over by another worker, or finished by a retirement
-whose reply was lost); timeouts are judged at the same time. Between probes nothing about the running jobs is read,
-so a cancel stops a job's generation within about `check_interval` plus one step. `rq`'s stop commands
-(`send_stop_job_command`, RQ 3's `send_stop_execution_command`) come by pub/sub and are found at the next iteration.
+The probe (rose.worker.probe) is sent before an engine step and read after it. What it asks is priced for a fleet
+on one Redis, where nothing may cost Redis per generated token:
+- every `check_interval` seconds (0: every engine step), the signals: the size of each queue's canceled registry,
+  one command a queue whatever the number of running jobs; timeouts are judged at the same time. A changed size
+  sends for every running job's status at the next step, so a cancel stops a job's generation within about
+  `check_interval` plus two steps;
+- every STATUS_INTERVAL_S (or `check_interval` if longer), every running job's status: deletions and jobs no longer
+  ours (taken over by another worker, or finished by a retirement whose reply was lost); `check_all` asks it at the
+  next step (after a Redis outage or failover, rose.worker.worker).
+`rq`'s stop commands (`send_stop_job_command`, RQ 3's `send_stop_execution_command`) come by pub/sub and are found
+at the next iteration.
 
 Storing a result never depends on that delay: the retirer reads each finishing job's status under WATCH before it
 writes, and a job to be stored by RQ's handler (phases CHECKING / RECHECKING: a success callback, or handed back by
@@ -29,6 +35,8 @@ from rose.worker import probe, rq_store
 from rose.worker.running import CHECKED_PHASE, Running
 
 log = logging.getLogger(__name__)
+
+STATUS_INTERVAL_S = 1.0  # every running job's status is read this often (a few hundred ns of Redis per job)
 
 
 class Verdict(enum.Enum):
@@ -66,7 +74,10 @@ class Watch:
         self._lengths_probe = probe.InFlightProbe(
             target
         )  # queue lengths only: sent after a step, read at intake
-        self._next_check = 0.0  # monotonic time the next probe is due
+        self._next_check = 0.0  # monotonic time the next signals are due
+        self._next_status = 0.0  # monotonic time every running job's status is next read
+        self._status_asked = False  # read every running job's status at the next step (a signal changed)
+        self._canceled: tuple[int, ...] | None = None  # the canceled registries' sizes, as last read
         self._owed: list[Running] = []  # jobs owed a check when the probe in flight was sent
         self._lengths: list[int] | None = None  # as of the last probe, for the next intake
         self._stops: collections.deque[tuple[str, str]] = (
@@ -91,33 +102,55 @@ class Watch:
 
     # ---- the probe ----------------------------------------------------------------------------------------------
 
+    def check_all(self) -> None:
+        """Read every running job's status at the next step (at once when the engine is idle)."""
+        self._status_asked = True
+
     def before_step(self, running: dict[str, Running]) -> None:
-        """Send the probe if it is due or owed (its answer is read by `check` after the step)."""
+        """Send the probe if signals or statuses are due, or jobs are owed a check (its answer is read by `check`
+        after the step)."""
         t = time.monotonic()
         runs = list(running.values())
-        if runs and (t >= self._next_check or owed(runs)):
+        if not runs:
+            return
+        owed_runs = [run for run in runs if run.phase in CHECKED_PHASE]
+        signals = t >= self._next_check
+        statuses = self._status_asked or t >= self._next_status
+        if not (signals or statuses or owed_runs):
+            return
+        if signals:
             self._next_check = t + self.check_interval
-            self._probe.send(runs)
-            self._owed = [run for run in runs if run.phase in CHECKED_PHASE]
+        if statuses:
+            self._status_asked = False
+            self._next_status = t + max(STATUS_INTERVAL_S, self.check_interval)
+        self._probe.send(runs if statuses else owed_runs, signals)
+        self._owed = owed_runs
 
     def due(self, running: dict[str, Running], engine_busy: bool) -> bool:
         """After a step: whether `check` runs now (its probe is in, or an owed check cannot wait for a step)."""
         if not running:
             return False
-        return self._probe.pending or (owed(running.values()) and not engine_busy)
+        return self._probe.pending or (not engine_busy and (self._status_asked or owed(running.values())))
 
     def check(self, running: dict[str, Running]) -> Checked:
         """Cancels, deletions, lost ownership and timeouts. Reads the probe in flight, or probes now (one round trip,
         which also sizes the queues for the next intake)."""
         if self._probe.pending:
             asked = self._owed
-            found, self._lengths = self._probe.receive()
+            reply = self._probe.receive()
         else:
+            statuses = self._status_asked
+            self._status_asked = False
             asked = [run for run in running.values() if run.phase in CHECKED_PHASE]
-            found, self._lengths = probe.probe(self._target, list(running.values()))
+            reply = probe.probe(self._target, list(running.values()) if statuses else asked)
         self._owed = []
+        self._lengths = reply.lengths
+        if reply.canceled is not None:
+            if self._canceled is not None and reply.canceled != self._canceled:
+                self._status_asked = True  # a job was canceled somewhere: is it one of ours?
+            self._canceled = reply.canceled
         result = Checked(checked=[run for run in asked if run.phase in CHECKED_PHASE])
-        for item in found:
+        for item in reply.found:
             result.findings.append(_judge(item, self._target.worker_name))
         seen = {finding.run.id for finding in result.findings}
         t = time.monotonic()
@@ -140,7 +173,7 @@ class Watch:
         """The queue lengths learnt since the last intake (None: unknown, the intake asks)."""
         lengths, self._lengths = self._lengths, None
         if self._lengths_probe.pending:
-            asked = self._lengths_probe.receive()[1]
+            asked = self._lengths_probe.receive().lengths
             lengths = lengths if lengths is not None and any(lengths) else asked
         return lengths
 

@@ -72,8 +72,10 @@ class RoseWorker:
         )
         self.engine = engine
         self.metrics = metrics.for_worker(self)
-        self.guard = RedisGuard()
-        self.outbox = Outbox(Publisher(self.connection), self.rq.default_result_ttl)
+        self.guard = RedisGuard(self.connection)
+        self.outbox = Outbox(
+            Publisher(self.connection), self.rq.default_result_ttl, self.settings.stream_interval
+        )
         self.endings = Endings(self.rq, self.outbox, self.metrics)
         self.jobs = JobLoop(
             engine, self.rq, self.settings, self.outbox, self.endings, self.guard, self.metrics
@@ -85,6 +87,7 @@ class RoseWorker:
         self._suspended = False
         self._next_heartbeat = 0.0
         self._next_recovery = 0.0
+        self._reconciled_outages = 0  # the guard's outage count at the last reconciliation
         self.started_at = time.time()
         self.metrics_server: metrics.HealthServer | None = None
         self.loop_beat = time.monotonic()  # each loop iteration: /health's liveness
@@ -255,12 +258,31 @@ class RoseWorker:
             self.guard.run("suspension", self._check_suspension)
         if self._suspended and not self.running:
             time.sleep(IDLE_BLOCK_S)
-        took = self.jobs.iterate(
+        done = self.jobs.iterate(
             taking=not self.draining and not self._suspended, block_s=IDLE_BLOCK_S if block else 0.0
         )
+        if done.reconcile or (self.guard.ok and self.guard.outages != self._reconciled_outages):
+            self._reconcile()
         if not self.engine.has_unfinished():
             self.guard.pause()  # while Redis is down, an idle loop would spin
-        return took
+        return done.took
+
+    def _reconcile(self) -> None:
+        """After an outage, or events Redis refused or lost: Redis may have restarted, or failed over to a replica
+        that lacks its last writes (replication is asynchronous). Compare at once what Redis says of this worker
+        with what it holds, rather than at the next timers: its registration (the heartbeat re-registers a lapsed
+        key), its running jobs' statuses (a job whose start was lost is LOST, one whose hash was lost DELETED), the
+        registry entries naming it that it does not hold (a job stored before the failover but not replicated runs
+        again: recovery requeues it), seal markers of jobs it no longer holds (their streams repaired), and its
+        publisher's batch counter (lost events: every held job's stream starts over, rose.worker.loop)."""
+        self._reconciled_outages = self.guard.outages
+        log.warning("worker %s: reconciling its jobs and streams with Redis", self.name)
+        self._next_heartbeat = 0.0
+        self.jobs.watch.check_all()
+        if not self.draining:
+            self.guard.run("recovery", self._recover)
+            self._next_recovery = time.monotonic() + self.settings.recovery_interval
+        self.outbox.publisher.verify()
 
     def _timers(self) -> None:
         t = time.monotonic()
@@ -280,8 +302,13 @@ class RoseWorker:
         self.metrics.requeued.inc(found.requeued)
         self.outbox.flush()
         alive = functools.partial(recovery.worker_alive, self.connection)
-        held = self.jobs.holds if self.outbox.idle else None  # else our own markers may all be in flight
-        self._seals.scan(self.rq, alive, predecessor=startup, held=held)
+        in_flight = self.outbox.in_flight()  # ended jobs whose terminal events are not acknowledged yet
+        self._seals.scan(
+            self.rq,
+            alive,
+            predecessor=startup,
+            held=lambda job_id: job_id in in_flight or self.jobs.holds(job_id),
+        )
 
     def _fail_poison(self, poison: recovery.Poison) -> None:
         self.endings.fail_orphan(poison.run, poison.owner, poison.requeues)

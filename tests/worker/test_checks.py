@@ -66,10 +66,10 @@ def test_probe_goes_out_once_per_interval_and_a_cancel_still_wins(run_worker, r,
     probed: list[int] = []
     real_send = probe.InFlightProbe.send
 
-    def send(self, runs):
+    def send(self, runs, signals=False):
         if runs:  # not the queue-lengths question
             probed.append(len(runs))
-        return real_send(self, runs)
+        return real_send(self, runs, signals)
 
     monkeypatch.setattr(probe.InFlightProbe, "send", send)
     engine = FakeEngine(max_num_seqs=4, step_delay=0.01)

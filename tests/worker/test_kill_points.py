@@ -20,7 +20,7 @@ from rose.jobs.client import Client
 
 pytestmark = pytest.mark.timeout(400)
 
-REPAIRED = "died between storing its end and streaming it"
+REPAIRED = "its end was stored but its stream did not show it"
 
 
 ARGS = ("--max-model-len", "256", "--max-num-seqs", "4")
@@ -63,14 +63,36 @@ def died(worker: TinyWorker) -> None:
     assert worker.proc.returncode == -9, worker.output(3000)
 
 
+def submit_with_dependents(r, n: int) -> list[str]:
+    """`n` jobs, each with a dependent (so RQ's own handler stores them, and seals them), then the dependents."""
+    client = Client(r)
+    parents = [client.submit(f"job {i}", max_tokens=12 + 3 * i, ignore_eos=True) for i in range(n)]
+    children = [client.submit(f"then {i}", max_tokens=4, depends_on=p.id) for i, p in enumerate(parents)]
+    return [j.id for j in parents + children]
+
+
 @pytest.mark.parametrize("count", [1, 3])
-def test_killed_after_storing_results_before_their_events(new_redis_server, spawn, count):
-    """The result is in RQ, its done event (and the last tokens of its step) not yet in the stream: the restart
-    under the same name repairs the stream from the stored result at once."""
+def test_killed_right_after_a_batch_stored_results_leaves_nothing_to_repair(new_redis_server, spawn, count):
+    """A retirer batch writes each job's done event in the transaction that stores its result: a kill right after
+    leaves every finished job's stream complete, with no seal marker."""
     r = new_redis_server.client()
     ids = submit(r, 8)
-    died(spawn("sealed", fault=f"result_stored:{count}"))
-    assert r.hlen(keys.SEALS_KEY) >= 1  # a stored end whose terminal event never came
+    died(spawn("batched", fault=f"result_stored:{count}"))
+    done = [i for i in ids if r.hget(Job.key_for(i), "status") == b"finished"]
+    assert len(done) >= count and r.hlen(keys.SEALS_KEY) == 0
+    assert [p for i in done for p in audit(r, i)] == []  # complete at the kill, before any restart
+    spawn("batched").wait_ready()
+    all_finished(r, ids)
+    wait_for(lambda: not any(audit(r, i) for i in ids), 10, what=f"{[audit(r, i) for i in ids]}")
+
+
+def test_killed_after_rqs_handler_stored_a_result_before_its_done_event(new_redis_server, spawn):
+    """A job with dependents is stored by RQ's handler, its done event after: the restart under the same name
+    repairs the stream from the stored result at once."""
+    r = new_redis_server.client()
+    ids = submit_with_dependents(r, 3)
+    died(spawn("sealed", fault="result_stored:1"))
+    assert r.hlen(keys.SEALS_KEY) == 1  # a stored end whose terminal event never came
     restarted = spawn("sealed").wait_ready()
     all_finished(r, ids)
     wait_for(lambda: not any(audit(r, i) for i in ids), 10, what=f"{[audit(r, i) for i in ids]}")
@@ -94,8 +116,8 @@ def test_killed_after_sending_the_last_tokens_before_storing_results(new_redis_s
 def test_another_worker_repairs_a_dead_workers_streams(new_redis_server, spawn):
     """No restart: a live worker repairs the streams once the dead worker's heartbeat has lapsed."""
     r = new_redis_server.client()
-    ids = submit(r, 8)
-    died(spawn("doomed", "--heartbeat-timeout", "10", fault="result_stored:2"))
+    ids = submit_with_dependents(r, 3)
+    died(spawn("doomed", "--heartbeat-timeout", "10", fault="result_stored:1"))
     killed = time.monotonic()
     assert r.hlen(keys.SEALS_KEY) >= 1
     spawn("rescuer").wait_ready()

@@ -51,8 +51,9 @@ def value(samples, name: str, **labels) -> float:
     return samples.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
-def token_events(r, job_id: str) -> int:
-    return sum(e["type"] == "token" for e in stream_events(r, job_id))
+def streamed_tokens(r, job_id: str) -> int:
+    """Tokens in the job's token events (one event may carry several: --stream-interval)."""
+    return sum(len(e["token_ids"]) for e in stream_events(r, job_id) if e["type"] == "token")
 
 
 def test_scrape_counters_match_the_jobs_run(run_worker, r, q):
@@ -69,7 +70,7 @@ def test_scrape_counters_match_the_jobs_run(run_worker, r, q):
     for j in lengths:
         wait_for(lambda j=j: r.hget(j.key, "status") == b"finished", 30, what="finished")
     wait_for(lambda: r.hget(invalid.key, "status") == b"failed", 30, what="failed")
-    wait_for(lambda: token_events(r, long.id) >= 2, 30, what="long job streaming")
+    wait_for(lambda: streamed_tokens(r, long.id) >= 2, 30, what="long job streaming")
     Job.fetch(long.id, connection=r, serializer=JSONSerializer).cancel()
     wait_for(lambda: stream_events(r, long.id)[-1]["type"] == "canceled", 30, what="canceled event")
 
@@ -79,8 +80,8 @@ def test_scrape_counters_match_the_jobs_run(run_worker, r, q):
         return samples if value(samples, "rose_num_requests_running") == 0 else None
 
     samples = wait_for(settled, 30, interval=0.2, what="gauges back to 0")
-    generated = sum(token_events(r, j.id) for j in [*lengths, long])
-    assert generated == 3 + 4 + 5 + token_events(r, long.id)
+    generated = sum(streamed_tokens(r, j.id) for j in [*lengths, long])
+    assert generated == 3 + 4 + 5 + streamed_tokens(r, long.id)
     assert value(samples, "rose_request_success_total", finished_reason="length") == 3
     assert value(samples, "rose_request_success_total", finished_reason="stop") == 0
     assert value(samples, "rose_request_failure_total") == 1
@@ -113,7 +114,7 @@ def test_requeued_on_shutdown_is_counted(run_worker, r, q):
     engine = FakeEngine(max_num_seqs=2, step_delay=0.02)
     jobs = [enqueue(q, prompt="x", max_tokens=60) for _ in range(2)]
     wt = run_worker(engine=engine, drain_timeout=60)
-    wait_for(lambda: all(token_events(r, j.id) >= 1 for j in jobs), 30, what="both generating")
+    wait_for(lambda: all(streamed_tokens(r, j.id) >= 1 for j in jobs), 30, what="both generating")
     wt.stop(force=True)
     reg = wt.worker.metrics.registry
     assert reg.get_sample_value("rose_request_requeued_total", {"model_name": "fake"}) == 2
@@ -200,7 +201,7 @@ def test_real_worker_metrics_endpoint(new_redis_server, tmp_path, unused_port):
         for j in done:
             wait_for(lambda j=j: r.hget(j.key, "status") == b"finished", 150, interval=0.1, what="finished")
         wait_for(lambda: r.hget(invalid.key, "status") == b"failed", 60, what="failed")
-        wait_for(lambda: token_events(r, long.id) >= 2, 60, what="long job streaming")
+        wait_for(lambda: streamed_tokens(r, long.id) >= 2, 60, what="long job streaming")
         Job.fetch(long.id, connection=r, serializer=JSONSerializer).cancel()
         wait_for(lambda: stream_events(r, long.id)[-1]["type"] == "canceled", 60, what="canceled event")
 
@@ -210,7 +211,7 @@ def test_real_worker_metrics_endpoint(new_redis_server, tmp_path, unused_port):
         assert value(samples, "rose_request_success_total", finished_reason="length") == 2
         assert value(samples, "rose_request_failure_total") == 1
         assert value(samples, "rose_request_canceled_total") == 1
-        assert value(samples, "rose_generation_tokens_total") == 8 + token_events(r, long.id)
+        assert value(samples, "rose_generation_tokens_total") == 8 + streamed_tokens(r, long.id)
         assert value(samples, "rose_e2e_request_latency_seconds_count") == 2
         assert value(samples, "rose_engine_step_time_seconds_count") > 0
         info = next(k for k in samples if k[0] == "rose_worker_info")

@@ -43,21 +43,35 @@ def test_reports_only_jobs_that_are_not_ours_any_more(worker, r):
     runs = started_runs(worker, r, 5)
     Client(r, queue="low").submit("waiting", max_tokens=1)
     Client(r, queue="low").submit("waiting", max_tokens=1)
-    found, lengths = probe.probe(probe_target(worker), runs)
-    assert found == [] and lengths == [0, 2]
+    reply = probe.probe(probe_target(worker), runs)
+    assert reply.found == [] and reply.lengths == [0, 2] and reply.canceled is None
 
     Job.fetch(runs[0].id, connection=r, serializer=JSONSerializer).cancel()
     r.delete(runs[1].job.key)
     set_status(r, runs[2], JobStatus.STARTED.value, owner="someone-else")
     set_status(r, runs[3], JobStatus.FINISHED.value)
-    found, lengths = probe.probe(probe_target(worker), runs)
-    assert describe(found) == {
+    reply = probe.probe(probe_target(worker), runs)
+    assert describe(reply.found) == {
         runs[0].id: ("canceled", "prober"),
         runs[1].id: (None, ""),
         runs[2].id: ("started", "someone-else"),
         runs[3].id: ("finished", "prober"),
     }
-    assert lengths == [0, 2]
+    assert reply.lengths == [0, 2]
+
+
+def test_signals_are_the_canceled_registries_sizes_whatever_the_number_of_jobs(worker, r):
+    """One command a queue: a cancel anywhere changes a size (the watch then reads the statuses)."""
+    runs = started_runs(worker, r, 3)
+    assert probe.probe(probe_target(worker), [], signals=True).canceled == (0, 0)
+    Job.fetch(runs[0].id, connection=r, serializer=JSONSerializer).cancel()
+    Client(r, queue="low").cancel(Client(r, queue="low").submit("waiting", max_tokens=1).id)
+    reply = probe.probe(probe_target(worker), [], signals=True)
+    assert reply.canceled == (1, 1) and reply.found == []
+    flight = probe.InFlightProbe(probe_target(worker))
+    flight.send(runs, signals=True)
+    reply = flight.receive()
+    assert reply.canceled == (1, 1) and describe(reply.found) == {runs[0].id: ("canceled", "prober")}
 
 
 def test_in_flight_probe_matches_the_plain_one_even_after_a_script_flush(worker, r):
@@ -69,13 +83,13 @@ def test_in_flight_probe_matches_the_plain_one_even_after_a_script_flush(worker,
             r.script_flush()  # a restarted Redis forgets its scripts: the probe sends its body each time
         flight.send(runs)
         assert flight.pending
-        found, lengths = flight.receive()
+        reply = flight.receive()
         assert not flight.pending
-        assert describe(found) == {runs[1].id: ("canceled", "prober")}
-        assert lengths == [0, 0]
+        assert describe(reply.found) == {runs[1].id: ("canceled", "prober")}
+        assert reply.lengths == [0, 0]
     # the connection went back to the pool in a clean state: the next commands get their own replies
     assert worker.connection.ping() is True
-    assert probe.probe(probe_target(worker), [])[1] == [0, 0]
+    assert probe.probe(probe_target(worker), []).lengths == [0, 0]
 
 
 def test_abandoned_probe_leaves_no_stray_reply(worker, r):

@@ -124,6 +124,42 @@ def test_a_refused_batch_is_dropped_not_retried(r, caplog):
     assert pub.flush(timeout=5)
     assert seqs(r, "a") == [0, 1]
     assert "refused" in caplog.text
+    assert pub.take_dropped() == {"x"} and pub.take_dropped() == set()  # the loop repairs its stream
+    assert pub.acked == 3 and not pub.lost
+
+
+def test_acked_is_the_last_batch_redis_answered(r):
+    pub = Publisher(r)
+    numbers = [pub.send([ev("a", i)]) for i in range(3)]
+    assert numbers == [1, 2, 3] and pub.send([]) == 0
+    assert pub.flush(timeout=5) and pub.acked == 3
+    pub.close()
+
+
+def test_writes_redis_lost_are_reported_and_the_batch_still_applied(r):
+    """A failover to a replica that missed the last writes: the counter is behind what Redis acknowledged."""
+    pub = Publisher(r)
+    pub.send([ev("a", 0)])
+    pub.send([ev("a", 1)])
+    assert pub.flush(timeout=5) and not pub.lost
+    (counter,) = r.keys("rose:publisher:*")
+    r.set(counter, 1)  # batch 2 lost
+    r.xdel(keys.stream_key("a"), r.xrange(keys.stream_key("a"))[1][0])
+    pub.send([ev("a", 2)])
+    assert pub.flush(timeout=5) and pub.lost
+    assert seqs(r, "a") == [0, 2]  # applied: the loop starts the stream over after it
+
+
+def test_verify_finds_a_loss_with_no_events_to_send(r):
+    pub = Publisher(r)
+    pub.verify()
+    assert pub.flush(timeout=5) and not pub.lost  # a fresh publisher: no counter yet, nothing lost
+    pub.send([ev("a", 0)])
+    assert pub.flush(timeout=5)
+    for key in r.keys("rose:publisher:*"):
+        r.delete(key)  # a restart without persistence
+    pub.verify()
+    assert pub.flush(timeout=5) and pub.lost
 
 
 def test_keep_ttl_leaves_the_streams_expiry_alone(r):

@@ -40,9 +40,9 @@ class Parts:
     watch: Watch
 
     def announce(self, runs) -> None:
-        """What the loop does with stored jobs: their done events, published."""
+        """What the loop does with jobs a batch stored (their done events written with their results)."""
         for run in runs:
-            self.endings.stored(run)
+            self.endings.stored(run, announced=True)
         self.outbox.flush()
         assert self.outbox.publisher.flush(timeout=5)
 
@@ -62,7 +62,13 @@ def parts(redis_server, r):
     metrics = WorkerMetrics(
         name=rq.name, model="fake", device="cpu", dtype="", queues=["rose"], version="test"
     )
-    yield Parts(rq, Retirer(rq), Endings(rq, outbox, metrics), outbox, Watch(probe_target(rq), 3600))
+    yield Parts(
+        rq,
+        Retirer(rq, outbox.done_commands),
+        Endings(rq, outbox, metrics),
+        outbox,
+        Watch(probe_target(rq), 3600),
+    )
     outbox.publisher.close(timeout=1)
     rq.connection.close()
 

@@ -15,6 +15,7 @@ from rose.worker.publisher import KEEP_TTL, Outgoing, Publisher
 pytestmark = pytest.mark.timeout(60)
 
 DEAD = lambda owner: False  # noqa: E731 - a liveness oracle for which every other worker is dead
+NOT_HELD = lambda job_id: False  # noqa: E731 - this worker holds none of the marked jobs
 
 
 @pytest.fixture
@@ -53,9 +54,9 @@ def lose_the_end(r, job_id: str, keep: int, marked: bool = True) -> None:
 
 
 def finished_job(run_worker, r, q, max_tokens: int):
-    """A job run to its end by a worker that then stops."""
+    """A job run to its end by a worker that then stops (one token event per token: every step publishes)."""
     job = enqueue(q, prompt="x", max_tokens=max_tokens)
-    worker = run_worker()
+    worker = run_worker(stream_interval=0)
     wait_status(r, job, "finished")
     worker.stop()
     return job
@@ -65,11 +66,13 @@ def test_a_dead_workers_finished_job_is_repaired_from_its_result(run_worker, r, 
     job = finished_job(run_worker, r, q, 6)
     lose_the_end(r, job.id, keep=2)
     watch = seal.SealWatch()
-    assert watch.scan(rq, DEAD) == 0  # seen dead once: its worker may only have lapsed in an outage
-    assert watch.scan(rq, DEAD) == 1
+    assert (
+        watch.scan(rq, DEAD, held=NOT_HELD) == 0
+    )  # seen dead once: its worker may only have lapsed in an outage
+    assert watch.scan(rq, DEAD, held=NOT_HELD) == 1
     assert audit(r, job.id) == [] and not r.exists(keys.SEALS_KEY)
     assert [e["type"] for e in stream_events(r, job.id)] == ["token", "token", "token", "done"]
-    assert watch.scan(rq, DEAD) == 0 and seal.repair(r, rq, job.id) is False  # sealed once
+    assert watch.scan(rq, DEAD, held=NOT_HELD) == 0 and seal.repair(r, rq, job.id) is False  # sealed once
 
 
 def test_failed_and_canceled_jobs_get_their_terminal_events(run_worker, r, q, rq):
@@ -99,26 +102,55 @@ def test_a_job_that_runs_again_or_is_held_is_left_alone(r, q, rq):
     assert seal.repair(r, rq, queued.id) is False and stream_events(r, queued.id) == []
 
 
-def test_a_live_workers_marker_and_this_workers_own_are_not_repaired(r, rq):
+def test_a_live_workers_marker_and_this_workers_own_held_are_not_repaired(r, rq):
     r.hset(keys.SEALS_KEY, mapping={"a": "alive", "b": rq.name})
     watch = seal.SealWatch()
-    for _ in range(3):  # our own: events of ours may be in flight (held=None)
-        assert watch.scan(rq, lambda owner: owner == "alive") == 0
+    for _ in range(3):  # our own, held or with events in flight
+        assert watch.scan(rq, lambda owner: owner == "alive", held=lambda job_id: job_id == "b") == 0
     assert r.hgetall(keys.SEALS_KEY) == {b"a": b"alive", b"b": rq.name.encode()}
     assert (
-        watch.scan(rq, DEAD, predecessor=True) == 0
+        watch.scan(rq, DEAD, held=NOT_HELD, predecessor=True) == 0
     )  # a predecessor's marker of a job gone: claimed, no event
     assert r.hgetall(keys.SEALS_KEY) == {b"a": b"alive"}
 
 
-def test_this_workers_own_marker_is_repaired_once_nothing_of_its_is_in_flight(run_worker, r, q, rq):
+def test_this_workers_own_marker_is_repaired_at_once_when_nothing_of_it_is_in_flight(run_worker, r, q, rq):
+    """Its done event was refused by Redis: the worker knows it owes nothing more, so the first scan repairs it,
+    busy or not (other jobs' events in flight do not matter)."""
     job = finished_job(run_worker, r, q, 4)
     lose_the_end(r, job.id, keep=4, marked=False)  # its done event dropped (Redis refused the batch)
     r.hset(keys.SEALS_KEY, job.id, rq.name)
     watch = seal.SealWatch()
     assert watch.scan(rq, DEAD, held=lambda job_id: job_id == job.id) == 0  # still ours: in progress
-    assert watch.scan(rq, DEAD, held=lambda job_id: False) == 0  # seen stale once
-    assert watch.scan(rq, DEAD, held=lambda job_id: False) == 1
+    assert watch.scan(rq, DEAD, held=lambda job_id: job_id == "another") == 1
+    assert audit(r, job.id) == []
+
+
+def test_a_stream_with_a_gap_starts_over_from_the_stored_result(run_worker, r, q, rq):
+    """Redis lost a token event in the middle (a failover): the repair cannot append to a gap, so the stream starts
+    over after a reset with the stored text, then ends."""
+    job = finished_job(run_worker, r, q, 6)
+    lose_the_end(r, job.id, keep=6)  # the done event lost...
+    r.xdel(keys.stream_key(job.id), r.xrange(keys.stream_key(job.id))[2][0])  # ...and token 2
+    assert seal.SealWatch().scan(rq, DEAD, held=NOT_HELD) == 0  # a dead worker's marker: seen once first
+    watch = seal.SealWatch()
+    watch.scan(rq, DEAD, held=NOT_HELD)
+    assert watch.scan(rq, DEAD, held=NOT_HELD) == 1
+    assert audit(r, job.id) == []
+    types = [e["type"] for e in stream_events(r, job.id)]
+    assert types == ["token"] * 5 + ["reset", "token", "done"]
+
+
+def test_a_stream_that_disagrees_with_the_result_starts_over(run_worker, r, q, rq):
+    job = finished_job(run_worker, r, q, 3)
+    lose_the_end(r, job.id, keep=3, marked=False)
+    first = r.xrange(keys.stream_key(job.id))[0][0]
+    r.xdel(keys.stream_key(job.id), first)
+    r.xadd(
+        keys.stream_key(job.id),
+        {"event": '{"job_id":"x","type":"token","seq":2,"text":"no","token_ids":[9]}'},
+    )
+    assert seal.repair(r, rq, job.id, "ghost")
     assert audit(r, job.id) == []
 
 
@@ -129,5 +161,5 @@ def test_a_job_that_cannot_be_read_does_not_stop_the_others_repair(run_worker, r
     r.hset("rq:job:broken", mapping={"status": "finished"})
     r.hset(keys.SEALS_KEY, "broken", "ghost")
     watch = seal.SealWatch()
-    watch.scan(rq, DEAD)
-    assert watch.scan(rq, DEAD) == 1 and audit(r, job.id) == []
+    watch.scan(rq, DEAD, held=NOT_HELD)
+    assert watch.scan(rq, DEAD, held=NOT_HELD) == 1 and audit(r, job.id) == []

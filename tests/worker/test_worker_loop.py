@@ -51,7 +51,7 @@ def test_batch_of_jobs_finishes_with_results_streams_and_pubsub(run_worker, r, q
         if msg and msg["type"] == "message":
             event = json.loads(msg["data"])
             got.setdefault(event["job_id"], []).append(event)
-        return sum(len(v) for v in got.values()) >= sum(3 + i for i in range(6))
+        return sum(len(v) for v in got.values()) >= sum(len(stream_events(r, j.id)) for j in jobs)
 
     wait_for(heard_all, 5, "every job's events on pub/sub", interval=0)
     for j in jobs:

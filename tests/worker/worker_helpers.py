@@ -9,9 +9,9 @@ from rose.config import WorkerSettings
 from rose.engine.outputs import RequestMetrics, RequestOutput, StepOutput
 from rose.engine.sampling_params import SamplingParams
 from rose.harness import worker_process
-from rose.harness.job_audit import stream_events
+from rose.harness.job_audit import last_attempt, stream_events
 from rose.harness.worker_process import wait_for
-from rose.worker import RoseWorker
+from rose.worker import RoseWorker, probe
 from rose.worker.intake import Intake, parse
 from rose.worker.probe import Target
 from rose.worker.rq_worker import RQWorker
@@ -56,7 +56,7 @@ def check_stream(r, job_id: str, terminal: str) -> list[dict]:
         5,
         what=f"{terminal} event of {job_id}",
     )
-    events = stream_events(r, job_id)
+    events = last_attempt(stream_events(r, job_id))
     types = [e["type"] for e in events]
     assert types[-1] == terminal and types.count(terminal) == 1, types
     tokens = [e for e in events if e["type"] == "token"]
@@ -91,7 +91,7 @@ def start_jobs(rq: RQWorker, n: int) -> list[Running]:
 
 
 def probe_target(rq: RQWorker) -> Target:
-    return Target(rq.connection, rq.name, tuple(q.key for q in rq.queues))
+    return probe.target(rq)
 
 
 class WorkerThread:
