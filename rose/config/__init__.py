@@ -121,12 +121,12 @@ class WorkerSettings(BaseSettings):
     )
     recovery_interval: float = Field(10.0, gt=0, description="Seconds between scans for orphaned jobs.")
     check_interval: float = Field(
-        0.05,
+        0.2,
         ge=0,
         description="Seconds between a busy worker's looks for canceled jobs (the size of each queue's canceled "
         "registry: one command a queue, whatever the number of running jobs) and timeouts; 0: every engine step. "
-        "Each running job's status is read once a second (deletions, jobs taken over), and always before its "
-        "result is stored.",
+        "Each running job's status is read every 5 s (deletions, jobs taken over), and always before its result "
+        "is stored.",
     )
     stream_interval: float = Field(
         0.1,

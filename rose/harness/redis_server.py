@@ -15,7 +15,7 @@ from typing import Any
 
 import redis
 
-from rose.harness.worker_process import wait_for
+from rose.harness.worker_process import pinned, wait_for
 
 
 class RedisServerError(RuntimeError):
@@ -41,7 +41,8 @@ class RedisServerProcess:
 
     persistent: an append-only file in `directory`, so that stop() / start() on the same port keeps the data (an
     outage, not a wipe). detach: its own session (Ctrl-C in a terminal reaches only the parent, which stops it
-    last) and, on Linux, killed by the kernel if the parent dies.
+    last) and, on Linux, killed by the kernel if the parent dies. `args`: more redis-server options
+    (e.g. ["--stream-node-max-bytes", "512"]); `cpus`: run it on these CPUs only (taskset's list, e.g. "1").
     """
 
     def __init__(
@@ -52,6 +53,8 @@ class RedisServerProcess:
         directory: str | Path | None = None,
         persistent: bool = False,
         detach: bool = False,
+        args: list[str] | None = None,
+        cpus: str | None = None,
     ) -> None:
         found = binary or shutil.which("redis-server")
         if not found or not (Path(found).is_file() or shutil.which(found)):
@@ -62,6 +65,8 @@ class RedisServerProcess:
         self.dir = str(directory if directory is not None else self._tmpdir.name)
         self.persistent = persistent
         self.detach = detach
+        self.args = list(args or [])
+        self.cpus = cpus
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -82,7 +87,8 @@ class RedisServerProcess:
             ["--appendonly", "yes", "--appendfsync", "always"] if self.persistent else ["--appendonly", "no"]
         )
         argv = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", *persistence]
-        argv += ["--dir", self.dir, "--daemonize", "no", "--loglevel", "warning"]
+        argv += ["--dir", self.dir, "--daemonize", "no", "--loglevel", "warning", *self.args]
+        argv = pinned(argv, self.cpus)
         linux = sys.platform.startswith("linux")
         self.proc = proc = subprocess.Popen(
             argv,

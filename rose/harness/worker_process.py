@@ -5,6 +5,7 @@ the polling wait every test and benchmark uses instead of a loop of its own."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -34,6 +35,13 @@ def wait_for(
     raise error(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
+def pinned(argv: list[str], cpus: str | None) -> list[str]:
+    """`argv` run on the CPUs `cpus` (taskset's list), or as it is when None or taskset is missing."""
+    if cpus is None or shutil.which("taskset") is None:
+        return argv
+    return ["taskset", "-c", cpus, *argv]
+
+
 def worker_command() -> list[str]:
     """`rose-worker` run by this interpreter (`python -m rose.worker.cli`): the same environment (its rq, its rose)
     as the caller, whatever `rose-worker` script is first on PATH."""
@@ -46,7 +54,8 @@ class WorkerExited(RuntimeError):
 
 class WorkerProcess:
     """`rose-worker --redis-url URL --name NAME *args`, its output appended to `log_path` (a temporary file, removed
-    on stop, when None)."""
+    on stop, when None); `cpus`: run it on these CPUs only (taskset's list); `program`: another command taking
+    rose-worker's flags (default: `worker_command()`)."""
 
     def __init__(
         self,
@@ -56,10 +65,13 @@ class WorkerProcess:
         *,
         log_path: Path | None = None,
         env: Mapping[str, str] | None = None,
+        cpus: str | None = None,
+        program: Sequence[str] | None = None,
     ) -> None:
         self.redis_url = redis_url
         self.name = name
-        self.command = [*worker_command(), "--redis-url", redis_url, "--name", name, *args]
+        program = list(program) if program is not None else worker_command()
+        self.command = pinned([*program, "--redis-url", redis_url, "--name", name, *args], cpus)
         self._own_log = log_path is None
         if log_path is None:
             fd, tmp = tempfile.mkstemp(prefix="rose-worker-", suffix=".log")

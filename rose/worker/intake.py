@@ -44,44 +44,47 @@ class Intake:
     def __init__(self, rq: RQWorker) -> None:
         self.rq = rq
         self._limbo: Taken = []  # dequeued ids whose start may not have gone through
+        self._drained = False  # the last dequeue found the queues empty
 
     def limbo_ids(self) -> set[str]:
         """Ids this worker dequeued and may have started: not orphans, whatever the registries say."""
         return {job_id for job_id, _ in self._limbo}
 
     def take(self, room: int, lengths: list[int] | None, block_s: float = 0.0) -> list[Running]:
-        """Start up to `room` jobs, highest-priority queue first. `lengths`: the queues' lengths if known (one round
-        trip less); `block_s` > 0: wait that long for a job if there is none (only when the worker is idle)."""
+        """Start up to `room` jobs, highest-priority queue first. `lengths`: the queues' lengths if a probe just
+        read them (all zero: no round trip; None: as the last dequeue left them); `block_s` > 0: wait that long for
+        a job if there is none (only when the worker is idle)."""
         if room <= 0:
             return []
+        if lengths is not None:
+            self._drained = not any(lengths)
         taken, self._limbo = self._limbo, []
         try:
             if taken:  # a start whose reply was lost last time
                 return self._adopt(taken)
-            taken = self._dequeue(room, lengths)
-            if not taken and block_s > 0:
+            fetched = [] if self._drained and block_s <= 0 else self._dequeue(room)
+            taken = [(job_id, queue) for job_id, queue, _ in fetched]
+            jobs = [job for _, _, job in fetched]
+            if not fetched and block_s > 0:
                 taken = self._wait_for_one(block_s)
-                if taken and room > 1:
-                    taken += self._dequeue(room - 1, None)
-            return self._start(taken)
+                if not taken:
+                    return []
+                jobs = rq_store.fetch_jobs(self.rq.connection, [taken[0][0]], self.rq)
+                if room > 1:
+                    fetched = self._dequeue(room - 1)
+                    taken += [(job_id, queue) for job_id, queue, _ in fetched]
+                    jobs += [job for _, _, job in fetched]
+            return self._start(taken, jobs)
         except BaseException:
             self._limbo = taken
             raise
 
-    def _dequeue(self, limit: int, lengths: list[int] | None) -> Taken:
-        """Up to `limit` ids without blocking: one round trip to size the queues (none when `lengths` are given),
-        one to move the ids."""
-        conn, queues = self.rq.connection, self.rq.queues
-        if lengths is None:
-            lengths = rq_store.queue_lengths(conn, queues)
-        plan: list[tuple[Queue, int]] = []
-        left = limit
-        for queue, length in zip(queues, lengths, strict=True):
-            n = min(left, int(length))
-            if n > 0:
-                plan.append((queue, n))
-                left -= n
-        return rq_store.dequeue(conn, plan) if plan else []
+    def _dequeue(self, limit: int) -> list[tuple[str, Queue, Job | None]]:
+        """Up to `limit` jobs without blocking, in one round trip (ids moved and their hashes read together). Fewer
+        than asked: the queues are empty now, and no dequeue is tried until a probe says otherwise."""
+        fetched = rq_store.dequeue(self.rq.connection, self.rq.queues, limit, self.rq.serializer)
+        self._drained = len(fetched) < limit
+        return fetched
 
     def _wait_for_one(self, timeout: float) -> Taken:
         """Block for a job, crash-safe (BLMOVE). RQ's multi-queue dequeue is a BLPOP, which loses the id if the
@@ -93,12 +96,14 @@ class Intake:
         job_id = rq_store.dequeue_blocking(self.rq.connection, queue, timeout)
         return [] if job_id is None else [(job_id, queue)]
 
-    def _start(self, taken: Taken) -> list[Running]:
-        """Start the taken jobs the RQ way (Execution, StartedJobRegistry, status started), in one transaction."""
+    def _start(self, taken: Taken, jobs: list[Job | None] | None = None) -> list[Running]:
+        """Start the taken jobs the RQ way (Execution, StartedJobRegistry, status started), in one transaction.
+        `jobs`: as the dequeue read them (else fetched here)."""
         if not taken:
             return []
         conn = self.rq.connection
-        jobs = rq_store.fetch_jobs(conn, [job_id for job_id, _ in taken], self.rq)
+        if jobs is None:
+            jobs = rq_store.fetch_jobs(conn, [job_id for job_id, _ in taken], self.rq)
         started: list[Running] = []
         exists_at: list[int] = []  # index of each started job's EXISTS reply in the pipeline's results
         with conn.pipeline() as pipe:

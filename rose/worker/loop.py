@@ -104,17 +104,11 @@ class JobLoop:
         worker may wait on the queues."""
         self._reconcile = False
         took = (self.guard.run("intake", self._take, block_s) or 0) if taking else 0
-        if not taking:
-            self.watch.abandon_lengths()
         if self.engine.has_unfinished():
             self.guard.run("checks", self.watch.before_step, self.running)  # answered while the model runs
             self._step()
         if self.watch.due(self.running, self.engine.has_unfinished()):  # before any retirement
             self.guard.run("checks", self._check)
-        if taking and self.engine.has_unfinished() and self.room() > 0:
-            self.guard.run(
-                "checks", self.watch.ask_lengths
-            )  # ahead of the retirement's writes: answered first
         if self.retirer.busy:  # results sent earlier: collect Redis's replies, send the next round
             self.guard.run("retire", self._advance_retirer)
         self.guard.run("stops", self._stop_commanded)

@@ -97,20 +97,40 @@ def queue_lengths(conn: Redis, queues: list[Queue]) -> list[int]:
         return [int(n) for n in pipe.execute()]
 
 
-def dequeue(conn: Redis, plan: list[tuple[Queue, int]]) -> list[tuple[str, Queue]]:
-    """Up to n ids from each queue, without blocking, in one round trip: LMOVE into the queue's intermediate list,
-    as RQ's own dequeue does (a crash before the start leaves the id findable: `requeue_stuck`)."""
-    with conn.pipeline(transaction=False) as pipe:
-        for queue, n in plan:
-            for _ in range(n):
-                pipe.lmove(queue.key, queue.intermediate_queue_key, "LEFT", "RIGHT")
-        replies = iter(pipe.execute())
-    taken: list[tuple[str, Queue]] = []
-    for queue, n in plan:
-        for _ in range(n):
-            job_id = decoded(next(replies))
-            if job_id is not None:  # another worker was quicker
-                taken.append((job_id, queue))
+# KEYS: each queue's list, then its intermediate list, highest priority first; ARGV[1]: the most ids to move;
+# ARGV[2]: the prefix of job hashes. Moves ids as RQ's own dequeue does (LMOVE into the intermediate list) and returns
+# {queue index (1-based), id, the job's hash (flat), ...}: dequeue and fetch in one round trip, with no need to know
+# the queues' lengths first.
+_DEQUEUE = """
+local out, left = {}, tonumber(ARGV[1])
+for i = 1, #KEYS, 2 do
+  while left > 0 do
+    local id = redis.call('LMOVE', KEYS[i], KEYS[i + 1], 'LEFT', 'RIGHT')
+    if not id then break end
+    out[#out + 1] = (i + 1) / 2
+    out[#out + 1] = id
+    out[#out + 1] = redis.call('HGETALL', ARGV[2] .. id)
+    left = left - 1
+  end
+end
+return out
+"""
+
+
+def dequeue(conn: Redis, queues: list[Queue], limit: int, serializer: Any) -> list[tuple[str, Queue, Job | None]]:
+    """Up to `limit` jobs from the queues, highest priority first, without blocking, in one round trip: (id, queue,
+    the job as its hash was, None if it has none). A crash before the start leaves the ids in the intermediate
+    lists, findable (`requeue_stuck`)."""
+    keys = [key for q in queues for key in (q.key, q.intermediate_queue_key)]
+    flat = conn.eval(_DEQUEUE, len(keys), *keys, limit, Job.redis_job_namespace_prefix)
+    taken: list[tuple[str, Queue, Job | None]] = []
+    for i in range(0, len(flat), 3):
+        queue, job_id, fields = queues[int(flat[i]) - 1], decoded(flat[i + 1]), flat[i + 2]
+        job = None
+        if fields:
+            job = Job(job_id, connection=conn, serializer=serializer)
+            job.restore(dict(zip(fields[::2], fields[1::2], strict=True)))
+        taken.append((job_id, queue, job))
     return taken
 
 

@@ -17,9 +17,9 @@ writes, and a job to be stored by RQ's handler (phases CHECKING / RECHECKING: a 
 the retirer) is owed a probe of its own: one goes out before the next step (at once when the engine is idle), and
 `Checked.checked` lists the jobs a probe read while they were owed one.
 
-The probe also sizes the queues for the next intake; on a step without a probe, and when the probe saw empty queues,
-only the queue lengths are asked after the step (read at the next intake), so a busy loop never waits for a round
-trip to learn whether jobs came. Watch never changes a job: the loop (rose.worker.loop) applies what it reports.
+The probe also sizes the queues for the next intake (rose.worker.intake: a dequeue moves what there is without
+asking first; empty queues seen by a probe, or left by a dequeue, are not tried again until a probe sees jobs).
+Watch never changes a job: the loop (rose.worker.loop) applies what it reports.
 """
 
 from __future__ import annotations
@@ -36,7 +36,9 @@ from rose.worker.running import CHECKED_PHASE, Running
 
 log = logging.getLogger(__name__)
 
-STATUS_INTERVAL_S = 1.0  # every running job's status is read this often (a few hundred ns of Redis per job)
+# Every running job's status is read this often (about a microsecond of Redis per job): deletions and jobs taken
+# over are rare, and after an outage the worker reads them at once (`check_all`).
+STATUS_INTERVAL_S = 5.0
 
 
 class Verdict(enum.Enum):
@@ -71,9 +73,6 @@ class Watch:
         self.check_interval = check_interval
         self._target = target
         self._probe = probe.InFlightProbe(target)
-        self._lengths_probe = probe.InFlightProbe(
-            target
-        )  # queue lengths only: sent after a step, read at intake
         self._next_check = 0.0  # monotonic time the next signals are due
         self._next_status = 0.0  # monotonic time every running job's status is next read
         self._status_asked = False  # read every running job's status at the next step (a signal changed)
@@ -159,26 +158,12 @@ class Watch:
                 result.findings.append(Finding(run, Verdict.TIMED_OUT))
         return result
 
-    # ---- queue lengths for the intake ---------------------------------------------------------------------------
-
-    def ask_lengths(self) -> None:
-        """After a step: ask the queue lengths for the next intake unless the probe brought them (non-empty) or a
-        question is in flight; the reply is read at the intake, so the loop waits for no round trip."""
-        if self._lengths_probe.pending:
-            return
-        if self._lengths is None or not any(self._lengths):
-            self._lengths_probe.send([])
+    # ---- queue lengths for the intake -----------------------------------------------------------------------------
 
     def queue_lengths(self) -> list[int] | None:
-        """The queue lengths learnt since the last intake (None: unknown, the intake asks)."""
+        """The queue lengths the last probe read, once (None: no probe since the last intake)."""
         lengths, self._lengths = self._lengths, None
-        if self._lengths_probe.pending:
-            asked = self._lengths_probe.receive().lengths
-            lengths = lengths if lengths is not None and any(lengths) else asked
         return lengths
-
-    def abandon_lengths(self) -> None:
-        self._lengths_probe.abandon()  # no intake to read it (draining, suspended)
 
 
 def _judge(item: probe.Attention, me: str) -> Finding:

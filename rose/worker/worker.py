@@ -161,9 +161,11 @@ class RoseWorker:
                 if self.running or took:
                     idle_since = time.monotonic()
                     continue
-                queues_empty = not any(rq_store.queue_lengths(self.connection, self.rq.queues))
-                if burst and not self.engine.has_unfinished() and queues_empty:
-                    break
+                if burst and not self.engine.has_unfinished():
+                    # through the guard: an idle worker must outlive a Redis outage like a busy one
+                    lengths = self.guard.run("intake", rq_store.queue_lengths, self.connection, self.rq.queues)
+                    if lengths is not None and not any(lengths):
+                        break
                 if max_idle_time is not None and time.monotonic() - idle_since > max_idle_time:
                     break
         finally:

@@ -1,0 +1,177 @@
+"""What a generated token costs Redis, measured as an operator would (`rose bench redis`).
+
+A real redis-server and a real rose-worker (tiny-llama on CPU); `num_jobs` jobs of `max_tokens` tokens each
+(greedy, EOS ignored) enqueued at once with plain RQ, then waited for; Redis's own accounting (rose.bench.redis_meter)
+from the enqueue to the last result, divided by the tokens generated and by the jobs: main-thread CPU net of Redis's
+idle rate, commands, round trips, and the memory left until the streams and results expire. Once for each mode:
+`streamed` (the default `stream: true`) and `not-streamed` (`stream: false`), each on a fresh Redis and worker.
+
+Where the machine has CPUs to spare, Redis runs on a CPU of its own and the worker on the others (`taskset`), as in
+production, where Redis does not share a core with a model's threads: sharing one makes Redis's CPU time swing with
+the model's load, not with its own work.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from rq import Queue
+from rq.serializers import JSONSerializer
+
+from rose.bench import redis_meter
+from rose.harness.redis_server import RedisServerProcess
+from rose.harness.worker_process import WorkerProcess, wait_for
+from rose.jobs import keys
+
+log = logging.getLogger(__name__)
+
+STREAMED, NOT_STREAMED = "streamed", "not-streamed"
+# the issue's targets, per generated token
+TARGETS = {STREAMED: {"cpu_us": 3.0, "bytes": 60.0}, NOT_STREAMED: {"cpu_us": 0.5}}
+
+
+@dataclass
+class RedisCostConfig:
+    model: str = "tiny-llama"
+    num_jobs: int = 200
+    max_tokens: int = 128
+    max_num_seqs: int = 64
+    modes: tuple[str, ...] = (STREAMED, NOT_STREAMED)
+    worker_args: tuple[str, ...] = ()  # more rose-worker flags (--stream-interval, --check-interval, ...)
+    redis_args: tuple[str, ...] = ()  # more redis-server options
+    pin: bool = True  # Redis on a CPU of its own when there are two or more
+    idle_s: float = 3.0
+    timeout_s: float = 900.0
+
+
+@dataclass
+class ModeResult:
+    mode: str
+    tokens: int
+    jobs: int
+    wall_s: float
+    usage: dict[str, Any]
+    per_token: dict[str, float]
+    per_job: dict[str, float]
+    memory_by_family: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.wall_s if self.wall_s > 0 else float("nan")
+
+    def meets(self) -> dict[str, bool]:
+        return {k: self.per_token[k] <= v for k, v in TARGETS.get(self.mode, {}).items()}
+
+
+@dataclass
+class RedisCostReport:
+    config: dict[str, Any]
+    cpus: dict[str, str | None]
+    results: list[ModeResult] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "config": self.config,
+            "cpus": self.cpus,
+            "results": [
+                {**asdict(r), "tokens_per_s": r.tokens_per_s, "meets": r.meets()} for r in self.results
+            ],
+        }
+
+    def rows(self) -> tuple[list[str], list[list[Any]]]:
+        headers = [
+            "mode",
+            "tok/s",
+            "CPU µs/token",
+            "raw CPU µs/token",
+            "cmd µs/token",
+            "cmds/token",
+            "round trips/token",
+            "B/token",
+            "CPU µs/job",
+            "cmds/job",
+        ]
+        rows = [
+            [
+                r.mode,
+                r.tokens_per_s,
+                r.per_token["cpu_us"],
+                r.per_token["cpu_raw_us"],
+                r.per_token["command_usec"],
+                r.per_token["commands"],
+                r.per_token["round_trips"],
+                r.per_token["bytes"],
+                r.per_job["cpu_us"],
+                r.per_job["commands"],
+            ]
+            for r in self.results
+        ]
+        return headers, rows
+
+
+def cpu_split(pin: bool) -> dict[str, str | None]:
+    """Redis's CPU and the worker's, as taskset lists (None: not pinned)."""
+    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if not pin or n < 2:
+        return {"redis": None, "worker": None}
+    cpus = sorted(os.sched_getaffinity(0))
+    return {"redis": str(cpus[-1]), "worker": ",".join(map(str, cpus[:-1]))}
+
+
+def run_mode(cfg: RedisCostConfig, mode: str, cpus: dict[str, str | None]) -> ModeResult:
+    """One mode on a fresh redis-server and rose-worker."""
+    env = dict(os.environ)
+    if cpus["worker"] is not None:
+        env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(len(cpus["worker"].split(",")))
+    wargs = ["--model", cfg.model, "--device", "cpu", "--dtype", "float32", "--log-level", "WARNING"]
+    wargs += ["--max-num-seqs", str(cfg.max_num_seqs), "--max-model-len", str(64 + cfg.max_tokens)]
+    wargs += list(cfg.worker_args)
+    fields = {"max_tokens": cfg.max_tokens, "ignore_eos": True, "temperature": 0, "stream": mode == STREAMED}
+    with RedisServerProcess(args=list(cfg.redis_args), cpus=cpus["redis"]).start() as server:
+        r = server.client()
+        with WorkerProcess(server.url, "cost", wargs, env=env, cpus=cpus["worker"]) as worker:
+            worker.wait_ready(engine_info=True)
+            q = Queue(keys.DEFAULT_QUEUE, connection=r, serializer=JSONSerializer)
+            warm = q.enqueue(keys.FUNC_PATH, kwargs={"prompt": "warm up", **fields, "max_tokens": 8})
+            wait_for(lambda: warm.get_status() == "finished", 300, "the warm-up job", interval=0.1)
+            finished = q.finished_job_registry
+            idle = redis_meter.idle(r, cfg.idle_s)
+            before = redis_meter.snapshot(r)
+            q.enqueue_many(
+                [
+                    Queue.prepare_data(keys.FUNC_PATH, kwargs={"prompt": f"job {i}", **fields})
+                    for i in range(cfg.num_jobs)
+                ]
+            )
+            wait_for(lambda: finished.count >= cfg.num_jobs + 1, cfg.timeout_s, "every job", interval=0.2)
+            after = redis_meter.snapshot(r)
+            used = redis_meter.usage(before, after, idle)
+            families = redis_meter.memory_by_family(r)
+    tokens = cfg.num_jobs * cfg.max_tokens
+    return ModeResult(
+        mode=mode,
+        tokens=tokens,
+        jobs=cfg.num_jobs,
+        wall_s=used.wall_s,
+        usage=used.to_dict(),
+        per_token=used.per(tokens),
+        per_job=used.per(cfg.num_jobs),
+        memory_by_family=families,
+    )
+
+
+def run_redis_cost(cfg: RedisCostConfig, progress: Any = None) -> RedisCostReport:
+    cpus = cpu_split(cfg.pin)
+    report = RedisCostReport(config=asdict(cfg), cpus=cpus)
+    for mode in cfg.modes:
+        if progress:
+            progress(f"{mode}: {cfg.num_jobs} jobs x {cfg.max_tokens} tokens")
+        t0 = time.monotonic()
+        report.results.append(run_mode(cfg, mode, cpus))
+        if progress:
+            progress(f"{mode}: done in {time.monotonic() - t0:.0f} s")
+    return report
