@@ -1,10 +1,10 @@
 """`rose batch`: run a JSONL file of prompts through the workers, writing one result line per input line.
 
 Two file formats, told apart per file: rose's own (rose.cli.batch_files.PlainFormat) and OpenAI's Batch API
-format (rose.cli.openai_batch). Streaming and bounded: input is read lazily, at most --max-in-flight jobs are queued
-or running at once, each result line is written (and flushed) as its job ends, and nothing else is kept per line but
-its id. Resumable: ids already in the output (and error) file are skipped, and jobs a previous run left queued or
-running (listed in `<output>.jobs`) are picked up rather than submitted again.
+format (rose.cli.openai_batch). Streaming and bounded: input is read lazily, at most --max-in-flight jobs are
+queued or running at once, each result line is written (and flushed) as its job ends, and nothing else is kept
+per line but its id. Resumable: ids already in the output (and error) file are skipped, and jobs a previous
+run left queued or running (listed in `<output>.jobs`) are picked up rather than submitted again.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from rose.cli.batch_files import Entry, LineFormat, first_pass, key_of, read_jobs_file, scan_output, survey
-from rose.cli.batch_progress import Throughput, progress_text, stream_lengths
+from rose.cli.batch_progress import Throughput, progress_text
 from rose.cli.common import EXIT_FAILED, add_redis_args, connect, error
 from rose.cli.openai_batch import detect_format, parse_queue_for
 from rose.cli.sampling_args import add_sampling_args, sampling_kwargs
@@ -222,15 +222,7 @@ def _loop(
                     progress.update()
                     continue
                 old = prev_jobs.pop(key_of(entry.id), None)
-                if old is not None:
-                    status, streamed = _previous_job(conn, old)
-                    if status is not None and status not in _RESUBMIT:
-                        batch.inflight[old] = entry  # a previous run's job: wait for it
-                        # what it streamed before this run is not this run's throughput
-                        batch.throughput.adopt(old, None if status in _ENDED else streamed)
-                    else:
-                        chunk.append(entry)  # gone (expired) or canceled since: run the line again
-                else:
+                if old is None or not _adopt(batch, conn, old, entry):
                     chunk.append(entry)
                 if len(chunk) >= room or len(batch.inflight) + len(chunk) >= args.max_in_flight:
                     break
@@ -240,20 +232,22 @@ def _loop(
             _show(batch, progress)
         ended = _poll(batch, client, conn)
         progress.update(ended)
-        if batch.running and batch.throughput.sample_due(time.monotonic()):
-            batch.throughput.sampled(stream_lengths(conn, batch.running))
         _show(batch, progress)
         if not ended and batch.inflight and not batch.stop:
             time.sleep(_POLL_S)
 
 
-def _previous_job(conn: Any, job_id: str) -> tuple[str | None, int]:
-    """A previous run's job: its RQ status (None: gone) and how many events its stream holds, in one round trip."""
-    with conn.pipeline(transaction=False) as pipe:
-        pipe.hget(keys.rq_job_key(job_id), keys.JOB_STATUS_FIELD)
-        pipe.xlen(keys.stream_key(job_id))
-        status, streamed = pipe.execute()
-    return (None if status is None else status.decode()), int(streamed)
+def _adopt(batch: Batch, conn: Any, job_id: str, entry: Entry) -> bool:
+    """Wait for a previous run's job for `entry` (True), unless it is gone (expired) or was canceled since (False:
+    run the line again)."""
+    raw = conn.hget(keys.rq_job_key(job_id), keys.JOB_STATUS_FIELD)
+    status = None if raw is None else raw.decode()
+    if status is None or status in _RESUBMIT:
+        return False
+    batch.inflight[job_id] = entry
+    # tok/s: only a job that had not started yet generates all its tokens during this run (batch_progress)
+    batch.throughput.adopt(job_id, counted=status not in _ENDED and status != "started")
+    return True
 
 
 def _entries(path: Path, fmt: LineFormat, defaults: dict[str, Any], done_keys: set[str]) -> Iterator[Entry]:
