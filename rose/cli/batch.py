@@ -1,10 +1,12 @@
 """`rose batch`: run a JSONL file of prompts through the workers, writing one result line per input line.
 
 Two file formats, told apart per file: rose's own (rose.cli.batch_files.PlainFormat) and OpenAI's Batch API
-format (rose.cli.openai_batch). Streaming and bounded: input is read lazily, at most --max-in-flight jobs are queued
-or running at once, each result line is written (and flushed) as its job ends, and nothing else is kept per line but
-its id. Resumable: ids already in the output (and error) file are skipped, and jobs a previous run left queued or
-running (listed in `<output>.jobs`) are picked up rather than submitted again.
+format (rose.cli.openai_batch). Streaming and bounded: input is read lazily, at most --max-in-flight jobs are
+queued or running at once, each result line is written (and flushed) as its job ends, and nothing else is kept
+per line but its id. Resumable: ids already in the output (and error) file are skipped, and jobs a previous
+run left queued or running (listed in `<output>.jobs`) are picked up rather than submitted again. Jobs go with
+`stream: false` unless --stream (or the line) says otherwise: the workers publish only each job's end, so a
+batch costs Redis nothing per token.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from rose.cli.batch_files import Entry, LineFormat, first_pass, key_of, read_jobs_file, scan_output, survey
-from rose.cli.batch_progress import Throughput, progress_text, stream_lengths
+from rose.cli.batch_progress import Throughput, progress_text
 from rose.cli.common import EXIT_FAILED, add_redis_args, connect, error
 from rose.cli.openai_batch import detect_format, parse_queue_for
 from rose.cli.sampling_args import add_sampling_args, sampling_kwargs
@@ -40,8 +42,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description=(
             "Each input line is a JSON object with `prompt`, `prompt_token_ids` or chat `messages`, an optional "
             "`id` (default: the line number) and optional job fields (sampling fields, structured_outputs / "
-            "response_format, chat options, metadata, priority) that override the "
-            "command-line defaults. Each output line is {id, job_id, text, finish_reason, usage[, metadata]} or "
+            "response_format, chat options, metadata, priority, stream) that override the command-line "
+            "defaults. Jobs are sent with stream: false (the workers publish each job's end, no token "
+            "events) unless --stream or the line says otherwise. Each output line is {id, job_id, text, "
+            "finish_reason, usage[, metadata]} or "
             "{id, error}, written in completion order. A file in OpenAI's Batch API format ({custom_id, method, "
             "url, body} lines for /v1/chat/completions or /v1/completions) gets OpenAI's batch output lines. "
             "Running the same command again skips the ids already in the output and picks up the jobs a previous "
@@ -71,6 +75,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=3600,
         metavar="S",
         help="seconds RQ keeps each result (default 3600)",
+    )
+    p.add_argument(
+        "--stream",
+        action="store_true",
+        help="have the workers publish every job's tokens as they are generated (the job field stream), for "
+        "whoever watches a job; default: only each job's end, which costs Redis nothing per token. A line's "
+        "own stream field wins",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_sampling_args(p)
@@ -205,7 +216,7 @@ def _loop(
     progress: Any,
 ) -> None:
     args = batch.args
-    entries = _entries(args.input, batch.fmt, sampling_kwargs(args), done_keys)
+    entries = _entries(args.input, batch.fmt, _job_defaults(args), done_keys)
     exhausted = False
     while not batch.stop and (not exhausted or batch.inflight):
         # fill the window
@@ -222,15 +233,7 @@ def _loop(
                     progress.update()
                     continue
                 old = prev_jobs.pop(key_of(entry.id), None)
-                if old is not None:
-                    status, streamed = _previous_job(conn, old)
-                    if status is not None and status not in _RESUBMIT:
-                        batch.inflight[old] = entry  # a previous run's job: wait for it
-                        # what it streamed before this run is not this run's throughput
-                        batch.throughput.adopt(old, None if status in _ENDED else streamed)
-                    else:
-                        chunk.append(entry)  # gone (expired) or canceled since: run the line again
-                else:
+                if old is None or not _adopt(batch, conn, old, entry):
                     chunk.append(entry)
                 if len(chunk) >= room or len(batch.inflight) + len(chunk) >= args.max_in_flight:
                     break
@@ -240,20 +243,29 @@ def _loop(
             _show(batch, progress)
         ended = _poll(batch, client, conn)
         progress.update(ended)
-        if batch.running and batch.throughput.sample_due(time.monotonic()):
-            batch.throughput.sampled(stream_lengths(conn, batch.running))
         _show(batch, progress)
         if not ended and batch.inflight and not batch.stop:
             time.sleep(_POLL_S)
 
 
-def _previous_job(conn: Any, job_id: str) -> tuple[str | None, int]:
-    """A previous run's job: its RQ status (None: gone) and how many events its stream holds, in one round trip."""
-    with conn.pipeline(transaction=False) as pipe:
-        pipe.hget(keys.rq_job_key(job_id), keys.JOB_STATUS_FIELD)
-        pipe.xlen(keys.stream_key(job_id))
-        status, streamed = pipe.execute()
-    return (None if status is None else status.decode()), int(streamed)
+def _adopt(batch: Batch, conn: Any, job_id: str, entry: Entry) -> bool:
+    """Wait for a previous run's job for `entry` (True), unless it is gone (expired) or was canceled since (False:
+    run the line again)."""
+    raw = conn.hget(keys.rq_job_key(job_id), keys.JOB_STATUS_FIELD)
+    status = None if raw is None else raw.decode()
+    if status is None or status in _RESUBMIT:
+        return False
+    batch.inflight[job_id] = entry
+    # tok/s: only a job that had not started yet generates all its tokens during this run (batch_progress)
+    batch.throughput.adopt(job_id, counted=status not in _ENDED and status != "started")
+    return True
+
+
+def _job_defaults(args: argparse.Namespace) -> dict[str, Any]:
+    """The job fields the command line sets for every line (a line's own fields override them): the sampling
+    flags, and `stream: false` unless --stream. Nobody reads a batch token by token, and a job without token
+    events costs Redis only its end; with --stream the field is left out (true is the job's default)."""
+    return {**sampling_kwargs(args), **({} if args.stream else {"stream": False})}
 
 
 def _entries(path: Path, fmt: LineFormat, defaults: dict[str, Any], done_keys: set[str]) -> Iterator[Entry]:
@@ -286,7 +298,7 @@ def _submit(batch: Batch, client: Any, chunk: list[Entry]) -> None:
     batch.jobs_out.flush()
     for queue, group in by_queue.items():  # one round trip per queue (--queue-for)
         to = client if queue is None else Client(client.redis, queue=queue)
-        jobs = to.submit_many([request for _, request in group], **sampling_kwargs(args))
+        jobs = to.submit_many([request for _, request in group], **_job_defaults(args))
         for (entry, _), job in zip(group, jobs, strict=True):
             batch.inflight[job.id] = entry
 

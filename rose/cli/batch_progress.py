@@ -1,92 +1,51 @@
 """The numbers on `rose batch`'s progress line: jobs finished, failed, running and queued, and tokens per second.
 
-Tokens are counted while the jobs stream, not only when they end (a batch's first results come only after its
-first jobs' last tokens, and the line would read 0 until then): a running job counts the token events in its Redis
-stream (`rose:stream:<id>`, one XLEN each: the worker appends one event per job per engine step, so events track
-tokens), an ended job its exact `usage.completion_tokens`. A resumed batch counts only what its own run saw
-generated: a previous run's job that this run adopts is counted from its stream length when adopted, and one that
-had already ended counts nothing.
+tok/s is exact, not estimated: the `usage.completion_tokens` of the jobs that finished during this run, over
+the time since this run started. Token events cannot give a running count: a streamed job's events are
+coalesced (one event carries every token since the previous one), and a job sent with `stream: false` (rose
+batch's default) has none. So the rate reads 0 until the first jobs finish, and while jobs run it lags what
+the workers generate (a running job's tokens count only once it has finished); over a run of many jobs it
+converges on the real rate.
 
-Redis load stays bounded: the streams are sampled in one pipelined round trip at most every `SAMPLE_EVERY_S`,
-only for jobs the last status poll saw running, and at most `SAMPLE_CAP` of them.
+Only tokens known to be generated during this run count, so the rate never overstates it. A resumed batch: a
+previous run's job that had already ended counts nothing, one still queued when this run found it counts in
+full, and one already running then counts nothing (part of it was generated before this run, and how much is
+not known: its stream no longer tells, and the workers' clocks are not ours). Jobs that fail or are canceled
+count nothing: rose stores no token count for them.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
-
-from rose.jobs import keys
-
-SAMPLE_EVERY_S = 0.5
-SAMPLE_CAP = 1024
 
 
 @dataclass
 class Throughput:
-    """Tokens generated for this run's jobs since `started` (time.monotonic())."""
+    """Completion tokens of the jobs that finished during this run, since `started` (time.monotonic())."""
 
     started: float = field(default_factory=time.monotonic)
-    ended_tokens: int = 0  # of the jobs that ended during this run
-    live: dict[str, int] = field(default_factory=dict)  # running job -> token events counted so far
-    # adopted job -> events its stream held when this run found it; None: it had ended before this run
-    baseline: dict[str, int | None] = field(default_factory=dict)
-    last_sample: float = float("-inf")
+    tokens: int = 0
+    # adopted jobs (a previous run's) whose tokens are not (all) this run's: they count nothing when they end
+    uncounted: set[str] = field(default_factory=set)
 
-    def adopt(self, job_id: str, streamed_before: int | None) -> None:
-        """A previous run's job this run waits for: its first `streamed_before` events (None: all of it, the
-        job had already ended) were generated before this run and are not counted."""
-        self.baseline[job_id] = streamed_before
-
-    def sampled(self, lengths: dict[str, int]) -> None:
-        """Record running jobs' stream lengths (XLEN)."""
-        for job_id, length in lengths.items():
-            if job_id in self.baseline and self.baseline[job_id] is None:
-                continue
-            self.live[job_id] = max(0, length - (self.baseline.get(job_id) or 0))
+    def adopt(self, job_id: str, counted: bool) -> None:
+        """A previous run's job this run waits for: `counted` when every token it generates is this run's (it
+        was still queued when found), False when it had started or ended before."""
+        if not counted:
+            self.uncounted.add(job_id)
 
     def ended(self, job_id: str, completion_tokens: int | None) -> None:
-        """A job ended: its exact token count (usage.completion_tokens) replaces its streamed estimate. None (it
-        failed or was canceled): what it was seen streaming stays counted: the workers did generate it."""
-        streamed = self.live.pop(job_id, 0)
-        base = self.baseline.pop(job_id, 0)
-        if base is None:  # ended before this run: nothing of it was generated now
-            return
-        if completion_tokens is None:
-            self.ended_tokens += streamed
-        else:
-            self.ended_tokens += max(0, completion_tokens - base)
-
-    def tokens(self) -> int:
-        return self.ended_tokens + sum(self.live.values())
+        """A job ended: its exact token count (usage.completion_tokens), None if it failed or was canceled."""
+        if job_id in self.uncounted:
+            self.uncounted.discard(job_id)
+        elif completion_tokens is not None:
+            self.tokens += completion_tokens
 
     def rate(self, now: float | None = None) -> float:
         """Tokens per second since `started`."""
         elapsed = (time.monotonic() if now is None else now) - self.started
-        return self.tokens() / max(elapsed, 1e-6)
-
-    def sample_due(self, now: float) -> bool:
-        if now - self.last_sample < SAMPLE_EVERY_S:
-            return False
-        self.last_sample = now
-        return True
-
-
-def stream_lengths(conn: Any, job_ids: Iterable[str], cap: int = SAMPLE_CAP) -> dict[str, int]:
-    """XLEN of up to `cap` jobs' event streams, in one pipelined round trip (a missing stream reads 0)."""
-    ids = []
-    for job_id in job_ids:
-        if len(ids) >= cap:
-            break
-        ids.append(job_id)
-    if not ids:
-        return {}
-    with conn.pipeline(transaction=False) as pipe:
-        for job_id in ids:
-            pipe.xlen(keys.stream_key(job_id))
-        return {job_id: int(n) for job_id, n in zip(ids, pipe.execute(), strict=True)}
+        return self.tokens / max(elapsed, 1e-6)
 
 
 def progress_text(done: int, failed: int, running: int, queued: int, tok_s: float) -> str:

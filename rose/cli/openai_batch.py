@@ -2,8 +2,10 @@
 
 Input line: {"custom_id": "...", "method": "POST", "url": "/v1/chat/completions" | "/v1/completions", "body": {...}},
 the body being a Chat Completions / Completions request. Each body field maps to a rose.jobs.generate job field;
-a field rose cannot honour (tools, logit_bias, n > 1, stream, logprobs, ...) makes that line a 400 error line
-rather than being ignored. Output line (OpenAI's BatchRequestOutput): {"id": "batch_req_...", "custom_id",
+a field rose cannot honour (tools, logit_bias, n > 1, logprobs, ...) makes that line a 400 error line rather
+than being ignored. `stream` becomes the job field of that name (true: the workers publish the job's tokens on
+Redis for whoever watches it; false: only its end); the output line is the non-streaming response either way.
+Output line (OpenAI's BatchRequestOutput): {"id": "batch_req_...", "custom_id",
 "response": {"status_code", "request_id", "body"} | null, "error": {"code", "message"} | null}.
 """
 
@@ -48,17 +50,17 @@ _NO_EFFECT = ("user", "safety_identifier", "prompt_cache_key", "store")
 # parallel_tool_calls (chat) is accepted as it is: it does nothing without tools, and tools are refused.
 _ONLY = {
     "n": (1,),
-    "stream": (False,),
     "logprobs": (False,),  # the job result carries no logprobs
     "echo": (False,),
     "best_of": (1,),
 }
 _WHY = {"logprobs": "rose's job result carries no logprobs", "n": "one choice per line"}
+_STREAM_OPTIONS = ("include_usage", "include_obfuscation")  # OpenAI's; what rose does with each: see _stream
 _ENDPOINT_FIELDS = {
     CHAT_URL: {"messages", "max_completion_tokens", "metadata", "logprobs", "parallel_tool_calls"},
     COMPLETIONS_URL: {"prompt", "echo", "best_of", "logprobs"},
 }
-_COMMON = {"model", "max_tokens", "n", "stream", *_SAME, *_VLLM_EXTRAS, *_NO_EFFECT}
+_COMMON = {"model", "max_tokens", "n", "stream", "stream_options", *_SAME, *_VLLM_EXTRAS, *_NO_EFFECT}
 
 
 class RequestError(ValueError):
@@ -136,6 +138,7 @@ def to_job_fields(line: dict[str, Any], defaults: dict[str, Any] | None = None) 
             raise RequestError(
                 f"{name}={json.dumps(body[name])} is not supported by rose ({why})", name, "unsupported_value"
             )
+    stream = _stream(body)
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise RequestError("'model' is required (a string)", "model", "missing_required_parameter")
@@ -156,7 +159,56 @@ def to_job_fields(line: dict[str, Any], defaults: dict[str, Any] | None = None) 
         fields["max_tokens"] = max_tokens
     elif "max_tokens" not in defaults:
         fields["max_tokens"] = None
+    if stream is not None:  # absent: the command line's choice (rose batch: false unless --stream)
+        fields["stream"] = stream
     return fields, model
+
+
+def _stream(body: dict[str, Any]) -> bool | None:
+    """body.stream (None: absent), its `stream_options` checked: RequestError for what rose cannot honour.
+
+    OpenAI's stream_options: `include_usage` (a last chunk with the usage): rose's terminal `done` event
+    always carries the usage, so true is honoured, and false (OpenAI's default) is no different from leaving
+    it out; `include_obfuscation` (random padding on streamed deltas, on by default at OpenAI): rose's events
+    have none, so only false is honoured.
+    """
+    stream = body.get("stream")
+    if stream is not None and type(stream) is not bool:
+        raise RequestError(
+            f"'stream' must be true or false, got {json.dumps(stream)}", "stream", "invalid_type"
+        )
+    options = body.get("stream_options")
+    if options is None:
+        return stream
+    if stream is not True:
+        raise RequestError(
+            "'stream_options' is only allowed when 'stream' is true", "stream_options", "invalid_value"
+        )
+    if not isinstance(options, dict):
+        raise RequestError("'stream_options' must be a JSON object", "stream_options", "invalid_type")
+    for name, value in options.items():
+        if value is None:  # null counts as absent, as in the body
+            continue
+        if name not in _STREAM_OPTIONS:
+            raise RequestError(
+                f"stream_options.{name} is not supported by rose (only {', '.join(_STREAM_OPTIONS)})",
+                "stream_options",
+                "unsupported_parameter",
+            )
+        if type(value) is not bool:
+            raise RequestError(
+                f"stream_options.{name} must be true or false, got {json.dumps(value)}",
+                "stream_options",
+                "invalid_type",
+            )
+        if name == "include_obfuscation" and value:
+            raise RequestError(
+                "stream_options.include_obfuscation=true is not supported by rose (its token events carry no "
+                "obfuscation padding): give false",
+                "stream_options",
+                "unsupported_value",
+            )
+    return stream
 
 
 def _vllm_chat_extras(url: str) -> tuple[str, ...]:

@@ -21,7 +21,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description=(
             "Enqueue one rose.jobs.generate job: a PROMPT, or chat messages (--messages) that the worker renders "
             "with its model's chat template. Prints the job id, then the text (live with --stream), then "
-            "the finish reason and token usage. Exit code: 0 done, 1 failed or canceled (message on stderr), "
+            "the finish reason and token usage. --no-token-events: the worker publishes only the job's end, "
+            "no tokens (the text comes with the result). Exit code: 0 done, 1 failed or canceled (message on "
+            "stderr), "
             "124 --timeout passed (the job goes on: `rose result JOB_ID --wait S`), 130 Ctrl-C."
         ),
     )
@@ -37,6 +39,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     add_redis_args(p)
     p.add_argument("--stream", action="store_true", help="print the tokens as the worker generates them")
+    p.add_argument(
+        "--no-token-events",
+        action="store_true",
+        help="send the job with stream: false: the worker publishes no token events, only the job's end "
+        "(cheaper for Redis); the text is printed when the result comes (not with --stream)",
+    )
     p.add_argument(
         "--timeout",
         type=float,
@@ -61,6 +69,12 @@ def run(args: argparse.Namespace) -> int:
     if (args.prompt is None) == (args.messages is None):
         error(args, "error: give a PROMPT or --messages (one of the two)")
         return 2
+    if args.stream and args.no_token_events:
+        error(
+            args,
+            "error: --stream prints the token events that --no-token-events turns off: give one of the two",
+        )
+        return 2
     fields: dict[str, Any] = {**sampling_kwargs(args), **request_kwargs(args)}
     if args.messages is not None:
         fields["messages"] = args.messages
@@ -68,6 +82,9 @@ def run(args: argparse.Namespace) -> int:
         fields["prompt"] = args.prompt
     if args.priority is not None:
         fields["priority"] = args.priority
+    if args.no_token_events:
+        # only false is sent: true is the job's default, and a job without the field runs on older workers too
+        fields["stream"] = False
     rq_opts = {n: getattr(args, n) for n in ("job_timeout", "result_ttl") if getattr(args, n) is not None}
     try:
         # checked before connecting: bad messages, or a chat option without messages, fail at once

@@ -5,10 +5,13 @@ from __future__ import annotations
 import collections
 import json
 import subprocess
+import zlib
 from pathlib import Path
 
 import pytest
 from cli_helpers import checkout_env, interrupt_when, rose_cmd
+
+from rose.harness.job_audit import stream_events
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -166,3 +169,53 @@ def test_unreachable_redis_is_one_line(tmp_path, unused_port) -> None:
     )
     assert res.returncode != 0
     assert "cannot reach Redis" in res.stderr and "Traceback" not in res.stderr
+
+
+def job_kwargs(conn, job_id: str) -> dict:
+    """The kwargs the job was enqueued with (JSON serializer: zlib-compressed [func, instance, args, kwargs])."""
+    return json.loads(zlib.decompress(conn.hget(f"rq:job:{job_id}", "data")))[3]
+
+
+def event_types(conn, job_id: str) -> list[str]:
+    return [event["type"] for event in stream_events(conn, job_id)]
+
+
+def test_jobs_publish_only_their_end_unless_streamed(tmp_path, rose, cli_redis, cli_worker) -> None:
+    """Default: stream false (no token events, only `done` seq 0); a line's own `stream` wins over the command
+    line's default both ways; --stream turns token events on for the other lines."""
+    inp = tmp_path / "in.jsonl"
+    lines = [
+        {"id": "plain", "prompt": "one"},
+        {"id": "on", "prompt": "two", "stream": True},
+        {"id": "off", "prompt": "three", "stream": False},
+    ]
+    inp.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    conn = cli_redis.client()
+    streamed = {}
+    for flags in ((), ("--stream",)):
+        out = tmp_path / f"out{len(flags)}.jsonl"
+        res = rose("batch", str(inp), "-o", str(out), "--max-tokens", "5", "--ignore-eos", *flags)
+        assert res.returncode == 0, res.stderr
+        by_id = {line["id"]: line for line in read_output(out)}
+        assert all(line["usage"]["completion_tokens"] == 5 for line in by_id.values())
+        for line_id, line in by_id.items():
+            kwargs, types = job_kwargs(conn, line["job_id"]), event_types(conn, line["job_id"])
+            streamed[line_id, flags] = types != ["done"]
+            # streamed: token events (coalesced, so maybe fewer than the tokens) whose text is the result's
+            if streamed[line_id, flags]:
+                assert types[-1] == "done" and set(types[:-1]) == {"token"}, types
+                tokens = stream_events(conn, line["job_id"])[:-1]
+                assert "".join(event["text"] for event in tokens) == line["text"]
+            else:
+                assert kwargs["stream"] is False
+                assert stream_events(conn, line["job_id"])[0]["seq"] == 0
+        if flags:  # --stream leaves the field out (the job's default): jobs also run on workers without it
+            assert "stream" not in job_kwargs(conn, by_id["plain"]["job_id"])
+    assert streamed == {
+        ("plain", ()): False,
+        ("on", ()): True,
+        ("off", ()): False,
+        ("plain", ("--stream",)): True,
+        ("on", ("--stream",)): True,
+        ("off", ("--stream",)): False,
+    }

@@ -1,5 +1,6 @@
-"""`rose batch`'s progress numbers: running jobs and streamed tokens show before the first job ends, and a resumed
-batch's tokens from a previous run never count in tok/s."""
+"""`rose batch`'s progress numbers: tok/s counts the exact completion tokens of the jobs that finished during the
+run, whatever their token events (coalesced, or none at all with stream: false), and a resumed batch's tokens
+from a previous run never count."""
 
 from __future__ import annotations
 
@@ -7,57 +8,34 @@ import argparse
 import io
 
 import pytest
+from rq.results import Result
 
 from rose.cli import batch as batch_cli
-from rose.cli.batch_files import Entry
-from rose.cli.batch_progress import SAMPLE_EVERY_S, Throughput, progress_text, stream_lengths
-from rose.jobs import keys
-from rose.jobs.client import Client
+from rose.cli.batch_files import Entry, PlainFormat
+from rose.cli.batch_progress import Throughput, progress_text
+from rose.jobs.client import Client, Job
 
 
-def stream(r, job_id: str, n: int) -> None:
-    for i in range(n):
-        r.xadd(keys.stream_key(job_id), {keys.STREAM_FIELD: f'{{"type": "token", "seq": {i}}}'})
-
-
-def test_running_jobs_count_their_streamed_tokens_until_they_end() -> None:
+def test_ended_jobs_count_their_exact_completion_tokens() -> None:
     t = Throughput(started=100.0)
-    t.sampled({"a": 5, "b": 3})
-    assert t.tokens() == 8 and t.rate(now=102.0) == pytest.approx(4.0)
-    t.sampled({"a": 9})  # later sample: grows, b keeps its last count
-    assert t.tokens() == 12
-    t.ended("a", 10)  # the exact count (usage.completion_tokens) replaces the streamed estimate
-    assert t.tokens() == 13 and "a" not in t.live
-    t.ended("b", None)  # failed after streaming 3: those were generated
-    assert t.tokens() == 13 and t.live == {}
+    assert t.rate(now=101.0) == 0.0
+    t.ended("a", 10)
+    t.ended("b", 6)
+    t.ended("c", None)  # failed or canceled: rose stores no token count for it
+    assert t.tokens == 16 and t.rate(now=104.0) == pytest.approx(4.0)
 
 
 def test_a_resumed_jobs_earlier_tokens_do_not_count() -> None:
     t = Throughput(started=0.0)
-    t.adopt("old-running", 40)  # streamed 40 events before this run
-    t.adopt("old-ended", None)  # ended before this run started
-    t.adopt("old-queued", 0)  # still queued: everything it generates is this run's
-    t.sampled({"old-running": 45, "old-queued": 7, "old-ended": 64})
-    assert t.live == {"old-running": 5, "old-queued": 7}
-    t.ended("old-running", 48)
+    t.adopt("old-ended", counted=False)  # ended before this run started
+    t.adopt("old-running", counted=False)  # started before: part of its tokens are not this run's
+    t.adopt("old-queued", counted=True)  # still queued: everything it generates is this run's
     t.ended("old-ended", 64)
+    t.ended("old-running", 48)
     t.ended("old-queued", 8)
-    assert t.tokens() == 8 + 8  # 48 - 40, nothing of old-ended, all 8 of old-queued
-    assert t.baseline == {}
-
-
-def test_sampling_is_rate_limited() -> None:
-    t = Throughput()
-    assert t.sample_due(10.0)
-    assert not t.sample_due(10.0 + SAMPLE_EVERY_S / 2)
-    assert t.sample_due(10.0 + SAMPLE_EVERY_S)
-
-
-def test_stream_lengths_is_capped_and_reads_missing_streams_as_zero(fake_r) -> None:
-    stream(fake_r, "a", 3)
-    assert stream_lengths(fake_r, ["a", "missing"]) == {"a": 3, "missing": 0}
-    assert stream_lengths(fake_r, ["a", "missing"], cap=1) == {"a": 3}
-    assert stream_lengths(fake_r, []) == {}
+    t.ended("new", 5)
+    assert t.tokens == 8 + 5
+    assert t.uncounted == set()
 
 
 def test_progress_text() -> None:
@@ -75,31 +53,50 @@ class FakeProgress:
         pass
 
 
-def test_batch_shows_running_jobs_and_tokens_before_any_job_ends(fake_r) -> None:
-    """The real poll + sample + show path of `rose batch` against Redis: nothing has ended, yet the line shows
-    the running jobs and a non-zero tok/s; an adopted job's earlier events are not counted."""
-    client = Client(fake_r, queue="rose")
-    args = argparse.Namespace()
-    batch = batch_cli.Batch(args, fmt=None, out=io.StringIO(), err=None, jobs_out=io.StringIO())  # type: ignore[arg-type]
-    running, queued, adopted = (client.submit(p) for p in ("a", "b", "c"))
-    for job in (running, adopted):
-        fake_r.hset(f"rq:job:{job.id}", "status", "started")
-    stream(fake_r, adopted.id, 30)  # a previous run's job: 30 events before this run found it
-    status, streamed = batch_cli._previous_job(fake_r, adopted.id)
-    assert (status, streamed) == ("started", 30)
-    batch.throughput.adopt(adopted.id, streamed)
-    for i, job in enumerate((running, queued, adopted)):
-        batch.inflight[job.id] = Entry(i + 1, str(i + 1))
-    stream(fake_r, running.id, 6)
-    stream(fake_r, adopted.id, 2)
+def finish(r, job: Job, completion_tokens: int) -> None:
+    """Store `job` as finished, as a worker does (status, then a successful result with its usage)."""
+    usage = {"prompt_tokens": 1, "completion_tokens": completion_tokens}
+    result = {"text": "x", "finish_reason": "length", "usage": usage}
+    Result.create(job.rq_job, Result.Type.SUCCESSFUL, ttl=60, return_value=result)
+    r.hset(f"rq:job:{job.id}", "status", "finished")
 
-    assert batch_cli._poll(batch, client, fake_r) == 0
-    assert batch.running == {running.id, adopted.id}
-    assert batch.throughput.sample_due(1e9)
-    batch.throughput.sampled(stream_lengths(fake_r, batch.running))
+
+def test_batch_counts_finished_jobs_of_this_run_only(fake_r) -> None:
+    """The real adopt + poll + show path of `rose batch` against Redis: jobs of this run and a previous run's job
+    still queued when found count their completion tokens once finished; a previous run's job found running or
+    already ended, a failed job and a running job count nothing; the line shows running and queued jobs."""
+    client = Client(fake_r, queue="rose")
+    batch = batch_cli.Batch(argparse.Namespace(), PlainFormat(), io.StringIO(), None, io.StringIO())
+    new, running, queued, failed = (client.submit(p) for p in ("new", "running", "queued", "failed"))
+    was_queued, was_running, had_ended, gone, canceled = (
+        client.submit(p) for p in ("was-queued", "was-running", "had-ended", "gone", "canceled")
+    )
+    fake_r.hset(f"rq:job:{was_running.id}", "status", "started")
+    finish(fake_r, had_ended, 100)
+    fake_r.hset(f"rq:job:{canceled.id}", "status", "canceled")
+    fake_r.delete(f"rq:job:{gone.id}")
+    for i, job in enumerate((new, running, queued, failed)):
+        batch.inflight[job.id] = Entry(i, f"line-{i}")
+    adopted = {
+        job.id: batch_cli._adopt(batch, fake_r, job.id, Entry(10 + i, f"old-{i}"))
+        for i, job in enumerate((was_queued, was_running, had_ended, gone, canceled))
+    }
+    # gone or canceled since: the line runs again
+    assert list(adopted.values()) == [True, True, True, False, False]
+
+    fake_r.hset(f"rq:job:{running.id}", "status", "started")
+    fake_r.hset(f"rq:job:{failed.id}", "status", "failed")
+    finish(fake_r, new, 7)
+    finish(fake_r, was_queued, 5)
+    finish(fake_r, was_running, 40)
+    assert batch_cli._poll(batch, client, fake_r) == 5  # new, failed, was-queued, was-running, had-ended
+    assert (batch.done, batch.failed) == (4, 1)
+    assert batch.running == {running.id} and set(batch.inflight) == {running.id, queued.id}
+    assert batch.throughput.tokens == 7 + 5
+
+    batch.throughput.started -= 2.0  # two seconds into the run
     progress = FakeProgress()
     batch_cli._show(batch, progress)
-    done, failed, run, queue, rate = (part.split("=")[1] for part in progress.postfix.split())
-    assert (done, failed, run, queue) == ("0", "0", "2", "1")
-    assert float(rate) > 0
-    assert batch.throughput.tokens() == 6 + 2
+    done, failed_n, run, queue, rate = (part.split("=")[1] for part in progress.postfix.split())
+    assert (done, failed_n, run, queue) == ("4", "1", "1", "1")
+    assert 0 < float(rate) <= 12 / 2.0

@@ -29,6 +29,7 @@ from rose.cli.openai_batch import (
     parse_queue_for,
     to_job_fields,
 )
+from rose.harness.job_audit import stream_events
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -96,6 +97,7 @@ def test_every_supported_chat_field_maps_to_its_job_field() -> None:
         "chat_template_kwargs": {"x": 1},
         "top_k": 5,
         "ignore_eos": True,
+        "stream": False,
     }
 
 
@@ -144,13 +146,20 @@ def test_max_tokens_and_max_completion_tokens() -> None:
         (chat(reasoning_effort="low"), "reasoning_effort"),
         (chat(prediction={"type": "content", "content": "x"}), "prediction"),
         (chat(web_search_options={}), "web_search_options"),
-        (chat(stream_options={"include_usage": True}), "stream_options"),
+        (chat(stream_options={"include_usage": True}), "stream_options"),  # without stream: true
+        (chat(stream=False, stream_options={"include_usage": True}), "stream_options"),
+        (chat(stream=True, stream_options={"include_obfuscation": True}), "stream_options"),
+        (chat(stream=True, stream_options={"include_usage": "yes"}), "stream_options"),
+        (chat(stream=True, stream_options={"chunk_size": 4}), "stream_options"),
+        (completion(stream=True, stream_options=["include_usage"]), "stream_options"),
         (chat(service_tier="flex"), "service_tier"),
         (chat(logprobs=True), "logprobs"),
         (chat(top_logprobs=2), "top_logprobs"),
         (chat(n=2), "n"),
         (chat(n=True), "n"),
-        (chat(stream=True), "stream"),
+        (chat(stream="true"), "stream"),
+        (chat(stream=1), "stream"),
+        (completion(stream=0), "stream"),
         (chat(detokenize=False), "detokenize"),  # a job field, but no vLLM extra: output would be empty
         (completion(logprobs=0), "logprobs"),
         (completion(echo=True), "echo"),
@@ -195,24 +204,76 @@ ACCEPTED = {
 }
 
 
+# with stream: true (OpenAI's streaming request types), stream_options too
+ACCEPTED_STREAMING = {**ACCEPTED, "stream": True, "stream_options": {"include_usage": True}}
+
+
 @pytest.mark.parametrize(
-    ("url", "params"),
+    ("url", "params", "accepted"),
     [
-        (CHAT_URL, chat_params.CompletionCreateParamsNonStreaming),
-        (COMPLETIONS_URL, completion_params.CompletionCreateParamsNonStreaming),
+        (CHAT_URL, chat_params.CompletionCreateParamsNonStreaming, ACCEPTED),
+        (COMPLETIONS_URL, completion_params.CompletionCreateParamsNonStreaming, ACCEPTED),
+        (CHAT_URL, chat_params.CompletionCreateParamsStreaming, ACCEPTED_STREAMING),
+        (COMPLETIONS_URL, completion_params.CompletionCreateParamsStreaming, ACCEPTED_STREAMING),
     ],
 )
-def test_every_field_of_openais_request_types_is_taken_or_refused(url: str, params: type) -> None:
+def test_every_field_of_openais_request_types_is_taken_or_refused(
+    url: str, params: type, accepted: dict[str, Any]
+) -> None:
     base = chat() if url == CHAT_URL else completion()
+    if accepted is ACCEPTED_STREAMING:
+        base["body"]["stream"] = True
     for name in typing.get_type_hints(params):
-        line = {**base, "body": {**base["body"], name: ACCEPTED.get(name, "some value")}}
-        if name in ACCEPTED:
+        line = {**base, "body": {**base["body"], name: accepted.get(name, "some value")}}
+        if name in accepted:
             fields, _ = to_job_fields(line)
             assert fields, name
         else:
             with pytest.raises(RequestError) as exc:
                 to_job_fields(line)
             assert exc.value.param == name
+
+
+@pytest.mark.parametrize(
+    ("body", "job_stream"),
+    [
+        ({}, None),  # absent: the command line decides (rose batch: false unless --stream)
+        ({"stream": None}, None),  # null counts as absent
+        ({"stream": False}, False),
+        ({"stream": True}, True),
+        ({"stream": True, "stream_options": {"include_usage": True}}, True),  # rose's done event has usage
+        ({"stream": True, "stream_options": {"include_usage": False, "include_obfuscation": False}}, True),
+        ({"stream": True, "stream_options": {"include_usage": None}}, True),
+        ({"stream": True, "stream_options": {}}, True),
+        ({"stream_options": None}, None),
+    ],
+)
+def test_stream_maps_to_the_job_field(body: dict[str, Any], job_stream: bool | None) -> None:
+    for line in (chat(**body), completion(**body)):
+        fields, _ = to_job_fields(line)
+        assert fields.get("stream", "absent") == ("absent" if job_stream is None else job_stream)
+        # the line's own stream wins over the command line's default
+        entry = OpenAIFormat().parse(1, json.dumps(line), {"stream": False})
+        assert entry.error is None and entry.request == fields
+
+
+def test_stream_errors_are_400_lines_naming_the_field() -> None:
+    fmt = OpenAIFormat()
+    for body, param, code, words in (
+        ({"stream": "yes"}, "stream", "invalid_type", "'stream' must be true or false"),
+        ({"stream_options": {"include_usage": True}}, "stream_options", "invalid_value", "only allowed when"),
+        (
+            {"stream": True, "stream_options": {"include_obfuscation": True}},
+            "stream_options",
+            "unsupported_value",
+            "include_obfuscation=true is not supported",
+        ),
+    ):
+        entry = fmt.parse(1, json.dumps(chat(**body)), {"stream": False})
+        assert entry.request is None and words in entry.error
+        error = fmt.invalid_line(entry)["response"]["body"]["error"]
+        assert (error["param"], error["code"]) == (param, code)
+        assert ErrorObject.model_validate(error).param == param
 
 
 @pytest.mark.parametrize(
@@ -482,3 +543,37 @@ def test_error_file_with_rose_own_format(tmp_path, rose, cli_worker) -> None:
     again = rose(*args)
     assert again.returncode == 1 and "2 of 2 lines already in" in again.stderr
     assert "2 lines: 1 done, 1 failed" in again.stderr
+
+
+def test_stream_true_lines_stream_their_tokens_and_keep_the_normal_output(
+    tmp_path, rose, cli_redis, cli_worker
+) -> None:
+    """body.stream true: the job's tokens are published on Redis (stream_options.include_usage: the done event
+    carries the usage); the output line is the usual non-streaming response. Lines without it publish only their
+    end (rose batch's default); a bad stream or stream_options is a 400 line naming it."""
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    write_lines(
+        inp,
+        [
+            chat("live", max_tokens=4, stream=True, stream_options={"include_usage": True}),
+            completion("quiet", max_tokens=4),
+            completion("bad-stream", stream="yes"),
+            chat("bad-options", stream=True, stream_options={"include_obfuscation": True}),
+        ],
+    )
+    res = rose("batch", str(inp), "-o", str(out), "--ignore-eos", "--no-progress")
+    assert res.returncode == 1, res.stderr  # the two bad lines
+    by_id = {line["custom_id"]: line for line in read(out)}
+    live = check_success(by_id["live"], "tiny", 4)
+    assert isinstance(live, ChatCompletion)  # not chunks: the output line is the whole response
+    assert isinstance(check_success(by_id["quiet"], "tiny", 4), Completion)
+    conn = cli_redis.client()
+    events = stream_events(conn, by_id["live"]["response"]["request_id"])
+    assert [e["type"] for e in events][-1] == "done" and len(events) >= 2
+    assert "".join(e["text"] for e in events[:-1]) == live.choices[0].message.content
+    assert events[-1]["usage"]["completion_tokens"] == 4
+    quiet = stream_events(conn, by_id["quiet"]["response"]["request_id"])
+    assert [(e["type"], e["seq"]) for e in quiet] == [("done", 0)]
+    for custom_id, param in (("bad-stream", "stream"), ("bad-options", "stream_options")):
+        response = by_id[custom_id]["response"]
+        assert response["status_code"] == 400 and response["body"]["error"]["param"] == param

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 import subprocess
+import zlib
 
 import pytest
 from cli_helpers import rose_cmd, wait_for
+
+from rose.harness.job_audit import stream_events
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -17,7 +20,9 @@ def test_help_lists_the_flags(rose) -> None:
         assert res.returncode == 0, res.stderr
         assert "--redis-url" in res.stdout
     assert "--max-tokens" in rose("submit", "--help").stdout
+    assert "--no-token-events" in rose("submit", "--help").stdout
     assert "--max-in-flight" in rose("batch", "--help").stdout
+    assert "--stream" in rose("batch", "--help").stdout
 
 
 def test_submit_stream_prints_id_tokens_then_usage(rose, cli_worker) -> None:
@@ -42,6 +47,28 @@ def test_submit_waits_and_prints_the_text(rose, cli_worker) -> None:
     text, _, tail = rest.rpartition("\n[finish_reason=")
     assert tail.startswith("length ") and "completion_tokens=5]" in tail
     assert json.loads(rose("result", job_id).stdout)["text"] == text
+
+
+def test_submit_no_token_events_publishes_only_the_end_and_prints_the_text(
+    rose, cli_redis, cli_worker
+) -> None:
+    res = rose("submit", "--no-token-events", "--max-tokens", "5", "--ignore-eos", "--seed", "3", "Bonjour")
+    assert res.returncode == 0, res.stderr
+    job_id, rest = res.stdout.split("\n", 1)
+    text, _, tail = rest.rpartition("\n[finish_reason=")
+    assert tail.startswith("length ") and "completion_tokens=5]" in tail
+    assert json.loads(rose("result", job_id).stdout)["text"] == text
+    conn = cli_redis.client()
+    # sent with stream: false; the worker published the done event (seq 0) and no token event
+    assert json.loads(zlib.decompress(conn.hget(f"rq:job:{job_id}", "data")))[3]["stream"] is False
+    assert [(e["type"], e["seq"]) for e in stream_events(conn, job_id)] == [("done", 0)]
+
+
+def test_submit_stream_with_no_token_events_is_a_usage_error(rose) -> None:
+    res = rose("submit", "--stream", "--no-token-events", "Hello")
+    assert res.returncode == 2 and res.stdout == ""
+    assert len(res.stderr.splitlines()) == 1
+    assert "--stream" in res.stderr and "--no-token-events" in res.stderr
 
 
 def test_submit_failed_job_exits_1_with_the_workers_message(rose, cli_worker) -> None:

@@ -161,3 +161,33 @@ def test_stock_rq_worker_fails_the_job_loudly(client, fake_r):
     assert job.rq_job.get_status() == JobStatus.FAILED
     with pytest.raises(JobFailed, match="must be run by the rose-worker daemon"):
         job.result(timeout=1)
+
+
+def test_stream_false_is_a_job_field_of_every_submit(client, fake_r):
+    """`stream=False` (only the job's end is published) goes into the job's kwargs through GenerateRequest, from
+    submit, chat and submit_many (common or per request), and its typo is named."""
+    assert client.submit("x", stream=False).rq_job.kwargs == {"prompt": "x", "stream": False}
+    messages = [{"role": "user", "content": "hi"}]
+    assert client.chat(messages, stream=False).rq_job.kwargs == {"messages": messages, "stream": False}
+    assert "stream" not in client.submit("x").rq_job.kwargs  # the default (true) is left to the worker
+    many = client.submit_many(["a", {"prompt": "b", "stream": True}], stream=False)
+    assert [job.rq_job.kwargs.get("stream") for job in many] == [False, True]  # the request's own field wins
+    with pytest.raises(InvalidRequest, match="unknown field 'strem' \\(did you mean 'stream'\\?\\)"):
+        client.submit("x", strem=False)
+    with pytest.raises(InvalidRequest, match="stream: "):
+        client.submit("x", stream="no")  # strict: a bool, not a string
+    assert fake_r.llen("rq:queue:rose") == 5  # the refused two enqueued nothing
+
+
+def test_async_client_passes_stream_false(fake_r):
+    async def go() -> list[dict]:
+        client = AsyncClient.__new__(AsyncClient)
+        client._sync = Client(fake_r, queue="rose")
+        one = await client.submit("x", stream=False)
+        chat = await client.chat([{"role": "user", "content": "hi"}], stream=False)
+        many = await client.submit_many(["a", "b"], stream=False)
+        with pytest.raises(InvalidRequest, match="did you mean 'stream'"):
+            await client.submit("x", strem=False)
+        return [client._sync.job(job.id).rq_job.kwargs for job in (one, chat, *many)]
+
+    assert [kwargs["stream"] for kwargs in asyncio.run(go())] == [False] * 4

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from worker_helpers import FakeEngine, wait_for
+from worker_helpers import FakeEngine, stream_events, wait_for
 
 from rose.jobs.async_client import AsyncClient
 from rose.jobs.client import Client, JobCanceled, JobFailed
@@ -63,3 +63,33 @@ def test_async_client(run_worker, redis_server):
             await client.aclose()
 
     asyncio.run(main())
+
+
+def test_stream_false_job_streams_no_text_and_ends_cleanly(run_worker, r, redis_server):
+    """A job sent with stream=False: Job.stream() / AsyncJob.stream(), started while it is queued, yield no text and
+    end when it finishes (its stream holds only the done event, seq 0); result() has the whole text."""
+    client = Client(redis_server.url)
+    job = client.submit("a b c", max_tokens=30, stream=False)  # queued: no worker yet
+    run_worker(engine=FakeEngine(step_delay=0.02))
+    assert list(job.stream(timeout=10)) == []
+    result = job.result(timeout=10)
+    assert result["text"] == "".join(f"w{k} " for k in range(30))
+    assert result["usage"]["completion_tokens"] == 30
+    events = stream_events(r, job.id)
+    assert [(e["type"], e["seq"]) for e in events] == [("done", 0)]
+    assert events[0]["usage"]["completion_tokens"] == 30
+    assert [e.type for e in job.events(timeout=10)] == ["done"]  # replayed after the end: the same
+
+    async def main():
+        aclient = AsyncClient(redis_server.url)
+        try:
+            ajob = await aclient.submit("x y", max_tokens=20, stream=False)
+            deltas = [d async for d in ajob.stream(timeout=10)]
+            result = await ajob.result(timeout=10)
+            return ajob.id, deltas, result
+        finally:
+            await aclient.aclose()
+
+    job_id, deltas, result = asyncio.run(main())
+    assert deltas == [] and result["text"] == "".join(f"w{k} " for k in range(20))
+    assert [e["type"] for e in stream_events(r, job_id)] == ["done"]
