@@ -52,6 +52,7 @@ class RedisServerProcess:
         directory: str | Path | None = None,
         persistent: bool = False,
         detach: bool = False,
+        args: list[str] | None = None,
     ) -> None:
         found = binary or shutil.which("redis-server")
         if not found or not (Path(found).is_file() or shutil.which(found)):
@@ -62,6 +63,7 @@ class RedisServerProcess:
         self.dir = str(directory if directory is not None else self._tmpdir.name)
         self.persistent = persistent
         self.detach = detach
+        self.args = list(args or [])
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -76,13 +78,14 @@ class RedisServerProcess:
         return redis.Redis(port=self.port, **kwargs)
 
     def start(self, timeout: float = 10.0) -> RedisServerProcess:
-        """Run the server and wait until it answers PING; RedisServerError (with its stderr) if it exits or is
-        still silent after `timeout` s (it is stopped then)."""
+        """Run the server (rose's options, then `self.args`: more redis-server options, e.g. `--replicaof`, read at
+        each start) and wait until it answers PING; RedisServerError (with its stderr) if it exits or is still
+        silent after `timeout` s (it is stopped then)."""
         persistence = (
             ["--appendonly", "yes", "--appendfsync", "always"] if self.persistent else ["--appendonly", "no"]
         )
         argv = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", *persistence]
-        argv += ["--dir", self.dir, "--daemonize", "no", "--loglevel", "warning"]
+        argv += ["--dir", self.dir, "--daemonize", "no", "--loglevel", "warning", *self.args]
         linux = sys.platform.startswith("linux")
         self.proc = proc = subprocess.Popen(
             argv,
@@ -129,6 +132,14 @@ class RedisServerProcess:
                     proc.wait(10)
             if proc.stderr:
                 proc.stderr.close()
+
+    def kill(self) -> None:
+        """SIGKILL the server (a crash: no shutdown, its clients' connections drop) and reap it; a later start()
+        runs it again on the same port."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self.stop()
 
     def close(self) -> None:
         """Stop the server and remove its temporary directory."""
