@@ -17,6 +17,7 @@ import yaml
 
 from rose.cli import build_parser as rose_parser
 from rose.config import WorkerSettings
+from rose.jobs.connection import parse_sentinel_url
 from rose.worker.cli import build_parser as worker_parser
 from rose.worker.cli import load_settings
 
@@ -289,6 +290,68 @@ def test_cpu_override_drops_the_gpu_and_takes_cpu_torch(
     check_argv(service_argv(worker), env, monkeypatch)
 
 
+# ---- Redis Sentinel example ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def sentinel_services() -> dict[str, Any]:
+    return load_compose(ROOT / "deploy" / "compose.sentinel.yml")["services"]
+
+
+def written_config(service: dict[str, Any]) -> list[str]:
+    """The lines a service's start script writes to its config file (`printf '%s\\n' 'line' "line" ...`)."""
+    script = as_list(service["command"])[-1]
+    return re.findall(r"""^\s*(?:\[ -f \S+ \] \|\| printf '%s\\n' )?['"]([^'"]+)['"]""", script, re.MULTILINE)
+
+
+def test_sentinel_compose_runs_a_primary_a_replica_and_three_sentinels(
+    sentinel_services: dict[str, Any],
+) -> None:
+    assert {"redis-1", "redis-2", "sentinel-1", "sentinel-2", "sentinel-3", "worker"} <= set(
+        sentinel_services
+    )
+    primary, replica = (
+        written_config(sentinel_services["redis-1"]),
+        written_config(sentinel_services["redis-2"]),
+    )
+    assert "appendonly yes" in primary and "appendonly yes" in replica
+    assert not any(line.startswith("replicaof") for line in primary)
+    assert "replicaof redis-1 6379" in replica
+    for name in ("sentinel-1", "sentinel-2", "sentinel-3"):
+        sentinel = sentinel_services[name]
+        config = written_config(sentinel)
+        assert "sentinel monitor rose redis-1 6379 2" in config  # quorum 2 of 3
+        assert {"sentinel resolve-hostnames yes", "sentinel announce-hostnames yes"} <= set(config)
+        assert "sentinel announce-ip $$SENTINEL_NAME" in config and env_of(sentinel)["SENTINEL_NAME"] == name
+        assert (
+            as_list(sentinel["command"])[-1].rstrip().endswith("redis-server /data/sentinel.conf --sentinel")
+        )
+        # its own volume: Sentinel rewrites its config file (what it learned must survive a restart)
+        assert any(str(v) == f"{name}-data:/data" for v in sentinel["volumes"])
+
+
+def test_sentinel_compose_worker_follows_the_sentinels(
+    sentinel_services: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    worker = sentinel_services["worker"]
+    env = {**dockerfile_env(), **env_of(worker)}
+    check_rose_env(env)
+    check_argv(service_argv(worker), env, monkeypatch)
+    url = parse_sentinel_url(env["ROSE_REDIS_URL"])
+    sentinels = sorted(name for name in sentinel_services if name.startswith("sentinel-"))
+    assert sorted(host for host, _ in url.hosts) == sentinels
+    assert {port for _, port in url.hosts} == {26379}
+    monitored = {
+        line.split()[2]
+        for s in sentinels
+        for line in written_config(sentinel_services[s])
+        if " monitor " in line
+    }
+    assert monitored == {url.service_name}
+    assert all(worker["depends_on"][s]["condition"] == "service_healthy" for s in sentinels)
+    assert worker["build"]["context"] == ".."  # a standalone file in deploy/: the repository is one level up
+
+
 def compose_binary() -> list[str] | None:
     if shutil.which("docker-compose"):
         return ["docker-compose"]
@@ -306,6 +369,7 @@ def compose_binary() -> list[str] | None:
     [
         (["docker-compose.yml"], ["gpu1", "gpu7", "dashboard"]),
         (["docker-compose.yml", "deploy/compose.cpu.yml"], []),
+        (["deploy/compose.sentinel.yml"], []),
     ],
 )
 def test_docker_compose_itself_accepts_the_files(files: list[str], profiles: list[str]) -> None:
@@ -318,7 +382,10 @@ def test_docker_compose_itself_accepts_the_files(files: list[str], profiles: lis
     out = subprocess.run([*argv, "config", "--format", "json"], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     services = json.loads(out.stdout)["services"]
-    if "deploy/compose.cpu.yml" in files:
+    if "deploy/compose.sentinel.yml" in files:
+        assert {"redis-1", "redis-2", "sentinel-1", "sentinel-2", "sentinel-3", "worker"} <= set(services)
+        assert services["worker"]["environment"]["ROSE_REDIS_URL"].startswith("redis+sentinel://")
+    elif "deploy/compose.cpu.yml" in files:
         assert (
             "deploy" not in services["worker"] and services["worker"]["environment"]["ROSE_DEVICE"] == "cpu"
         )

@@ -38,11 +38,10 @@ class _Subscriber(threading.Thread):
 
     def __init__(self, redis_url: str) -> None:
         super().__init__(name="rose-bench-subscriber", daemon=True)
-        import redis
-
         from rose.jobs import keys
+        from rose.jobs.connection import connect
 
-        self._r = redis.Redis.from_url(redis_url)
+        self._r = connect(redis_url)
         self._pubsub = self._r.pubsub(ignore_subscribe_messages=True)
         self._pubsub.psubscribe(keys.TOKENS_CHANNEL_PREFIX + "*")
         # Wait for the subscription to be confirmed, so that no event of the first job is missed.

@@ -26,7 +26,9 @@ def add_redis_args(parser: argparse.ArgumentParser, queue: bool = True) -> None:
     parser.add_argument(
         "--redis-url",
         default=default_url,
-        help=f"Redis to use (default: $ROSE_REDIS_URL, else {DEFAULT_REDIS_URL}; now {default_url})",
+        help=f"Redis to use: redis://, rediss://, unix:// or, through Redis Sentinel, "
+        f"redis+sentinel://host:port[,host:port...]/service_name[/db] (default: $ROSE_REDIS_URL, else "
+        f"{DEFAULT_REDIS_URL}; now {default_url})",
     )
     if queue:
         parser.add_argument(
@@ -38,12 +40,15 @@ def connect(args: argparse.Namespace) -> redis.Redis:
     """A Redis connection, checked at once so that a wrong URL is one clear line, not a traceback later."""
     import redis
 
-    conn = redis.Redis.from_url(args.redis_url, socket_connect_timeout=5, health_check_interval=30)
+    from rose.jobs.connection import connect as connect_url
+    from rose.jobs.connection import redact_url
+
     try:
+        conn = connect_url(args.redis_url, socket_connect_timeout=5, health_check_interval=30)
         conn.ping()
-    except redis.RedisError as exc:
+    except (redis.RedisError, ValueError) as exc:
         raise SystemExit(
-            f"rose {args.command}: error: cannot reach Redis at {args.redis_url}: {exc}"
+            f"rose {args.command}: error: cannot reach Redis at {redact_url(args.redis_url)}: {exc}"
         ) from None
     return conn
 

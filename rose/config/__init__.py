@@ -7,6 +7,8 @@ from typing import Annotated, Literal
 from pydantic import ByteSize, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from rose.jobs.connection import check_scheme, is_sentinel_url, parse_sentinel_url, redact_url
+
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
 LogFormat = Literal["text", "json"]
 
@@ -19,7 +21,9 @@ class WorkerSettings(BaseSettings):
     redis_url: str = Field(
         "redis://localhost:6379/0",
         description="Redis to take jobs from and publish to: redis://[[user]:password@]host:port/db, rediss:// for TLS, "
-        "unix:///path/to.sock.",
+        "unix:///path/to.sock, or through Redis Sentinel: "
+        "redis+sentinel://[[user]:password@]host[:port][,host[:port]...]/service_name[/db] (Sentinel port 26379 by "
+        "default; rediss+sentinel:// for TLS to the data nodes; ?sentinel_password=... for the Sentinels).",
     )
     queues: Annotated[list[str], NoDecode] = Field(
         default_factory=lambda: ["rose"],
@@ -157,8 +161,9 @@ class WorkerSettings(BaseSettings):
     @field_validator("redis_url")
     @classmethod
     def _check_url(cls, value: str) -> str:
-        if not value.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError(f"redis_url must start with redis://, rediss:// or unix://, got {value!r}")
+        check_scheme(value)
+        if is_sentinel_url(value):
+            parse_sentinel_url(value)  # a malformed one fails here, before anything starts
         return value
 
     @model_validator(mode="after")
@@ -173,20 +178,6 @@ class WorkerSettings(BaseSettings):
     def heartbeat_interval(self) -> float:
         """How often the worker refreshes its key and its jobs' registry entries."""
         return max(1.0, self.heartbeat_timeout / 6)
-
-
-def redact_url(url: str) -> str:
-    """The URL without its password, for logs and error messages."""
-    from urllib.parse import urlsplit, urlunsplit
-
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    if parts.port:
-        host = f"{host}:{parts.port}"
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
 
 
 __all__ = ["WorkerSettings", "redact_url"]

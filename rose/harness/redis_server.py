@@ -81,8 +81,9 @@ class RedisServerProcess:
         return redis.Redis(port=self.port, **kwargs)
 
     def start(self, timeout: float = 10.0) -> RedisServerProcess:
-        """Run the server and wait until it answers PING; RedisServerError (with its stderr) if it exits or is
-        still silent after `timeout` s (it is stopped then)."""
+        """Run the server (rose's options, then `self.args`: more redis-server options, e.g. `--replicaof`, read at
+        each start) and wait until it answers PING; RedisServerError (with its stderr) if it exits or is still
+        silent after `timeout` s (it is stopped then)."""
         persistence = (
             ["--appendonly", "yes", "--appendfsync", "always"] if self.persistent else ["--appendonly", "no"]
         )
@@ -135,6 +136,14 @@ class RedisServerProcess:
                     proc.wait(10)
             if proc.stderr:
                 proc.stderr.close()
+
+    def kill(self) -> None:
+        """SIGKILL the server (a crash: no shutdown, its clients' connections drop) and reap it; a later start()
+        runs it again on the same port."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self.stop()
 
     def close(self) -> None:
         """Stop the server and remove its temporary directory."""

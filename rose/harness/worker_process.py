@@ -103,8 +103,9 @@ class WorkerProcess:
         from rq import Worker
 
         from rose.jobs import keys
+        from rose.jobs.connection import connect
 
-        r = redis.Redis.from_url(self.redis_url)
+        r = connect(self.redis_url)
 
         def ready() -> bool:
             if self.proc.poll() is not None:

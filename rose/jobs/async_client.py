@@ -11,11 +11,11 @@ import time
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
-import redis.asyncio as aioredis
 from rq.job import Job as RQJob
 
 from rose.jobs import keys
 from rose.jobs.client import POLL_S, Client, Job, JobCanceled, JobFailed, StreamReset, reset_point
+from rose.jobs.connection import connect_async
 from rose.jobs.events import TERMINAL_TYPES, parse_event
 
 __all__ = ["AsyncClient", "AsyncJob"]
@@ -93,7 +93,7 @@ class AsyncClient:
     """asyncio twin of `Client` for web applications (streams and waits use redis.asyncio)."""
 
     def __init__(self, redis_url: str = "redis://localhost:6379/0", queue: str = keys.DEFAULT_QUEUE):
-        self.redis = aioredis.Redis.from_url(redis_url)
+        self.redis = connect_async(redis_url)
         # RQ is synchronous: enqueue/cancel (short, one round trip) run in a thread with their own connection.
         self._sync = Client(redis_url, queue=queue)
 

@@ -20,6 +20,7 @@ from rq.results import Result
 from rq.serializers import JSONSerializer
 
 from rose.jobs import gather, keys
+from rose.jobs.connection import connect
 from rose.jobs.events import TERMINAL_TYPES, CanceledEvent, parse_event
 from rose.jobs.schemas import GenerateRequest, ValidationError, format_validation_error
 
@@ -238,7 +239,7 @@ class Client:
     def __init__(
         self, redis_url: str | redis.Redis = "redis://localhost:6379/0", queue: str = keys.DEFAULT_QUEUE
     ):
-        self.redis = redis.Redis.from_url(redis_url) if isinstance(redis_url, str) else redis_url
+        self.redis = connect(redis_url) if isinstance(redis_url, str) else redis_url
         self.queue = Queue(queue, connection=self.redis, serializer=JSONSerializer)
 
     def submit(self, prompt: str | list[int] | None = None, **options: Any) -> Job:

@@ -15,6 +15,7 @@ import redis
 from pydantic import ValidationError
 
 from rose.config import WorkerSettings, redact_url
+from rose.jobs import connection
 from rose.worker.logs import setup_logging
 
 log = logging.getLogger("rose.worker")
@@ -92,7 +93,7 @@ def connect(url: str) -> redis.Redis:
     """A client for `url`, checked with PING. On failure (unreachable, wrong password, bad URL) prints one line to
     stderr and raises SystemExit(2), the exit code of every start-up error."""
     try:
-        conn = redis.Redis.from_url(url, socket_connect_timeout=5, health_check_interval=30)
+        conn = connection.connect(url, socket_connect_timeout=5, health_check_interval=30)
         conn.ping()
     except (
         redis.ConnectionError,
