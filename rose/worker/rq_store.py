@@ -117,7 +117,9 @@ return out
 """
 
 
-def dequeue(conn: Redis, queues: list[Queue], limit: int, serializer: Any) -> list[tuple[str, Queue, Job | None]]:
+def dequeue(
+    conn: Redis, queues: list[Queue], limit: int, serializer: Any
+) -> list[tuple[str, Queue, Job | None]]:
     """Up to `limit` jobs from the queues, highest priority first, without blocking, in one round trip: (id, queue,
     the job as its hash was, None if it has none). A crash before the start leaves the ids in the intermediate
     lists, findable (`requeue_stuck`)."""

@@ -163,7 +163,9 @@ class RoseWorker:
                     continue
                 if burst and not self.engine.has_unfinished():
                     # through the guard: an idle worker must outlive a Redis outage like a busy one
-                    lengths = self.guard.run("intake", rq_store.queue_lengths, self.connection, self.rq.queues)
+                    lengths = self.guard.run(
+                        "intake", rq_store.queue_lengths, self.connection, self.rq.queues
+                    )
                     if lengths is not None and not any(lengths):
                         break
                 if max_idle_time is not None and time.monotonic() - idle_since > max_idle_time:
