@@ -65,3 +65,51 @@ def _audit_failed(r: Any, job_id: str, status: str) -> list[str]:
     ] != "error":
         return [f"{job_id}: stream after its last reset ends {[e['type'] for e in attempt[-3:]]}"]
     return []
+
+
+class EndWatch:
+    """Watches jobs end, from outside, the way a subscriber would notice a gap: every `interval` s it reads the
+    jobs' statuses, and each job seen `finished` must pass `audit` (complete stream, one result) within `grace` s
+    of being first seen so; `late` lists the ones that did not (job id, seconds, problems). Redis errors (an
+    outage, a failover in progress) are waited out. Call `poll()` in a loop, or `run_until(predicate)`."""
+
+    def __init__(self, r: Any, job_ids: list[str], grace: float = 1.0) -> None:
+        self.r = r
+        self.pending = list(job_ids)
+        self.grace = grace
+        self.first_seen: dict[str, float] = {}
+        self.complete: dict[str, float] = {}  # job id -> seconds from first seen finished to complete
+        self.late: list[tuple[str, float, list[str]]] = []
+
+    def poll(self) -> None:
+        import time
+
+        import redis
+
+        try:
+            statuses = self._statuses(self.pending)
+        except (redis.ConnectionError, redis.TimeoutError):
+            return
+        now = time.monotonic()
+        for job_id, status in zip(list(self.pending), statuses, strict=True):
+            if status != b"finished":
+                continue
+            first = self.first_seen.setdefault(job_id, now)
+            try:
+                problems = audit(self.r, job_id)
+            except (redis.ConnectionError, redis.TimeoutError):
+                return
+            if not problems:
+                self.complete[job_id] = now - first
+                self.pending.remove(job_id)
+            elif now - first > self.grace:
+                self.late.append((job_id, now - first, problems))
+                self.pending.remove(job_id)
+
+    def _statuses(self, job_ids: list[str]) -> list[bytes | None]:
+        from rose.jobs import keys as rose_keys
+
+        with self.r.pipeline(transaction=False) as pipe:
+            for job_id in job_ids:
+                pipe.hget(rose_keys.rq_job_key(job_id), rose_keys.JOB_STATUS_FIELD)
+            return pipe.execute()
