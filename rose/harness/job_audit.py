@@ -3,7 +3,7 @@ whatever happened to the workers (docs/jobs.md's guarantees).
 
 For each job: finished, with exactly one successful result; its stream, after its last reset, numbered 0, 1, 2, ...
 without gaps, ends with exactly one terminal event (`done`), and its token events' text and ids equal the stored
-result's. A job expected to fail (`failed=True`): failed, its stream ending with exactly one `error` event.
+result's (a job sent with `stream: false`: no token event at all). A job expected to fail (`failed=True`): failed, its stream ending with exactly one `error` event.
 """
 
 from __future__ import annotations
@@ -49,11 +49,23 @@ def audit(r: Any, job_id: str, failed: bool = False) -> list[str]:
     if [e.get("seq") for e in attempt] != list(range(len(attempt))):
         problems.append(f"{job_id}: seqs {[e.get('seq') for e in attempt]}")
     tokens = [e for e in attempt if e["type"] == "token"]
+    if not _streamed(job):  # `stream: false`: its end alone
+        if tokens:
+            problems.append(f"{job_id}: not streamed, yet {len(tokens)} token events")
+        return problems
     text = "".join(e["text"] for e in tokens)
     ids = [i for e in tokens for i in e["token_ids"]]
     if text != value.get("text") or ids != value.get("token_ids"):
         problems.append(f"{job_id}: streamed {len(ids)} tokens {text!r}, stored {value.get('text')!r}")
     return problems
+
+
+def _streamed(job: Job) -> bool:
+    """The job's `stream` field (true unless the producer said false)."""
+    try:
+        return job.kwargs.get("stream", True) is not False
+    except Exception:  # a payload that is not a rose job's
+        return True
 
 
 def _audit_failed(r: Any, job_id: str, status: str) -> list[str]:

@@ -392,6 +392,11 @@ class JobLoop:
         elif dropped:
             for job_id in dropped:
                 run = self.running.get(job_id)
-                if run is not None:
+                if run is None:
+                    continue
+                run.refusals += 1
+                if run.refusals == 1:
                     self.outbox.resync(run, "redis refused events")
+                elif run.refusals == 2:
+                    log.error("job %s: Redis refuses its events again; it goes on without its stream", run.id)
             self._reconcile = True  # an ended job's terminal event may be among them: its stream is repaired

@@ -15,11 +15,11 @@ broke is a no-op the second time: subscribers see every seq exactly once, withou
 a job's result only once its token events are, rose.worker.loop).
 
 Two things make the publisher's view of Redis wrong, and it reports both rather than hide them:
-- a batch Redis refused (a script error, out of memory) is dropped, not retried forever: `take_dropped()` names
-  the jobs whose events it held, for the loop to repair their streams at once;
+- events Redis refused (a key of the wrong type; a whole batch, out of memory) are dropped, not retried forever:
+  `take_dropped()` names their jobs, for the loop to repair their streams at once;
 - writes Redis acknowledged and then lost (a failover to a replica that had not received them, a restart without
-  persistence): the counter is behind the last acknowledged batch. The batch is applied all the same and `lost`
-  is set, for the loop to restart the streams of the jobs it holds (rose.worker.outbox `resync`).
+  persistence): a batch comes after a gap in the counter. It is applied all the same and `lost` is set, for the
+  loop to restart the streams of the jobs it holds (rose.worker.outbox `resync`).
 
 Used by the engine loop's thread only (not thread-safe).
 
@@ -61,30 +61,41 @@ CONNECT_TIMEOUT_S = 1.0  # longest a (re)connect may hold the engine loop; Redis
 APPLIED, DUPLICATE, APPLIED_AFTER_LOSS = 1, 0, -1  # the script's replies
 
 # KEYS[1]: this publisher's batch counter; KEYS[2]: the seal markers (job id -> worker); KEYS[2 + i]: stream of
-# event i. ARGV[1]: batch number; ARGV[2]: the last batch number acknowledged when this one was packed; ARGV[3]:
-# counter TTL; then per event: data, stream TTL ('' = keep, -1 = persist), seal ('1': written only if the job's seal
-# marker is there, which it removes), job id, channel. Returns APPLIED, DUPLICATE (applied before, its reply lost) or
-# APPLIED_AFTER_LOSS (the counter is behind a batch Redis acknowledged: Redis lost writes).
+# event i. ARGV[1]: batch number; ARGV[2]: counter TTL; then per event: data, stream TTL ('' = keep, -1 = persist),
+# seal ('1': written only if the job's seal marker is there, which it removes), job id, channel. Returns {code, the
+# first refusal's message, the ids of the jobs whose events Redis refused...}; code APPLIED, DUPLICATE (applied
+# before, its reply lost) or APPLIED_AFTER_LOSS. A refused event (XADD on a key of another type, ...) does not stop
+# the batch, so the counter always says which batches were applied. Batches are sent, and sent again, in order from
+# the first one unacknowledged, so a batch number beyond the counter's next means batches Redis had applied, and
+# acknowledged, are gone (a failover to a replica that had not received them, a restart without persistence), or a
+# whole batch was refused before it ran (out of memory).
 _SCRIPT = """
 local batch = tonumber(ARGV[1])
 local last = tonumber(redis.call('GET', KEYS[1]) or '0')
-if batch <= last then return 0 end
-redis.call('SET', KEYS[1], batch, 'EX', ARGV[3])
-local a = 4
+if batch <= last then return {0, ''} end
+redis.call('SET', KEYS[1], batch, 'EX', ARGV[2])
+local out = {1, ''}
+if batch > last + 1 then out[1] = -1 end
+local a = 3
 for i = 3, #KEYS do
-  local data, ttl = ARGV[a], ARGV[a + 1]
-  if ARGV[a + 2] == '' or redis.call('HDEL', KEYS[2], ARGV[a + 3]) == 1 then
-    redis.call('XADD', KEYS[i], '*', 'event', data)
-    if ttl ~= '' then
-      ttl = tonumber(ttl)
-      if ttl < 0 then redis.call('PERSIST', KEYS[i]) else redis.call('EXPIRE', KEYS[i], ttl) end
+  local data, ttl, sealed = ARGV[a], ARGV[a + 1], ARGV[a + 2] ~= ''
+  if not sealed or redis.call('HEXISTS', KEYS[2], ARGV[a + 3]) == 1 then
+    local added = redis.pcall('XADD', KEYS[i], '*', 'event', data)
+    if type(added) == 'table' and added.err then  -- refused: a sealed job keeps its marker, for the repair
+      if out[2] == '' then out[2] = added.err end
+      out[#out + 1] = ARGV[a + 3]
+    else
+      if sealed then redis.call('HDEL', KEYS[2], ARGV[a + 3]) end
+      if ttl ~= '' then
+        ttl = tonumber(ttl)
+        if ttl < 0 then redis.call('PERSIST', KEYS[i]) else redis.call('EXPIRE', KEYS[i], ttl) end
+      end
+      redis.call('PUBLISH', ARGV[a + 4], data)
     end
-    redis.call('PUBLISH', ARGV[a + 4], data)
   end
   a = a + 5
 end
-if last < tonumber(ARGV[2]) then return -1 end
-return 1
+return out
 """
 
 
@@ -192,7 +203,7 @@ class Publisher:
         # restart. Packed by resp.pack_command: a step's batch has a few hundred arguments.
         items: list[str | int] = ["EVAL", _SCRIPT, len(events) + 2, self._counter_key, keys.SEALS_KEY]
         items += [keys.stream_key(e.job_id) for e in events]
-        items += [self._batch_no, self.acked, _COUNTER_TTL_S]
+        items += [self._batch_no, _COUNTER_TTL_S]
         for e in events:
             ttl = e.stream_ttl
             items += [
@@ -212,6 +223,9 @@ class Publisher:
             conn = self._conn or self._open()
             if conn._sock is None:  # not connected yet, or disconnected: whatever was in flight goes again
                 self._sent = 0
+                # connect() itself, not the send's implicit connect: a Sentinel-managed connection finds the
+                # primary only in connect() (redis-py's send path would go to its default host instead)
+                conn.connect()
             while self._sent and (
                 self._sent >= MAX_IN_FLIGHT or conn.can_read(timeout=wait_s if wait_s > 0 else 0)
             ):
@@ -246,8 +260,8 @@ class Publisher:
         try:
             reply = conn.read_response()
         except redis.ResponseError:
-            # A server-side refusal (e.g. OOM) or a bug: sending the same batch again would fail forever. The
-            # script may have written some of its events before the error: the loop repairs these jobs' streams.
+            # The whole batch refused (out of memory, a bug): sending it again would fail forever. The loop repairs
+            # these jobs' streams; the counter did not move, so the next batch reports a loss too.
             log.exception("publisher: Redis refused %d events; dropping them", len(batch.job_ids))
             self._dropped.update(batch.job_ids)
         else:
@@ -257,8 +271,16 @@ class Publisher:
                     time.monotonic() - self._down_since,
                 )
                 self._down_since = None
-            self.sent_events += len(batch.job_ids)
-            if reply == APPLIED_AFTER_LOSS:
+            code, refused = int(reply[0]), [_text(job_id) for job_id in reply[2:]]
+            self.sent_events += len(batch.job_ids) - len(refused)
+            if refused:
+                log.error(
+                    "publisher: Redis refused the events of %d jobs (%s); dropping them",
+                    len(refused),
+                    _text(reply[1]),
+                )
+                self._dropped.update(refused)
+            if code == APPLIED_AFTER_LOSS:
                 log.error(
                     "publisher: Redis lost event batches it had acknowledged (a failover, or a restart without "
                     "persistence); the streams of running jobs start over"
@@ -279,3 +301,7 @@ class Publisher:
         )
         self._conn = conn
         return conn
+
+
+def _text(value: Any) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)

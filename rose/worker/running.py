@@ -85,6 +85,7 @@ class Running:
     result: dict[str, Any] | None = None  # the job's result, built once it is FINISHED
     stream_ttl_due: float = 0.0  # monotonic time at which the next event (re)sets the stream's expiry
     events_batch: int = 0  # the publisher batch carrying the job's latest events (rose.worker.outbox)
+    refusals: int = 0  # times Redis refused the job's events (its stream is started over once, not forever)
     queue_s: float | None = None  # seconds on the queue (enqueued to started), when RQ recorded both
     ttft_s: float | None = None  # seconds from start to the first token
     # The job's id and hash key, read once: RQ's properties recompute them, and the loop reads them for every

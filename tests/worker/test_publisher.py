@@ -177,3 +177,18 @@ def test_keep_ttl_leaves_the_streams_expiry_alone(r):
     write(ev("k", 2))  # a refresh or a terminal event sets it again
     assert r.ttl(keys.stream_key("k")) > 50
     assert seqs(r, "k") == [0, 1, 2]
+
+
+def test_through_sentinel_the_publisher_writes_to_the_primary_sentinel_names():
+    """Its connection is made by hand (make_connection), and redis-py's send path connects a Sentinel-managed
+    connection to its default host, not the primary: the publisher must connect it itself."""
+    from rose.harness.sentinel import SentinelCluster
+    from rose.jobs.connection import connect
+
+    with SentinelCluster().start() as cluster:
+        r = connect(cluster.url)
+        pub = Publisher(r)
+        pub.send([ev("a", 0)])
+        assert pub.flush(timeout=5)
+        assert seqs(r, "a") == [0]  # read back from the primary, through the Sentinels
+        pub.close()
