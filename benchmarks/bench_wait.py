@@ -37,7 +37,16 @@ def retirement(batch: int) -> list[list[str | int]]:
         commands += [
             ["HINCRBY", "rq:worker:w", "successful_job_count", 1],
             ["HINCRBYFLOAT", "rq:worker:w", "total_working_time", 1.5],
-            ["HSET", f"rq:job:{job}", "status", "finished", "ended_at", "2026-01-01T00:00:00", "worker_name", "w"],
+            [
+                "HSET",
+                f"rq:job:{job}",
+                "status",
+                "finished",
+                "ended_at",
+                "2026-01-01T00:00:00",
+                "worker_name",
+                "w",
+            ],
             ["XADD", f"rq:results:{job}", "*", "type", 1, "return_value", result],
             ["EXPIRE", f"rq:results:{job}", 500],
             ["EXPIRE", f"rq:job:{job}", 500],

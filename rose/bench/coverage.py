@@ -52,7 +52,9 @@ class Target:
     """Where both sides run: the engine and transformers' reference, on the same device in the same dtype. In
     float32 the tokens must match exactly; a first difference whose logit gap is within `tie_tolerance` times the
     reference's best logit (at least 1) is a tie: rounding, not a defect (in bf16 / fp16 two attention kernels round
-    differently, so low precision takes LOW_PRECISION_TIE_TOLERANCE)."""
+    differently, and so do a projection's matmul kernels for a batch of decode rows and for `generate`'s one row:
+    PyTorch runs a matmul of at most 16**3 multiply-adds in its own kernel, a larger one in oneDNN; so low precision
+    takes LOW_PRECISION_TIE_TOLERANCE)."""
 
     device: str = "cpu"
     dtype: str = "float32"

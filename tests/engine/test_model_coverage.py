@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from rose.bench.architectures import build_failure, causal_lm_types, prompt_id_range, tiny_model
-from rose.bench.coverage import MODES, Target, Verdict, check_model
+from rose.bench.coverage import LOW_PRECISION_TIE_TOLERANCE, MODES, Target, Verdict, check_model
 from rose.engine import model_probe
 
 TYPES = causal_lm_types()
@@ -155,13 +155,33 @@ def test_the_readme_lists_each_family_under_its_verdict():
         assert names == {t for t in TYPES if verdict(t).status == kind}, kind
 
 
+# Families whose bf16 tokens part from `generate`'s at a tie that no engine batching decode rows could avoid, made
+# by the projections' matmul kernel, which depends on the shape. PyTorch computes a bf16 matmul of at most 16**3
+# multiply-adds in its own kernel and a larger one in oneDNN (ONEDNN_VERBOSE lists only the larger), and the two sum
+# in different orders. `generate`'s one-token v_proj is 1x64x32 in the tiny zoo (2048: PyTorch's kernel), rose's for
+# a decode step of 3 sequences 3x64x32 (oneDNN; brg_matmul:avx10_1_512_amx on the CI machine). granite_swa, prompt 2
+# batched with prompts 0 and 1: every module's output is bitwise `generate`'s up to decode step 3, whose layer-1
+# v_proj has an exact value (-0.2998046670) 2e-8 from the midpoint of bf16's -0.298828125 and -0.30078125, under
+# one float32 step: the row alone rounds to the first, the same row in the batch to the second, and that one step in
+# the cached V makes token 9 284 (logit 8.8125) instead of 323 (8.875), one bf16 step apart. With oneDNN off
+# (torch.backends.mkldnn.flags(enabled=False): every shape in PyTorch's kernel) every module's output of every step
+# is bitwise `generate`'s, and all six families are exact with no tie. Not AMX's doing: oneDNN's AVX512-BF16 kernel
+# also rounds a row in a batch of 3 differently from the row alone (5e-5 of random 3x64x32 outputs; 2e-5 with AMX),
+# it only missed this test's near-ties. The other families are exact with no tie on the CI machine, and that is
+# what catches rose's generic eager attention standing in for the model's (flint and mimo_v2_flash then part from
+# `generate` only within a tie); granite_swa catches it with the tie allowed (a gap of 0.25 then).
+BF16_MATMUL_TIES = {"granite_swa"}
+
+
 @pytest.mark.parametrize(
     "model_type", ["gpt_oss", "granite_swa", "flint", "gemma2", "vaultgemma", "mimo_v2_flash"]
 )
 def test_eager_families_round_as_transformers_does_in_bfloat16(model_type):
     """Layers SDPA cannot compute (soft-capping, sinks), and every layer of a model that came with eager attention,
     run the model's own eager function: bf16 rounds exactly as `generate`'s does (each of these families takes its
-    softmax in its own precision), with no tie allowed."""
-    target = Target("cpu", "bfloat16", 0.0)
+    softmax in its own precision), with no tie allowed, except where a projection's batched matmul rounds differently
+    from `generate`'s one-row one (BF16_MATMUL_TIES): there a tie within two bf16 steps."""
+    tolerance = LOW_PRECISION_TIE_TOLERANCE if model_type in BF16_MATMUL_TIES else 0.0
+    target = Target("cpu", "bfloat16", tolerance)
     v = check_model(model_type, lambda: tiny_model(model_type), id_range=prompt_id_range(), target=target)
     assert v.status == "exact", v.detail
