@@ -44,12 +44,6 @@ POD_NAME = "rose-worker-7d9f8c6b5-x2x4q"
 # backoff while Redis fails; then unregistering and closing the engine (a few seconds).
 EXIT_PATH_S = 10 + 15.5 + 4.5
 
-# redis+sentinel://[user:password@]host:port[,host:port...]/service_name[/db]
-SENTINEL_URL = re.compile(
-    r"^redis\+sentinel://(?:(?P<user>[^:@/]*)(?::(?P<password>[^@/]*))?@)?"
-    r"(?P<hosts>[^:@/,]+:\d+(?:,[^:@/,]+:\d+)*)/(?P<service>[^/]+)(?:/(?P<db>\d+))?$"
-)
-
 
 def load_all(path: Path) -> list[dict[str, Any]]:
     return [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
@@ -425,34 +419,22 @@ def sentinel_url_example(container: dict[str, Any]) -> str:
 
 
 def test_sentinel_trigger_reads_the_workers_sentinels(container: dict[str, Any]) -> None:
+    from rose.jobs.connection import parse_sentinel_url
+
     url = sentinel_url_example(container)
-    m = SENTINEL_URL.match(url)
-    assert m, url
+    parsed = parse_sentinel_url(url)  # rose's own parser: the URL the worker would be given
     scaled, auth = (one(load_all(SENTINEL), kind) for kind in ("ScaledObject", "TriggerAuthentication"))
     trigger = redis_trigger(scaled)
     assert trigger["type"] == "redis-sentinel"
     metadata = trigger["metadata"]
-    assert metadata["sentinelMaster"] == m["service"]
-    assert [a.strip() for a in metadata["addresses"].split(",")] == m["hosts"].split(",")
-    assert int(metadata["databaseIndex"]) == int(m["db"] or 0)
+    assert metadata["sentinelMaster"] == parsed.service_name
+    assert [a.strip() for a in metadata["addresses"].split(",")] == [f"{h}:{p}" for h, p in parsed.hosts]
+    assert int(metadata["databaseIndex"]) == parsed.db
     creds = trigger_auth_values(auth)
-    assert (creds["username"], creds["password"]) == (m["user"], m["password"]) == tuple(SECRET.values())
-    assert creds.get("sentinelPassword", SECRET["password"]) == SECRET["password"]
-
-
-def test_sentinel_url_pattern() -> None:
-    ok = "redis+sentinel://u:p@s1:26379,s2.ns.svc:26380/mymaster/2"
-    m = SENTINEL_URL.match(ok)
-    assert m and (m["user"], m["password"], m["hosts"], m["service"], m["db"]) == (
-        "u",
-        "p",
-        "s1:26379,s2.ns.svc:26380",
-        "mymaster",
-        "2",
+    assert (
+        (creds["username"], creds["password"]) == (parsed.username, parsed.password) == tuple(SECRET.values())
     )
-    assert SENTINEL_URL.match("redis+sentinel://s1:26379/mymaster")
-    for bad in ("redis://s1:6379/0", "redis+sentinel://s1/mymaster", "redis+sentinel://s1:26379/"):
-        assert not SENTINEL_URL.match(bad), bad
+    assert creds.get("sentinelPassword") == parsed.sentinel_password == SECRET["password"]
 
 
 def test_the_two_variants_differ_only_in_their_trigger() -> None:

@@ -5,8 +5,9 @@ watch, publisher, retirer and RQ bookkeeping) whose engine is rose.bench.sim_eng
 pace (by default 256 sequences x 20 steps/s: 5,120 tokens/s a worker). The queue is kept full; once the fleet is
 steady, Redis's own accounting (rose.bench.redis_meter) is read over a window: its main-thread CPU (net of idle),
 commands and round trips per second, and the tokens the fleet generated (jobs finished in the window x their
-tokens). A few streamed latency-probe jobs per second carry their tokens' production times: a reader following
-their streams gives the event latency, token produced -> readable in its stream.
+tokens). Then, under the same load, a few streamed latency-probe jobs per second carry their tokens' production
+times: a reader following their streams gives the event latency (token produced -> readable in its stream) and the
+gaps between a job's events as a reader sees them.
 
 Modes: `streamed` (every job `stream: true`), `not-streamed` (`stream: false`), `mixed` (a share streamed). Redis
 saturates when its one thread is busy all the time: the fleet size at which that happens is what one core of Redis
@@ -51,7 +52,8 @@ class FleetConfig:
     max_tokens: int = 128
     mixed_share: float = 0.1  # streamed share of the jobs in `mixed`
     warmup_s: float = 8.0
-    window_s: float = 15.0
+    window_s: float = 15.0  # Redis's accounting, the fleet alone
+    latency_s: float = 8.0  # then the latency probes' tokens, timed under the same load
     probes_per_s: float = 2.0  # streamed latency-probe jobs submitted per second
     worker_args: tuple[str, ...] = ()
     pin: bool = True
@@ -68,6 +70,9 @@ class FleetPoint:
     commands_per_s: float
     round_trips_per_s: float
     event_latency_ms: dict[str, float] = field(default_factory=dict)  # p50, p99, max
+    event_gap_ms: dict[str, float] = field(
+        default_factory=dict
+    )  # between a job's token events, as a reader sees
     top_commands: dict[str, dict[str, float]] = field(default_factory=dict)  # per second: calls, usec
 
     @property
@@ -141,6 +146,8 @@ class LatencyReader(threading.Thread):
         self.streams: dict[str, str] = {}  # stream key -> last id read
         self.lock = threading.Lock()
         self.delays_ms: list[float] = []
+        self.gaps_ms: list[float] = []  # between a stream's consecutive token events, as they arrive
+        self._last_seen: dict[str, float] = {}
         self.recording = False
         self.stopped = threading.Event()
 
@@ -163,8 +170,13 @@ class LatencyReader(threading.Thread):
                 name = key.decode()
                 for entry_id, fields in entries:
                     event = json.loads(fields[keys.STREAM_FIELD.encode()])
-                    if event.get("type") == "token" and self.recording:
-                        self.delays_ms += [float((now - t) % 1_000_000_000) for t in event["token_ids"]]
+                    if event.get("type") == "token":
+                        seen = time.monotonic()
+                        if self.recording:
+                            self.delays_ms += [float((now - t) % 1_000_000_000) for t in event["token_ids"]]
+                            if name in self._last_seen:
+                                self.gaps_ms.append((seen - self._last_seen[name]) * 1000)
+                        self._last_seen[name] = seen
                     with self.lock:
                         if event.get("type") in ("done", "error", "canceled"):
                             self.streams.pop(name, None)
@@ -183,7 +195,7 @@ def _percentiles(values: list[float]) -> dict[str, float]:
 def run_point(cfg: FleetConfig, mode: str, workers: int, cpus: dict[str, str | None]) -> FleetPoint:
     share = {STREAMED: 1.0, NOT_STREAMED: 0.0, MIXED: cfg.mixed_share}[mode]
     per_worker_jobs_s = cfg.max_num_seqs * cfg.steps_per_s / cfg.max_tokens
-    total_s = cfg.warmup_s + cfg.window_s + 10
+    total_s = cfg.warmup_s + cfg.window_s + cfg.latency_s + 12
     n_jobs = int(workers * (cfg.max_num_seqs + per_worker_jobs_s * total_s))
     with RedisServerProcess(cpus=cpus["redis"]).start() as server:
         r = server.client()
@@ -227,15 +239,17 @@ def run_point(cfg: FleetConfig, mode: str, workers: int, cpus: dict[str, str | N
                     probe()
                     time.sleep(1 / cfg.probes_per_s)
 
-            probing(cfg.warmup_s)
+            time.sleep(cfg.warmup_s)
             finished = q.finished_job_registry
             done0 = finished.count
-            reader.recording = True
-            before = redis_meter.snapshot(r)
-            probing(cfg.window_s)
+            before = redis_meter.snapshot(r)  # the fleet alone: the latency probes come after this window
+            time.sleep(cfg.window_s)
             after = redis_meter.snapshot(r)
-            reader.recording = False
             done = finished.count - done0
+            probing(2.0)  # the probes' streams under way, then their latency under the same load
+            reader.recording = True
+            probing(cfg.latency_s)
+            reader.recording = False
         finally:
             reader.stopped.set()
             for proc in procs:
@@ -253,6 +267,7 @@ def run_point(cfg: FleetConfig, mode: str, workers: int, cpus: dict[str, str | N
         commands_per_s=used.commands / wall,
         round_trips_per_s=used.reads / wall,
         event_latency_ms=_percentiles(reader.delays_ms),
+        event_gap_ms=_percentiles(reader.gaps_ms),
         top_commands={
             name: {"calls": v["calls"] / wall, "usec": v["usec"] / wall}
             for name, v in sorted(used.commandstats.items(), key=lambda kv: -kv[1]["usec"])[:12]

@@ -43,6 +43,7 @@ def build_redis_parser(prog: str | None = None) -> argparse.ArgumentParser:
         "--redis-args", default="", help="more redis-server options, e.g. '--stream-node-max-bytes 512'"
     )
     p.add_argument("--no-pin", action="store_true", help="do not give Redis a CPU of its own")
+    p.add_argument("--repeats", type=int, default=1, help="runs per mode, alternating; medians reported")
     _output_args(p, DEFAULT_REDIS_JSON)
     return p
 
@@ -64,12 +65,13 @@ def redis_main(argv: Sequence[str] | None = None, prog: str | None = None) -> in
         worker_args=tuple(shlex.split(args.worker_args)),
         redis_args=tuple(shlex.split(args.redis_args)),
         pin=not args.no_pin,
+        repeats=args.repeats,
     )
     report = run_redis_cost(cfg, progress=lambda m: print(m, file=sys.stderr, flush=True))
     pinned = f"Redis on CPU {report.cpus['redis']}" if report.cpus["redis"] else "Redis not pinned"
     title = (
         f"What a token costs Redis: {cfg.num_jobs} jobs x {cfg.max_tokens} tokens, {cfg.model}, max_num_seqs "
-        f"{cfg.max_num_seqs}; {pinned}; worker {' '.join(cfg.worker_args) or 'defaults'}"
+        f"{cfg.max_num_seqs}; {pinned}; worker {' '.join(cfg.worker_args) or 'defaults'}; medians of {cfg.repeats}"
         + (f"; redis {' '.join(cfg.redis_args)}" if cfg.redis_args else "")
     )
     headers, rows = report.rows()
@@ -157,8 +159,9 @@ def fleet_main(argv: Sequence[str] | None = None, prog: str | None = None) -> in
         "CPU µs/token",
         "commands/s",
         "round trips/s",
-        "p50 ms",
-        "p99 ms",
+        "latency p50 ms",
+        "latency p99 ms",
+        "gap p99 ms",
     ]
     rows = [
         [
@@ -172,6 +175,7 @@ def fleet_main(argv: Sequence[str] | None = None, prog: str | None = None) -> in
             p.round_trips_per_s,
             p.event_latency_ms.get("p50", float("nan")),
             p.event_latency_ms.get("p99", float("nan")),
+            p.event_gap_ms.get("p99", float("nan")),
         ]
         for p in report.points
     ]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -44,6 +45,7 @@ class RedisCostConfig:
     worker_args: tuple[str, ...] = ()  # more rose-worker flags (--stream-interval, --check-interval, ...)
     redis_args: tuple[str, ...] = ()  # more redis-server options
     pin: bool = True  # Redis on a CPU of its own when there are two or more
+    repeats: int = 1  # runs per mode, alternating; the medians are reported
     idle_s: float = 3.0
     timeout_s: float = 900.0
 
@@ -58,6 +60,7 @@ class ModeResult:
     per_token: dict[str, float]
     per_job: dict[str, float]
     memory_by_family: dict[str, dict[str, float]] = field(default_factory=dict)
+    runs_cpu_us_per_token: list[float] = field(default_factory=list)  # every run's, when repeated
 
     @property
     def tokens_per_s(self) -> float:
@@ -164,14 +167,42 @@ def run_mode(cfg: RedisCostConfig, mode: str, cpus: dict[str, str | None]) -> Mo
     )
 
 
+def median_of(runs: list[ModeResult]) -> ModeResult:
+    """One mode's runs summed up: each figure's median (memory by key family: the median-CPU run's)."""
+    if len(runs) == 1:
+        return runs[0]
+    by_cpu = sorted(runs, key=lambda r: r.per_token["cpu_us"])
+    middle = by_cpu[len(by_cpu) // 2]
+    return ModeResult(
+        mode=middle.mode,
+        tokens=middle.tokens,
+        jobs=middle.jobs,
+        wall_s=statistics.median(r.wall_s for r in runs),
+        usage=middle.usage,
+        per_token={k: statistics.median(r.per_token[k] for r in runs) for k in middle.per_token},
+        per_job={k: statistics.median(r.per_job[k] for r in runs) for k in middle.per_job},
+        memory_by_family=middle.memory_by_family,
+        runs_cpu_us_per_token=[r.per_token["cpu_us"] for r in runs],
+    )
+
+
 def run_redis_cost(cfg: RedisCostConfig, progress: Any = None) -> RedisCostReport:
     cpus = cpu_split(cfg.pin)
     report = RedisCostReport(config=asdict(cfg), cpus=cpus)
-    for mode in cfg.modes:
-        if progress:
-            progress(f"{mode}: {cfg.num_jobs} jobs x {cfg.max_tokens} tokens")
-        t0 = time.monotonic()
-        report.results.append(run_mode(cfg, mode, cpus))
-        if progress:
-            progress(f"{mode}: done in {time.monotonic() - t0:.0f} s")
+    runs: dict[str, list[ModeResult]] = {mode: [] for mode in cfg.modes}
+    for repeat in range(cfg.repeats):
+        for mode in cfg.modes:  # alternating: a machine's drift hits every mode alike
+            if progress:
+                progress(
+                    f"{mode} (run {repeat + 1}/{cfg.repeats}): {cfg.num_jobs} jobs x {cfg.max_tokens} tokens"
+                )
+            t0 = time.monotonic()
+            result = run_mode(cfg, mode, cpus)
+            runs[mode].append(result)
+            if progress:
+                progress(
+                    f"{mode}: {result.per_token['cpu_us']:.2f} us of Redis CPU per token, done in "
+                    f"{time.monotonic() - t0:.0f} s"
+                )
+    report.results = [median_of(runs[mode]) for mode in cfg.modes]
     return report

@@ -41,6 +41,7 @@ from rose.worker.watch import Finding, Verdict, Watch, owed
 log = logging.getLogger(__name__)
 
 DELIVERY_WAIT_S = 1.0  # an idle loop waits this long for Redis to acknowledge finished jobs' events
+RETIRE_EVERY_S = 0.1  # while the engine runs, a retirement batch at most this often
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +73,7 @@ class JobLoop:
         self.metrics = metrics
         self.running: dict[str, Running] = {}
         self._reconcile = False  # set by an iteration that found events refused or lost
+        self._next_retire = 0.0  # monotonic time the next retirement batch may go
         self.intake = Intake(rq)
         self.watch = Watch(probe.target(rq), settings.check_interval)
         self.retirer = Retirer(rq, outbox.done_commands)
@@ -306,6 +308,10 @@ class JobLoop:
         if not self.engine.has_unfinished():  # no step to overlap the round trip with
             self.outbox.publisher.flush(timeout=DELIVERY_WAIT_S)
             self._publish()
+        # One batch in flight at a time, at most every RETIRE_EVERY_S while the engine runs: each costs Redis two
+        # round trips, whatever the number of jobs in it, and a finished job's KV blocks are free already.
+        now = time.monotonic()
+        batching = not self.engine.has_unfinished() or (not self.retirer.busy and now >= self._next_retire)
         batch: list[Running] = []
         for run in finished:
             if run.phase is Phase.FINISHED and not self.outbox.delivered(run):
@@ -313,10 +319,12 @@ class JobLoop:
             if run.phase is Phase.FINISHED:
                 if run.job.success_callback:
                     run.phase = Phase.CHECKING  # its status is read before the callback runs
-                else:
+                elif batching:
                     batch.append(run)
             else:
                 self._store_by_handler(run)
+        if batch:
+            self._next_retire = now + RETIRE_EVERY_S
         for run in batch:
             self.running.pop(run.id)
             run.phase = Phase.RETIRING

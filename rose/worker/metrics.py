@@ -150,6 +150,13 @@ class WorkerMetrics:
             ln,
             registry=reg,
         ).labels(*lv)
+        self.reconciliations = Counter(
+            "rose_redis_reconciliations",
+            "Times the worker compared its jobs and streams with Redis after an outage, or events Redis refused "
+            "or lost (a restart, a failover).",
+            ln,
+            registry=reg,
+        ).labels(*lv)
         self.queue_time = Histogram(
             "rose_request_queue_time_seconds",
             "Seconds a job waited on its queue (enqueued to started).",

@@ -61,14 +61,16 @@ CONNECT_TIMEOUT_S = 1.0  # longest a (re)connect may hold the engine loop; Redis
 APPLIED, DUPLICATE, APPLIED_AFTER_LOSS = 1, 0, -1  # the script's replies
 
 # KEYS[1]: this publisher's batch counter; KEYS[2]: the seal markers (job id -> worker); KEYS[2 + i]: stream of
-# event i. ARGV[1]: batch number; ARGV[2]: counter TTL; then per event: data, stream TTL ('' = keep, -1 = persist),
-# seal ('1': written only if the job's seal marker is there, which it removes), job id, channel. Returns {code, the
-# first refusal's message, the ids of the jobs whose events Redis refused...}; code APPLIED, DUPLICATE (applied
-# before, its reply lost) or APPLIED_AFTER_LOSS. A refused event (XADD on a key of another type, ...) does not stop
-# the batch, so the counter always says which batches were applied. Batches are sent, and sent again, in order from
-# the first one unacknowledged, so a batch number beyond the counter's next means batches Redis had applied, and
-# acknowledged, are gone (a failover to a replica that had not received them, a restart without persistence), or a
-# whole batch was refused before it ran (out of memory).
+# event i. ARGV[1]: batch number; ARGV[2]: counter TTL; ARGV[3]: where the job id starts in a channel name (1-based);
+# then per event: data, channel, spec: '' for most events, else 's' if sealed (written only if the job's seal marker
+# is there, which it removes) and/or 't' and the stream's TTL to set (-1: persist), e.g. 't3600', 'st600'. Returns
+# {code, the first refusal's message, the ids of the jobs whose events Redis refused...}; code APPLIED, DUPLICATE
+# (applied before, its reply lost) or APPLIED_AFTER_LOSS. A refused event (XADD on a key of another type, ...) does
+# not stop the batch, so the counter always says which batches were applied. Batches are sent, and sent again, in
+# order from the first one unacknowledged, so a batch number beyond the counter's next means batches Redis had
+# applied, and acknowledged, are gone (a failover to a replica that had not received them, a restart without
+# persistence), or a whole batch was refused before it ran (out of memory). Three arguments an event, most with an
+# empty spec: the script's cost is mostly its arguments.
 _SCRIPT = """
 local batch = tonumber(ARGV[1])
 local last = tonumber(redis.call('GET', KEYS[1]) or '0')
@@ -76,24 +78,28 @@ if batch <= last then return {0, ''} end
 redis.call('SET', KEYS[1], batch, 'EX', ARGV[2])
 local out = {1, ''}
 if batch > last + 1 then out[1] = -1 end
-local a = 3
+local skip, a = tonumber(ARGV[3]), 4
 for i = 3, #KEYS do
-  local data, ttl, sealed = ARGV[a], ARGV[a + 1], ARGV[a + 2] ~= ''
-  if not sealed or redis.call('HEXISTS', KEYS[2], ARGV[a + 3]) == 1 then
+  local data, channel, spec = ARGV[a], ARGV[a + 1], ARGV[a + 2]
+  a = a + 3
+  local sealed = string.byte(spec) == 115  -- 's'
+  if not sealed or redis.call('HEXISTS', KEYS[2], string.sub(channel, skip)) == 1 then
     local added = redis.pcall('XADD', KEYS[i], '*', 'event', data)
     if type(added) == 'table' and added.err then  -- refused: a sealed job keeps its marker, for the repair
       if out[2] == '' then out[2] = added.err end
-      out[#out + 1] = ARGV[a + 3]
+      out[#out + 1] = string.sub(channel, skip)
     else
-      if sealed then redis.call('HDEL', KEYS[2], ARGV[a + 3]) end
-      if ttl ~= '' then
-        ttl = tonumber(ttl)
-        if ttl < 0 then redis.call('PERSIST', KEYS[i]) else redis.call('EXPIRE', KEYS[i], ttl) end
+      if spec ~= '' then
+        if sealed then redis.call('HDEL', KEYS[2], string.sub(channel, skip)) end
+        local t = string.find(spec, 't', 1, true)
+        if t then
+          local ttl = tonumber(string.sub(spec, t + 1))
+          if ttl < 0 then redis.call('PERSIST', KEYS[i]) else redis.call('EXPIRE', KEYS[i], ttl) end
+        end
       end
-      redis.call('PUBLISH', ARGV[a + 4], data)
+      redis.call('PUBLISH', channel, data)
     end
   end
-  a = a + 5
 end
 return out
 """
@@ -203,16 +209,13 @@ class Publisher:
         # restart. Packed by resp.pack_command: a step's batch has a few hundred arguments.
         items: list[str | int] = ["EVAL", _SCRIPT, len(events) + 2, self._counter_key, keys.SEALS_KEY]
         items += [keys.stream_key(e.job_id) for e in events]
-        items += [self._batch_no, _COUNTER_TTL_S]
+        items += [self._batch_no, _COUNTER_TTL_S, len(keys.TOKENS_CHANNEL_PREFIX) + 1]
         for e in events:
             ttl = e.stream_ttl
-            items += [
-                e.data,
-                "" if ttl is KEEP_TTL else ttl if ttl == NO_EXPIRY else max(1, ttl),
-                "1" if e.seals else "",
-                e.job_id,
-                keys.tokens_channel(e.job_id),
-            ]
+            spec = ("s" if e.seals else "") + (
+                "" if ttl is KEEP_TTL else f"t{ttl if ttl == NO_EXPIRY else max(1, ttl)}"
+            )
+            items += [e.data, keys.tokens_channel(e.job_id), spec]
         return _Batch(self._batch_no, resp.pack_command(items), tuple(e.job_id for e in events))
 
     def _pump(self, wait_s: float = 0.0) -> None:

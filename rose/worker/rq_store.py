@@ -290,9 +290,36 @@ def success_commands(worker: BaseWorker, runs: list[Running]) -> list[tuple[Any,
             )
         job.cleanup(result_ttl, pipeline=recorder, remove_from_queue=False)
         run.execution.delete(job=job, pipeline=recorder)
-    commands = [args for args, _ in recorder.command_stack]
+    commands = _summed_counters([args for args, _ in recorder.command_stack])
     recorder.reset()
     return commands
+
+
+def _summed_counters(commands: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+    """RQ increments the worker's counters once per job (HINCRBY / HINCRBYFLOAT): one increment of the sum per
+    counter for the whole batch writes the same values with two commands a job less (each at the place of its
+    first increment)."""
+    sums: dict[tuple[str, Any, Any], float] = {}
+    order: list[tuple[Any, ...] | tuple[str, Any, Any]] = []
+    for command in commands:
+        name = str(command[0]).upper()
+        if name in ("HINCRBY", "HINCRBYFLOAT") and len(command) == 4:
+            counter = (name, command[1], command[2])
+            if counter not in sums:
+                sums[counter] = 0.0
+                order.append(counter)
+            sums[counter] += float(command[3])
+        else:
+            order.append(command)
+    out: list[tuple[Any, ...]] = []
+    for item in order:
+        if item in sums:
+            name, key, field = item
+            total = sums[item]
+            out.append((name, key, field, int(total) if name == "HINCRBY" else total))
+        else:
+            out.append(item)
+    return out
 
 
 def after_success(worker: BaseWorker, run: Running) -> None:

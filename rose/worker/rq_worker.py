@@ -16,6 +16,8 @@ from collections.abc import Callable
 from typing import Any
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 from rq.command import parse_payload
 from rq.serializers import JSONSerializer
 from rq.suspension import is_suspended
@@ -56,6 +58,10 @@ class RQWorker(BaseWorker):
         # Every connection of this process carries the worker's name, so a restart can tell a live holder of
         # the name (connections open) from a killed one (connections closed by the kernel).
         self.connection.connection_pool.connection_kwargs["client_name"] = self.name
+        # No retries inside redis-py: a command that meets an outage fails at once, and the worker's guard backs
+        # off (rose.worker.redis_guard) while the engine keeps stepping. redis-py's default for clients made with
+        # Redis(host=...) retries with sleeps of up to 10 s, in the engine loop.
+        self.connection.set_retry(Retry(NoBackoff(), 0))
 
     # ---- RQ's hooks -------------------------------------------------------------------------------------------
 

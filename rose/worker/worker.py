@@ -280,6 +280,7 @@ class RoseWorker:
         again: recovery requeues it), seal markers of jobs it no longer holds (their streams repaired), and its
         publisher's batch counter (lost events: every held job's stream starts over, rose.worker.loop)."""
         self._reconciled_outages = self.guard.outages
+        self.metrics.reconciliations.inc()
         log.warning("worker %s: reconciling its jobs and streams with Redis", self.name)
         self._next_heartbeat = 0.0
         self.jobs.watch.check_all()

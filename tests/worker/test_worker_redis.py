@@ -99,6 +99,25 @@ def test_redis_outage_worker_carries_on(persistent_redis_server):
             )
         assert r.zcard("rq:wip:rose") == 0
         assert [w.name for w in Worker.all(connection=r)] == [wt.worker.name]
+        reg = wt.worker.metrics.registry
+        assert reg.get_sample_value("rose_redis_reconciliations_total", {"model_name": "fake"}) >= 1
+    finally:
+        wt.stop(force=True)
+
+
+def test_an_idle_worker_outlives_a_redis_outage(persistent_redis_server):
+    """Nothing running: the loop blocks on the queue, and Redis goes away; the worker waits it out and takes the
+    next job (its idle path must go through the guard like the busy one)."""
+    server = persistent_redis_server
+    r = server.client()
+    wt = WorkerThread(server, ["rose"], FakeEngine()).start()
+    try:
+        server.stop()
+        time.sleep(2)
+        server.start()
+        job = Client(r).submit("a", max_tokens=3)
+        assert job.result(timeout=15)["usage"]["completion_tokens"] == 3
+        assert wt.thread.is_alive() and wt.error is None
     finally:
         wt.stop(force=True)
 
