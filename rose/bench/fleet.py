@@ -201,17 +201,14 @@ def run_point(cfg: FleetConfig, mode: str, workers: int, cpus: dict[str, str | N
         r = server.client()
         q = Queue(keys.DEFAULT_QUEUE, connection=r, serializer=JSONSerializer)
         every = round(1 / share) if 0 < share < 1 else 1
-        data = [
-            Queue.prepare_data(
-                keys.FUNC_PATH,
-                kwargs={
-                    "prompt": f"job {i}",
-                    "max_tokens": cfg.max_tokens,
-                    "stream": share == 1.0 or (share > 0 and i % every == 0),
-                },
-            )
-            for i in range(n_jobs)
-        ]
+        lengths = {}  # job id -> its tokens: half to one and a half times max_tokens, so that jobs end at any step
+        data = []
+        for i in range(n_jobs):
+            n = cfg.max_tokens // 2 + (i * 37) % (cfg.max_tokens + 1)
+            stream = share == 1.0 or (share > 0 and i % every == 0)
+            kwargs = {"prompt": f"job {i}", "max_tokens": n, "ignore_eos": True, "stream": stream}
+            data.append(Queue.prepare_data(keys.FUNC_PATH, kwargs=kwargs, job_id=f"sim-{i}"))
+            lengths[f"sim-{i}"] = n
         for i in range(0, len(data), 2000):
             q.enqueue_many(data[i : i + 2000])
         idle = redis_meter.idle(r, 3.0)  # the jobs are queued, nothing asks Redis anything yet
@@ -241,11 +238,11 @@ def run_point(cfg: FleetConfig, mode: str, workers: int, cpus: dict[str, str | N
 
             time.sleep(cfg.warmup_s)
             finished = q.finished_job_registry
-            done0 = finished.count
+            done0 = set(finished.get_job_ids())
             before = redis_meter.snapshot(r)  # the fleet alone: the latency probes come after this window
             time.sleep(cfg.window_s)
             after = redis_meter.snapshot(r)
-            done = finished.count - done0
+            done = set(finished.get_job_ids()) - done0
             probing(2.0)  # the probes' streams under way, then their latency under the same load
             reader.recording = True
             probing(cfg.latency_s)
@@ -255,7 +252,7 @@ def run_point(cfg: FleetConfig, mode: str, workers: int, cpus: dict[str, str | N
             for proc in procs:
                 proc.stop(timeout=15)
     used = redis_meter.usage(before, after, idle)
-    tokens = done * cfg.max_tokens  # the probes (a few, shorter) count as full jobs: noise below 1%
+    tokens = sum(lengths.get(job_id, 0) for job_id in done)  # the jobs that ended in the window
     wall = used.wall_s
     return FleetPoint(
         mode=mode,

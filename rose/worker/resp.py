@@ -53,6 +53,15 @@ class Pending:
         self._conn: Any = conn
         self._count = replies
 
+    def ready(self) -> bool:
+        """Whether the first reply is there (or the connection broke: `read` then raises), without waiting."""
+        if self._conn is None:
+            raise RuntimeError("these replies were already read or abandoned")
+        try:
+            return bool(self._conn.can_read(timeout=0))
+        except (redis.ConnectionError, redis.TimeoutError):
+            return True
+
     def read(self) -> list[Any]:
         """Every reply in order; an error reply comes back as its ResponseError instance, not raised."""
         conn, self._conn = self._conn, None

@@ -246,30 +246,48 @@ def batchable(run: Running) -> bool:
     return not (left is not None and left > 0) and not run.job.has_rate_limit
 
 
-def success_watch(runs: list[Running]) -> list[tuple[Any, ...]]:
-    """The batch's first round: WATCH every job's hash and dependents key, then read the dependents (SMEMBERS) and
-    each job's status and owner. `still_ours` judges the replies."""
-    dependents = [run.job.dependents_key for run in runs]
-    return [
-        ("WATCH", *dependents, *(run.key for run in runs)),
-        *(("SMEMBERS", key) for key in dependents),
-        *(("HMGET", run.key, JOB_STATUS_FIELD, JOB_OWNER_FIELD) for run in runs),
-    ]
+# KEYS: each job's hash, then its dependents set. ARGV[1]: the status `started`; ARGV[2]: this worker's name;
+# ARGV[3], ARGV[4]: the status and owner fields of a job hash; then the writes, each as its argument count followed by
+# its arguments. The writes go through only if every job is still started by this worker and has no dependents to
+# enqueue, all at once (a script is atomic, as RQ's WATCH + MULTI/EXEC is); a write Redis refuses does not stop the
+# others (as in a MULTI/EXEC). Returns {1, refusals...} once written, {0} with nothing written.
+_STORE_IF_OURS = """
+for i = 1, #KEYS, 2 do
+  local f = redis.call('HMGET', KEYS[i], ARGV[3], ARGV[4])
+  if f[1] ~= ARGV[1] or f[2] ~= ARGV[2] then return {0} end
+  if redis.call('SCARD', KEYS[i + 1]) > 0 then return {0} end
+end
+local out, a = {1}, 5
+while a <= #ARGV do
+  local n = tonumber(ARGV[a])
+  local r = redis.pcall(unpack(ARGV, a + 1, a + n))
+  if type(r) == 'table' and r.err then out[#out + 1] = r.err end
+  a = a + n + 1
+end
+return out
+"""
 
 
-def still_ours(worker_name: str, runs: list[Running], replies: list[Any]) -> bool:
-    """Whether `success_watch`'s replies (after WATCH's) let the batch be stored by `success_commands`: every job
-    still started by this worker, none with dependents to enqueue, none with repeats or a rate limit."""
-    n = len(runs)
-    dependents, owners = replies[:n], replies[n:]
-    mine = [STARTED.encode(), worker_name.encode()]
-    return all(owner == mine for owner in owners) and not any(dependents) and all(map(batchable, runs))
+def store_if_ours(worker_name: str, runs: list[Running], writes: list[tuple[Any, ...]]) -> list[Any]:
+    """The command (as `resp.pack_command` items) that stores a batch of finished jobs in one round trip: `writes`
+    (`success_commands`, and whatever else must become visible with them), only if every job is still `started`
+    by this worker and has no dependents. `stored_if_ours` reads its reply."""
+    keys = [key for run in runs for key in (run.key, run.job.dependents_key)]
+    args: list[Any] = [STARTED, worker_name, JOB_STATUS_FIELD, JOB_OWNER_FIELD]
+    for write in writes:
+        args += [len(write), *write]
+    return ["EVAL", _STORE_IF_OURS, len(keys), *keys, *args]
+
+
+def stored_if_ours(reply: list[Any]) -> tuple[bool, list[str]]:
+    """(stored, the refusals of writes Redis rejected) from `store_if_ours`'s reply."""
+    return int(reply[0]) == 1, [decoded(err) or "" for err in reply[1:]]
 
 
 def success_commands(worker: BaseWorker, runs: list[Running]) -> list[tuple[Any, ...]]:
     """Exactly what RQ 3's `handle_job_success` writes inside its transaction, for each job (no dependents, no
-    repeats: `still_ours`), recorded from RQ's own calls; the caller wraps them in MULTI/EXEC and, once committed,
-    calls `after_success`. `job.ended_at` and `job._result` are set here."""
+    repeats or rate limit: `batchable`), recorded from RQ's own calls; the caller stores them with `store_if_ours`
+    and, once they are in, calls `after_success`. `job.ended_at` and `job._result` are set here."""
     recorder = worker.connection.pipeline(transaction=False)  # records RQ's writes, never executed
     for run in runs:
         job = run.job
