@@ -21,6 +21,7 @@ from rose.bench.latency import latency_rows
 from rose.bench.report import (
     engine_rows,
     markdown_table,
+    print_extras,
     print_table,
     roofline_summary,
     step_rows,
@@ -178,10 +179,7 @@ def structured_main(args: argparse.Namespace) -> int:
     print(
         f"grammar compile: first {report.first_compile_s * 1e3:.1f} ms, cache hit {report.cache_hit_s * 1e3:.3f} ms"
     )
-    if args.markdown:
-        print(markdown_table(headers, rows))
-    if args.json_out:
-        print(f"wrote {write_json(args.json_out, report.to_dict())}")
+    print_extras(args.markdown, args.json_out, headers, rows, report.to_dict())
     return 0
 
 
@@ -212,10 +210,7 @@ def engine_main(argv: Sequence[str] | None = None, prog: str | None = None) -> i
             f"greedy agreement {key}: {value['identical']:.0%} identical, {value['mean_prefix_share']:.0%} prefix"
         )
     print(f"load average before/after: {report.load_average['before']} / {report.load_average['after']}")
-    if args.markdown:
-        print(markdown_table(headers, rows))
-    if args.json_out:
-        print(f"wrote {write_json(args.json_out, report.to_dict())}")
+    print_extras(args.markdown, args.json_out, headers, rows, report.to_dict())
     ok = all(s.token_counts_ok for s in report.systems.values())
     return 0 if ok else 1
 
@@ -292,10 +287,7 @@ def step_main(argv: Sequence[str] | None = None, prog: str | None = None) -> int
             f"outside forward {pr['outside_model_forward_ms_per_step']:.2f} ms"
         )
         print(pr["top_ops"])
-    if args.markdown:
-        print(markdown_table(headers, rows))
-    if args.json_out:
-        print(f"wrote {write_json(args.json_out, report.to_dict())}")
+    print_extras(args.markdown, args.json_out, headers, rows, report.to_dict())
     return 0
 
 

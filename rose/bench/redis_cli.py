@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 from rose.bench.cli_args import parse_ints, setup_logging
 from rose.bench.redis_cost import NOT_STREAMED, STREAMED, TARGETS, RedisCostConfig, run_redis_cost
-from rose.bench.report import markdown_table, print_table, write_json
+from rose.bench.report import print_extras, print_table
 
 DEFAULT_REDIS_JSON = "benchmarks/results/bench_redis.json"
 
@@ -20,6 +20,15 @@ def _output_args(p: argparse.ArgumentParser, json_default: str) -> None:
     p.add_argument("--markdown", action="store_true", help="also print the table as Markdown")
     p.add_argument("--plain", action="store_true", help="plain-text table instead of rich")
     p.add_argument("-v", "--verbose", action="store_true", help="log progress (INFO)")
+
+
+def _modes(text: str, allowed: Sequence[str]) -> tuple[str, ...] | None:
+    """--modes as a tuple, or None after one line on stderr if it names none or one not in `allowed`."""
+    modes = tuple(m.strip() for m in text.split(",") if m.strip())
+    if not modes or any(m not in allowed for m in modes):
+        print(f"error: --modes takes {', '.join(allowed)}, got {text!r}", file=sys.stderr)
+        return None
+    return modes
 
 
 def build_redis_parser(prog: str | None = None) -> argparse.ArgumentParser:
@@ -51,10 +60,8 @@ def build_redis_parser(prog: str | None = None) -> argparse.ArgumentParser:
 def redis_main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     args = build_redis_parser(prog).parse_args(argv)
     setup_logging(args.verbose)
-    modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
-    unknown = [m for m in modes if m not in (STREAMED, NOT_STREAMED)]
-    if unknown or not modes:
-        print(f"error: --modes takes {STREAMED} and/or {NOT_STREAMED}, got {args.modes!r}", file=sys.stderr)
+    modes = _modes(args.modes, (STREAMED, NOT_STREAMED))
+    if modes is None:
         return 2
     cfg = RedisCostConfig(
         model=args.model,
@@ -87,10 +94,7 @@ def redis_main(argv: Sequence[str] | None = None, prog: str | None = None) -> in
             for family, v in sorted(result.memory_by_family.items(), key=lambda kv: -kv[1]["bytes"])[:4]
         )
         print(f"{result.mode}: {verdicts}; bytes/token by key: {families}")
-    if args.markdown:
-        print(markdown_table(headers, rows))
-    if args.json_out:
-        print(f"wrote {write_json(args.json_out, report.to_dict())}")
+    print_extras(args.markdown, args.json_out, headers, rows, report.to_dict())
     return 0
 
 
@@ -121,6 +125,9 @@ def build_fleet_parser(prog: str | None = None) -> argparse.ArgumentParser:
     )
     p.add_argument("--warmup", type=float, default=d.warmup_s, metavar="S")
     p.add_argument("--window", type=float, default=d.window_s, metavar="S", help="measured seconds per point")
+    p.add_argument(
+        "--latency", type=float, default=d.latency_s, metavar="S", help="seconds of latency probes per point"
+    )
     p.add_argument("--worker-args", default="", help="more rose-worker flags, e.g. '--stream-interval 0.2'")
     p.add_argument("--no-pin", action="store_true", help="do not give Redis a CPU of its own")
     _output_args(p, DEFAULT_FLEET_JSON)
@@ -132,9 +139,8 @@ def fleet_main(argv: Sequence[str] | None = None, prog: str | None = None) -> in
 
     args = build_fleet_parser(prog).parse_args(argv)
     setup_logging(args.verbose)
-    modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
-    if not modes or any(m not in MODES for m in modes):
-        print(f"error: --modes takes {', '.join(MODES)}, got {args.modes!r}", file=sys.stderr)
+    modes = _modes(args.modes, MODES)
+    if modes is None:
         return 2
     cfg = FleetConfig(
         fleet_sizes=args.workers,
@@ -145,6 +151,7 @@ def fleet_main(argv: Sequence[str] | None = None, prog: str | None = None) -> in
         mixed_share=args.mixed_share,
         warmup_s=args.warmup,
         window_s=args.window,
+        latency_s=args.latency,
         worker_args=tuple(shlex.split(args.worker_args)),
         pin=not args.no_pin,
     )
@@ -191,8 +198,5 @@ def fleet_main(argv: Sequence[str] | None = None, prog: str | None = None) -> in
             f"({sat['tokens_per_s_per_worker']:,.0f} tok/s each): one Redis thread saturates at "
             f"~{sat['workers']:,.0f} such workers, ~{sat['tokens_per_s']:,.0f} tok/s"
         )
-    if args.markdown:
-        print(markdown_table(headers, rows))
-    if args.json_out:
-        print(f"wrote {write_json(args.json_out, report.to_dict())}")
+    print_extras(args.markdown, args.json_out, headers, rows, report.to_dict())
     return 0

@@ -60,6 +60,16 @@ def print_table(
     console.print(table)
 
 
+def print_extras(
+    markdown: bool, json_out: str | None, headers: Sequence[str], rows: Sequence[Sequence[Any]], payload: Any
+) -> None:
+    """After a benchmark's table: the table again as Markdown (`--markdown`), the JSON report (`--json-out`)."""
+    if markdown:
+        print(markdown_table(headers, rows))
+    if json_out:
+        print(f"wrote {write_json(json_out, payload)}")
+
+
 def write_json(path: str | Path, payload: dict[str, Any]) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
