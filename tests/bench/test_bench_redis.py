@@ -17,7 +17,8 @@ from rose.engine.sampling_params import SamplingParams
 pytestmark = pytest.mark.timeout(300)
 
 
-def test_usage_counts_what_redis_did_between_two_snapshots(r):
+def test_usage_counts_what_redis_did_between_two_snapshots(new_redis_server):
+    r = new_redis_server.client()  # a server of its own: nobody else's commands in between
     a = redis_meter.snapshot(r)
     with r.pipeline(transaction=False) as pipe:  # one round trip, 100 commands
         for i in range(100):
@@ -33,7 +34,8 @@ def test_usage_counts_what_redis_did_between_two_snapshots(r):
     assert redis_meter.usage(a, b, idle_cpu_per_s=1e9).net_cpu_s == 0  # idle never makes it negative
 
 
-def test_memory_by_family_groups_keys_by_their_first_two_parts(r):
+def test_memory_by_family_groups_keys_by_their_first_two_parts(new_redis_server):
+    r = new_redis_server.client()
     for i in range(3):
         r.xadd(f"rose:stream:{i}", {"event": "{}"})
     r.set("rq:job:a", "x")
