@@ -285,6 +285,13 @@ class SentinelCluster:
         )
         return port
 
+    def wait_replica_of(self, port: int, primary_port: int, timeout: float = 15.0) -> None:
+        """Wait until the node on `port` is an in-sync replica of `primary_port` (a demoted primary that never went
+        down: the Sentinels reconfigure it and kill its clients, so a probe may meet a reset connection)."""
+        self._wait(
+            lambda: self._in_sync(port, primary_port), timeout, f"port {port} to follow port {primary_port}"
+        )
+
     # ---- helpers --------------------------------------------------------------------------------------------
 
     def _named_by(self, sentinel: _Sentinel, healthy: bool = False) -> int | None:

@@ -17,7 +17,6 @@ from rq.serializers import JSONSerializer
 
 from rose.harness.redis_server import RedisServerError
 from rose.harness.sentinel import HOST, SentinelCluster
-from rose.harness.worker_process import wait_for
 from rose.jobs.client import Client
 from rose.jobs.connection import connect, connect_async
 
@@ -163,9 +162,7 @@ def test_a_connection_left_on_a_demoted_primary_reports_a_connection_error(own_c
     assert first_sentinel.execute_command("SENTINEL", "FAILOVER", cluster.service) in (b"OK", "OK", True)
     new = cluster.wait_failover(old_port=old)
     # the Sentinels reconfigure the old primary as a replica of the new one (it never went down)
-    wait_for(
-        lambda: direct(old).info("replication").get("master_port") == new, 15, "the old primary to follow"
-    )
+    cluster.wait_replica_of(old, new)
 
     once_more(lambda: client.set("k", "2"))
     assert direct(new).get("k") == b"2"

@@ -15,6 +15,7 @@ import time
 
 import pytest
 import redis
+from rq import Queue
 from rq.command import send_stop_job_command
 from rq.job import Job
 from rq.serializers import JSONSerializer
@@ -138,7 +139,16 @@ def test_a_sentinel_failover_mid_run_loses_no_job_and_stores_none_twice(tmp_path
 
     with SentinelCluster().start() as cluster:
         r = connect(cluster.url, socket_timeout=5, socket_connect_timeout=2)
-        ids = submit(Client(r), 48)
+        ids = submit(Client(r), 24)
+        plain = Queue(
+            "rose", connection=r, serializer=JSONSerializer
+        )  # a plain-RQ producer, through Sentinel
+        ids += [
+            plain.enqueue(
+                "rose.jobs.generate", kwargs={"prompt": f"rq {i}", "max_tokens": 60, "ignore_eos": True}
+            ).id
+            for i in range(24)
+        ]
         procs = workers(cluster, "a", "b")
         watch = EndWatch(r, ids, grace=1.0)
         watch_until(watch, lambda: len(watch.first_seen) >= 4, 120, "the first jobs finished")
