@@ -1,7 +1,7 @@
 """Taking jobs off the queues and starting them, and the job contract a started job is checked against.
 
 `Intake.take(room, lengths, block_s)` returns the jobs it started, as `Running` records (phase TAKEN): ids are moved
-into RQ's intermediate list of their queue (rq_store.dequeue), and starting a job removes its id from there in the
+into RQ's intermediate list of their queue (rq_start.dequeue), and starting a job removes its id from there in the
 same transaction that records its execution, so a crash at any point leaves the job findable (rose.worker.recovery
 puts it back). A start whose reply was lost (Redis dropped the connection) stays in limbo and is settled by the next
 take: the jobs that did start are carried on, the others started. `parse` then checks a job against the contract of
@@ -20,7 +20,7 @@ from rq.queue import Queue
 
 from rose.jobs import keys
 from rose.jobs.schemas import GenerateRequest, ValidationError, format_validation_error
-from rose.worker import rq_store
+from rose.worker import rq_start, rq_store
 from rose.worker.rq_worker import RQWorker
 from rose.worker.running import Running, job_timeout
 
@@ -69,7 +69,7 @@ class Intake:
                 taken = self._wait_for_one(block_s)
                 if not taken:
                     return []
-                jobs = rq_store.fetch_jobs(self.rq.connection, [taken[0][0]], self.rq)
+                jobs = rq_start.fetch_jobs(self.rq.connection, [taken[0][0]], self.rq)
                 if room > 1:
                     fetched = self._dequeue(room - 1)
                     taken += [(job_id, queue) for job_id, queue, _ in fetched]
@@ -82,7 +82,7 @@ class Intake:
     def _dequeue(self, limit: int) -> list[tuple[str, Queue, Job | None]]:
         """Up to `limit` jobs without blocking, in one round trip (ids moved and their hashes read together). Fewer
         than asked: the queues are empty now, and no dequeue is tried until a probe says otherwise."""
-        fetched = rq_store.dequeue(self.rq.connection, self.rq.queues, limit, self.rq.serializer)
+        fetched = rq_start.dequeue(self.rq.connection, self.rq.queues, limit, self.rq.serializer)
         self._drained = len(fetched) < limit
         return fetched
 
@@ -93,7 +93,7 @@ class Intake:
         queue = self.rq.queues[0]
         if len(self.rq.queues) > 1:
             timeout = min(timeout, MULTI_QUEUE_BLOCK_S)
-        job_id = rq_store.dequeue_blocking(self.rq.connection, queue, timeout)
+        job_id = rq_start.dequeue_blocking(self.rq.connection, queue, timeout)
         return [] if job_id is None else [(job_id, queue)]
 
     def _start(self, taken: Taken, jobs: list[Job | None] | None = None) -> list[Running]:
@@ -103,30 +103,28 @@ class Intake:
             return []
         conn = self.rq.connection
         if jobs is None:
-            jobs = rq_store.fetch_jobs(conn, [job_id for job_id, _ in taken], self.rq)
+            jobs = rq_start.fetch_jobs(conn, [job_id for job_id, _ in taken], self.rq)
         started: list[Running] = []
-        exists_at: list[int] = []  # index of each started job's EXISTS reply in the pipeline's results
-        with conn.pipeline() as pipe:
-            for (job_id, queue), job in zip(taken, jobs, strict=True):
-                rq_store.settle_dequeued(pipe, queue, job_id)
-                if job is None:
-                    log.info("job %s vanished before it started; skipping", job_id)
-                    continue
-                if not rq_store.is_queued(job):
-                    # e.g. canceled between dequeue and now: a canceled job never starts.
-                    log.info(
-                        "job %s is %s, not queued; not starting it", job_id, job.get_status(refresh=False)
-                    )
-                    continue
-                run = _running(job, queue, None)
-                run.execution = rq_store.record_start(pipe, self.rq, job, run.registry_ttl())
-                exists_at.append(len(pipe))
-                pipe.exists(keys.stream_key(job_id))
-                started.append(run)
-            results = pipe.execute()
+        recorder = rq_start.Recorder(conn)  # the start's writes, sent in one transaction, coalesced
+        for (job_id, queue), job in zip(taken, jobs, strict=True):
+            rq_start.settle_dequeued(recorder.pipe, queue, job_id)
+            if job is None:
+                log.info("job %s vanished before it started; skipping", job_id)
+                continue
+            if not rq_start.is_queued(job):
+                # e.g. canceled between dequeue and now: a canceled job never starts.
+                log.info("job %s is %s, not queued; not starting it", job_id, job.get_status(refresh=False))
+                continue
+            run = _running(job, queue, None)
+            run.execution = rq_start.record_start(recorder.pipe, self.rq, job, run.registry_ttl())
+            started.append(run)
+        if started:
+            rq_start.mark_busy(recorder.pipe, self.rq)
+        # and whether each job's stream exists (a restart: its stream starts over with a reset)
+        results = recorder.execute([("EXISTS", keys.stream_key(run.id)) for run in started])
         rq_store.hold(self.rq, [run.execution for run in started])
-        for run, idx in zip(started, exists_at, strict=True):
-            run.restarted = bool(results[idx])
+        for run, exists in zip(started, results, strict=True):
+            run.restarted = bool(exists)
             log.debug(
                 "job %s started from %s%s", run.id, run.queue.name, " (restart)" if run.restarted else ""
             )
@@ -138,12 +136,12 @@ class Intake:
         conn, name = self.rq.connection, self.rq.name
         to_start: Taken = []
         adopted: list[Running] = []
-        states = rq_store.job_states(conn, [job_id for job_id, _ in taken])
+        states = rq_start.job_states(conn, [job_id for job_id, _ in taken])
         for (job_id, queue), (status, owner) in zip(taken, states, strict=True):
             if status == rq_store.QUEUED:
                 to_start.append((job_id, queue))
             elif status == rq_store.STARTED and owner == name:
-                execution = rq_store.started_execution(conn, queue, job_id, name)
+                execution = rq_start.started_execution(conn, queue, job_id, name)
                 if execution is None:
                     continue
                 job = Job.fetch(job_id, connection=conn, serializer=self.rq.serializer)

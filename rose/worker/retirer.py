@@ -5,10 +5,11 @@ result and the bookkeeping): ~1.5 ms a job on a busy 2-core host, in which the e
 doing it instead competes with the loop for the GIL. So the jobs that finished since the last batch are retired
 together, in one round trip sent after a step and read after the next (while the model runs, Redis answers): a
 script (rq_store.store_if_ours) that checks every job is still `started` by this worker with no dependents to
-enqueue and, only then, writes for each job exactly what `handle_job_success` writes (RQ's own calls, recorded:
-worker counters, the job's status and Result, registries, expiry, execution cleanup) and its `done` event (XADD,
-EXPIRE, PUBLISH: its token events are already in its stream, rose.worker.loop). Atomic, as RQ's WATCH + MULTI/EXEC
-is: a job's end and its announcement become visible together, whatever the instant of a crash.
+enqueue and, only then, writes for each job what `handle_job_success` writes (RQ's own calls, recorded: worker
+counters, the job's status and Result, registries, expiry, execution cleanup; less the writes that change nothing,
+and one write per shared key for the batch: rq_store.success_commands, rose.worker.coalesce) and its `done` event
+(XADD, EXPIRE, PUBLISH: its token events are already in its stream, rose.worker.loop). Atomic, as RQ's WATCH +
+MULTI/EXEC is: a job's end and its announcement become visible together, whatever the instant of a crash.
 
 `submit`, `advance` and `drain` return what became of the jobs (`Retired`: stored, or handed back to the loop). A
 batch in which a job is no longer `started` by this worker (canceled, stopped, deleted, taken over), or has
@@ -30,6 +31,7 @@ from typing import Any
 import redis
 
 from rose.worker import resp, rq_store
+from rose.worker.coalesce import coalesced
 from rose.worker.rq_worker import RQWorker
 from rose.worker.running import Running
 
@@ -89,10 +91,12 @@ class Retirer:
             return Retired()
         if not all(map(rq_store.batchable, runs)):
             return Retired(handed_back=runs)
-        writes = [
-            *rq_store.success_commands(self.rq, runs),
-            *(command for run in runs for command in self.announce(run)),
-        ]
+        writes = coalesced(
+            [
+                *rq_store.success_commands(self.rq, runs),
+                *(command for run in runs for command in self.announce(run)),
+            ]
+        )
         packed = resp.pack_command(rq_store.store_if_ours(self.rq.name, runs, writes))
         try:
             self._batches.append(_Batch(runs, resp.Pending(self.rq.connection, packed, 1)))

@@ -8,7 +8,8 @@ three files:
 - dequeue: LMOVE / BLMOVE into the queue's intermediate list, as RQ's own dequeue, so a crash loses no id;
 - start: an `Execution` per job (`rq:execution:<job>:<exec>`, the job's ExecutionRegistry, the StartedJobRegistry
   and the worker's execution index `rq:worker:<name>:executions`), the job marked started, the worker `busy`;
-- success: RQ's `handle_job_success` one job at a time, or its exact writes recorded for a batch (retirer.py);
+- success: RQ's `handle_job_success` one job at a time, or its writes recorded for a batch (retirer.py), less the
+  ones that change nothing, and `coalesced` (one write per shared key a batch);
 - failure / stop: RQ's `handle_job_failure` (Retry, failure_ttl, dependents, rate-limit slots, webhooks) and RQ's
   callback runners (`rq.callbacks`);
 - cancel: the execution removed (RQ's `job.cancel()` already set the status);
@@ -95,98 +96,6 @@ def queue_lengths(conn: Redis, queues: list[Queue]) -> list[int]:
         for queue in queues:
             pipe.llen(queue.key)
         return [int(n) for n in pipe.execute()]
-
-
-# KEYS: each queue's list, then its intermediate list, highest priority first; ARGV[1]: the most ids to move;
-# ARGV[2]: the prefix of job hashes. Moves ids as RQ's own dequeue does (LMOVE into the intermediate list) and returns
-# {queue index (1-based), id, the job's hash (flat), ...}: dequeue and fetch in one round trip, with no need to know
-# the queues' lengths first.
-_DEQUEUE = """
-local out, left = {}, tonumber(ARGV[1])
-for i = 1, #KEYS, 2 do
-  while left > 0 do
-    local id = redis.call('LMOVE', KEYS[i], KEYS[i + 1], 'LEFT', 'RIGHT')
-    if not id then break end
-    out[#out + 1] = (i + 1) / 2
-    out[#out + 1] = id
-    out[#out + 1] = redis.call('HGETALL', ARGV[2] .. id)
-    left = left - 1
-  end
-end
-return out
-"""
-
-
-def dequeue(
-    conn: Redis, queues: list[Queue], limit: int, serializer: Any
-) -> list[tuple[str, Queue, Job | None]]:
-    """Up to `limit` jobs from the queues, highest priority first, without blocking, in one round trip: (id, queue,
-    the job as its hash was, None if it has none). A crash before the start leaves the ids in the intermediate
-    lists, findable (`requeue_stuck`)."""
-    keys = [key for q in queues for key in (q.key, q.intermediate_queue_key)]
-    flat = conn.eval(_DEQUEUE, len(keys), *keys, limit, Job.redis_job_namespace_prefix)
-    taken: list[tuple[str, Queue, Job | None]] = []
-    for i in range(0, len(flat), 3):
-        queue, job_id, fields = queues[int(flat[i]) - 1], decoded(flat[i + 1]), flat[i + 2]
-        job = None
-        if fields:
-            job = Job(job_id, connection=conn, serializer=serializer)
-            job.restore(dict(zip(fields[::2], fields[1::2], strict=True)))
-        taken.append((job_id, queue, job))
-    return taken
-
-
-def dequeue_blocking(conn: Redis, queue: Queue, timeout: float) -> str | None:
-    """Block up to `timeout` s for one id of `queue` (BLMOVE into its intermediate list, as RQ does)."""
-    return decoded(conn.blmove(queue.key, queue.intermediate_queue_key, timeout, "LEFT", "RIGHT"))
-
-
-# ---- start ----------------------------------------------------------------------------------------------------
-
-
-def fetch_jobs(conn: Redis, job_ids: list[str], worker: BaseWorker) -> list[Job | None]:
-    return Job.fetch_many(job_ids, connection=conn, serializer=worker.serializer)
-
-
-def job_states(conn: Redis, job_ids: list[str]) -> list[tuple[str | None, str | None]]:
-    """(status, owning worker) of each job, as its hash says (None: no such field / no such job)."""
-    with conn.pipeline(transaction=False) as pipe:
-        for job_id in job_ids:
-            pipe.hmget(Job.key_for(job_id), JOB_STATUS_FIELD, JOB_OWNER_FIELD)
-        return [(decoded(status), decoded(owner)) for status, owner in pipe.execute()]
-
-
-def settle_dequeued(pipe: Pipeline, queue: Queue, job_id: str) -> None:
-    """Queue removing a dequeued id from the queue's intermediate list (started in the same transaction, or
-    dropped: the job vanished or is no longer queued)."""
-    pipe.lrem(queue.intermediate_queue_key, 1, job_id)
-
-
-def is_queued(job: Job) -> bool:
-    return job.get_status(refresh=False) == JobStatus.QUEUED
-
-
-def record_start(pipe: Pipeline, worker: RQWorker, job: Job, ttl: int) -> Execution:
-    """Queue what RQ's `prepare_execution` + `prepare_job_execution` write for one job: a new Execution (job's
-    execution registry, StartedJobRegistry, the worker's execution index), the job `started` by this worker, its
-    hash persisted; and the worker `busy` (once per pipeline is enough, repeating is harmless)."""
-    job.redis_server_version = worker.get_redis_server_version()
-    execution = Execution.create(job, ttl, pipeline=pipe, worker_name=worker.name)
-    job.prepare_for_execution(worker.name, pipeline=pipe)
-    pipe.persist(job.key)  # as RQ 3's prepare_job_execution: a running job must not expire under us
-    if worker.get_state() != WorkerStatus.BUSY:
-        worker.set_state_if_registered(pipe, WorkerStatus.BUSY)
-    return execution
-
-
-def started_execution(conn: Redis, queue: Queue, job_id: str, worker_name: str) -> Execution | None:
-    """The execution of `job_id` in `queue`'s StartedJobRegistry (a start whose reply was lost), or None."""
-    for jid, execution_id in queue.started_job_registry.get_job_and_execution_ids(cleanup=False):
-        if jid == job_id:
-            execution = Execution(execution_id, job_id, connection=conn)
-            execution.worker_name = worker_name
-            return execution
-    return None
 
 
 def hold(worker: BaseWorker, executions: Iterable[Execution]) -> None:
@@ -284,13 +193,18 @@ def stored_if_ours(reply: list[Any]) -> tuple[bool, list[str]]:
     return int(reply[0]) == 1, [decoded(err) or "" for err in reply[1:]]
 
 
-def success_commands(worker: BaseWorker, runs: list[Running]) -> list[tuple[Any, ...]]:
-    """Exactly what RQ 3's `handle_job_success` writes inside its transaction, for each job (no dependents, no
-    repeats or rate limit: `batchable`), recorded from RQ's own calls; the caller stores them with `store_if_ours`
-    and, once they are in, calls `after_success`. `job.ended_at` and `job._result` are set here."""
+def success_commands(worker: BaseWorker, runs: list[Running], slim: bool = True) -> list[tuple[Any, ...]]:
+    """What RQ 3's `handle_job_success` writes inside its transaction, for each job (no dependents, no repeats or
+    rate limit: `batchable`), recorded from RQ's own calls, less what would leave Redis as it is (`_slimmed`; not
+    with `slim=False`: every write as recorded, for comparison); the caller stores them with `store_if_ours`
+    (`coalesce.coalesced` first, if it likes) and, once they are in, calls `after_success`. `job.ended_at` and
+    `job._result` are set here."""
     recorder = worker.connection.pipeline(transaction=False)  # records RQ's writes, never executed
+    encode = worker.connection.get_encoder().encode
+    out: list[tuple[Any, ...]] = []
     for run in runs:
         job = run.job
+        as_started = {k: encode(v) for k, v in job.to_dict(include_meta=False, include_result=False).items()}
         job.ended_at = now()
         job._result = run.result
         job._status = JobStatus.FINISHED
@@ -308,9 +222,38 @@ def success_commands(worker: BaseWorker, runs: list[Running]) -> list[tuple[Any,
             )
         job.cleanup(result_ttl, pipeline=recorder, remove_from_queue=False)
         run.execution.delete(job=job, pipeline=recorder)
-    commands = _summed_counters([args for args, _ in recorder.command_stack])
-    recorder.reset()
-    return commands
+        recorded = [args for args, _ in recorder.command_stack]
+        out += _slimmed(job, as_started, recorded, encode) if slim else recorded
+        recorder.reset()
+    return _summed_counters(out)
+
+
+def _slimmed(
+    job: Job, as_started: dict[str, bytes], commands: list[tuple[Any, ...]], encode: Any
+) -> list[tuple[Any, ...]]:
+    """One job's recorded success writes less what leaves Redis as it is. RQ sets the status, then saves the whole
+    job hash (its payload and description, the prompt twice, with every field it read at the start): the fields
+    are written once, in one HSET, and only those whose value differs from the job as started (the status,
+    `ended_at`). RQ then EXPIREs the job's dependents set, which `store_if_ours` finds empty (no such key), and its
+    dependencies set, which exists only for a job enqueued with dependencies: EXPIRE of a missing key does
+    nothing, so neither is sent. What is left writes the same data as RQ's own handler, but for fields a third
+    party changed while the job ran, which RQ's save would put back as they were at the start."""
+    noop_expires = {job.dependents_key} | (set() if job._dependency_ids else {job.dependencies_key})
+    fields: dict[Any, Any] = {}
+    out: list[tuple[Any, ...]] = []
+    at = -1  # where the job hash's one HSET goes: at RQ's first
+    for command in commands:
+        name, key = str(command[0]).upper(), command[1] if len(command) > 1 else None
+        if name == "HSET" and key == job.key:
+            for field, value in zip(command[2::2], command[3::2], strict=True):
+                if as_started.get(str(field)) != encode(value):
+                    fields[field] = value
+            at = len(out) if at < 0 else at
+        elif not (name == "EXPIRE" and key in noop_expires):
+            out.append(command)
+    if fields:
+        out.insert(max(at, 0), ("HSET", job.key, *(x for item in fields.items() for x in item)))
+    return out
 
 
 def _summed_counters(commands: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:

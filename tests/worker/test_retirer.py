@@ -78,6 +78,11 @@ def finished_runs(parts, r, n: int, **submit):
     jobs = [client.submit(f"prompt {i}", max_tokens=2, **submit) for i in range(n)]
     runs = start_jobs(parts.rq, n)
     assert [run.id for run in runs] == [job.id for job in jobs]
+    return finish(parts, runs)
+
+
+def finish(parts, runs):
+    """The engine's part: each started job generated two tokens."""
     for run in runs:
         run.text, run.token_ids = ["a", "b"], [5, 6]
         run.output = RequestOutput(
@@ -143,6 +148,30 @@ def test_a_batch_leaves_redis_as_rqs_handler_does(parts, r):
     assert parts.endings.completed == 4
     for run in [by_handler, *batch]:  # the batch's done events came with their results
         assert [e["type"] for e in stream_events(r, run.id)] == ["done"]
+
+
+def test_a_batch_rewrites_only_what_changed_and_expires_a_dependents_set_of_dependencies(parts, r):
+    """RQ's handler saves the whole job hash (the prompt twice, in the payload and the description) and EXPIREs the
+    job's dependents and dependencies sets; the batch writes the fields that changed and EXPIREs the sets that
+    exist: the same hash, the same TTLs."""
+    (parent,) = finished_runs(parts, r, 1)
+    client = Client(r, queue="rose")
+    dependents = [client.submit(f"after {i}", max_tokens=2, depends_on=parent.id) for i in range(2)]
+    parts.endings.succeed(parent)  # RQ's handler enqueues the dependents
+    by_handler, by_batch = finish(parts, start_jobs(parts.rq, 2))  # in the order RQ enqueued them
+    assert {by_handler.id, by_batch.id} == {job.id for job in dependents}
+    before = r.hgetall(by_batch.key)
+    parts.endings.succeed(by_handler)
+    parts.retirer.submit([by_batch])
+    assert parts.retirer.drain().stored == [by_batch]
+    after = r.hgetall(by_batch.key)
+    changed = {k for k in after if before.get(k) != after[k]}
+    assert changed == {b"status", b"ended_at"} and set(after) == set(before) | {b"ended_at"}
+    assert job_state(r, by_batch) == job_state(r, by_handler)
+    for run in (by_handler, by_batch):
+        assert r.smembers(run.job.dependencies_key) == {parent.id.encode()}
+        assert 0 < r.ttl(run.job.dependencies_key) <= parts.rq.default_result_ttl
+        assert abs(r.ttl(run.key) - r.ttl(run.job.dependencies_key)) <= 1
 
 
 def test_the_reply_is_read_only_once_redis_has_answered(parts, r):

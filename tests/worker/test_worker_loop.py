@@ -323,16 +323,16 @@ def test_idle_worker_on_several_queues_takes_jobs_from_each_without_losing_any(r
 def test_a_busy_loop_asks_empty_queues_nothing_until_a_probe_sees_jobs(run_worker, r, q, monkeypatch):
     """While jobs run and the queues are empty, the intake sends no dequeue (the last one came back short, and the
     probes read zero lengths); a job arriving mid-run is seen by the next probe and starts."""
-    from rose.worker import rq_store
+    from rose.worker import rq_start
 
     dequeues = []
-    real_dequeue = rq_store.dequeue
+    real_dequeue = rq_start.dequeue
 
     def dequeue(*args, **kwargs):
         dequeues.append(time.monotonic())
         return real_dequeue(*args, **kwargs)
 
-    monkeypatch.setattr(rq_store, "dequeue", dequeue)
+    monkeypatch.setattr(rq_start, "dequeue", dequeue)
     engine = FakeEngine(max_num_seqs=4, max_model_len=512, step_delay=0.01)
     first = enqueue(q, prompt="x", max_tokens=400)
     run_worker(engine=engine, check_interval=0.05)

@@ -1,0 +1,177 @@
+#!/usr/bin/env python
+"""What a take's starts and a retirement's writes cost Redis per job, by batch size: rose-worker's own functions
+(rose.worker.rq_start, rose.worker.rq_store, rose.worker.coalesce, the outbox's done events) against a real
+redis-server on a CPU of its own, RQ's writes as recorded (`raw`) against what rose-worker sends (`sent`: less the
+writes that change nothing, coalesced), alternating chunk by chunk on one Redis.
+
+    python benchmarks/bench_batch_writes.py [--jobs 1536 --batches 2,8,64]
+
+A take: the dequeue script (ids moved, hashes read), then the starts in one transaction. A retirement: the
+store_if_ours script with RQ's success writes and each job's done event (a not-streamed job: 128 generated tokens).
+Prints Redis's main-thread CPU per job (its commands, round trips and all; net of nothing: Redis is busy throughout)
+and the commands a job costs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from rq import Queue  # noqa: E402
+from rq.serializers import JSONSerializer  # noqa: E402
+
+from rose.bench import redis_meter  # noqa: E402
+from rose.bench.redis_cost import cpu_split  # noqa: E402
+from rose.engine.outputs import RequestMetrics, RequestOutput  # noqa: E402
+from rose.harness.redis_server import RedisServerProcess  # noqa: E402
+from rose.jobs import keys  # noqa: E402
+from rose.worker import resp, rq_start, rq_store  # noqa: E402
+from rose.worker.coalesce import coalesced  # noqa: E402
+from rose.worker.endings import result_dict  # noqa: E402
+from rose.worker.intake import parse  # noqa: E402
+from rose.worker.outbox import Outbox  # noqa: E402
+from rose.worker.publisher import Publisher  # noqa: E402
+from rose.worker.rq_worker import RQWorker  # noqa: E402
+from rose.worker.running import Running, job_timeout  # noqa: E402
+
+VARIANTS = ("raw", "sent")
+CHUNK = 8  # batches per variant before switching
+
+
+def start(rq: RQWorker, n: int, sent: bool) -> list[Running]:
+    """Take up to `n` jobs and start them as intake does (`sent`) or with RQ's writes as recorded."""
+    taken = rq_start.dequeue(rq.connection, rq.queues, n, rq.serializer)
+    recorder = rq_start.Recorder(rq.connection)
+    runs = []
+    for job_id, queue, job in taken:
+        rq_start.settle_dequeued(recorder.pipe, queue, job_id)
+        run = Running(job=job, queue=queue, execution=None, started_wall=time.time(), started_mono=0.0,
+                      timeout=job_timeout(job))  # fmt: skip
+        run.execution = rq_start.record_start(recorder.pipe, rq, job, run.registry_ttl())
+        runs.append(run)
+    rq_start.mark_busy(recorder.pipe, rq)
+    commands = [args for args, _ in recorder.pipe.command_stack]
+    recorder.pipe.reset()
+    with rq.connection.pipeline() as pipe:
+        for command in coalesced(commands) if sent else commands:
+            pipe.execute_command(*command)
+        pipe.execute()
+    rq_store.hold(rq, [run.execution for run in runs])
+    return runs
+
+
+def finish(rq: RQWorker, runs: list[Running]) -> None:
+    """The engine's part: 128 tokens each."""
+    tokens = list(range(5, 133))
+    for run in runs:
+        run.request = parse(run.job, run.queue.name, rq.queue_names(), trust_chat_template=False)
+        run.text, run.token_ids = ["a"] * len(tokens), tokens
+        run.output = RequestOutput(
+            request_id=run.id,
+            prompt=None,
+            prompt_token_ids=[1, 2, 3, 4],
+            text="a" * len(tokens),
+            token_ids=tokens,
+            finish_reason="length",
+            metrics=RequestMetrics(arrival_time=time.time(), num_prompt_tokens=4),
+        )
+        run.result = result_dict(run, rq.name)
+
+
+def retire(rq: RQWorker, outbox: Outbox, runs: list[Running], sent: bool) -> None:
+    writes = [
+        *rq_store.success_commands(rq, runs, slim=sent),
+        *(command for run in runs for command in outbox.done_commands(run)),
+    ]
+    reply = resp.call(
+        rq.connection, rq_store.store_if_ours(rq.name, runs, coalesced(writes) if sent else writes)
+    )
+    assert rq_store.stored_if_ours(reply) == (True, []), reply
+    for run in runs:
+        rq_store.after_success(rq, run)
+
+
+def measure(r, phase, per_variant: dict[str, list[float]]) -> None:
+    """Run `phase(variant)` in chunks of CHUNK, alternating variants, until it returns 0 jobs; add CPU s, jobs and
+    commands to `per_variant`."""
+    k = 0
+    while True:
+        variant = VARIANTS[k % 2]
+        before = redis_meter.snapshot(r)
+        jobs = sum(phase(variant) for _ in range(CHUNK))
+        after = redis_meter.snapshot(r)
+        if not jobs:
+            return
+        used = redis_meter.usage(before, after)
+        totals = per_variant[variant]
+        totals[0] += used.cpu_s
+        totals[1] += jobs
+        totals[2] += used.commands
+        k += 1
+
+
+def one_batch_size(
+    r, rq: RQWorker, outbox: Outbox, batch: int, jobs: int
+) -> dict[str, dict[str, list[float]]]:
+    """`jobs` jobs taken and retired `batch` at a time, each variant in turn: CPU s, jobs, commands per phase."""
+    queue = Queue(keys.DEFAULT_QUEUE, connection=r, serializer=JSONSerializer)
+    fields = {"max_tokens": 128, "ignore_eos": True, "temperature": 0, "stream": False}
+    queue.enqueue_many(
+        [Queue.prepare_data(keys.FUNC_PATH, kwargs={"prompt": f"job {i}", **fields}) for i in range(jobs)]
+    )
+    started: dict[str, list[Running]] = {v: [] for v in VARIANTS}
+    totals: dict[str, dict[str, list[float]]] = {
+        p: {v: [0.0, 0, 0] for v in VARIANTS} for p in ("start", "retire")
+    }
+
+    def take(variant: str) -> int:
+        runs = start(rq, batch, variant == "sent")
+        started[variant] += runs
+        return len(runs)
+
+    def retirement(variant: str) -> int:
+        runs, started[variant][:batch] = started[variant][:batch], []
+        if runs:
+            retire(rq, outbox, runs, variant == "sent")
+        return len(runs)
+
+    measure(r, take, totals["start"])
+    for variant in VARIANTS:
+        finish(rq, started[variant])
+    measure(r, retirement, totals["retire"])
+    return totals
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--jobs", type=int, default=1536, help="jobs per batch size")
+    parser.add_argument("--batches", default="2,8,64", help="batch sizes")
+    args = parser.parse_args()
+    cpus = cpu_split(True)
+    print(f"Redis on CPU {cpus['redis']}; CPU µs (commands) per job, raw = RQ's writes as recorded")
+    print("| batch | phase | raw | sent | sent / raw |")
+    print("|---:|---|---:|---:|---:|")
+    with RedisServerProcess(cpus=cpus["redis"]).start() as server:
+        r = server.client()
+        rq = RQWorker(
+            ["rose"], name="bench", connection=server.client(), on_command=lambda c: None, socket_timeout=10
+        )
+        rq.register_birth()
+        outbox = Outbox(Publisher(rq.connection), rq.default_result_ttl)
+        for batch in [int(b) for b in args.batches.split(",")]:
+            for phase, totals in one_batch_size(r, rq, outbox, batch, args.jobs).items():
+                (raw_cpu, raw_n, raw_cmds), (cpu, n, cmds) = totals["raw"], totals["sent"]
+                raw_us, us = raw_cpu * 1e6 / raw_n, cpu * 1e6 / n
+                print(
+                    f"| {batch} | {phase} | {raw_us:.1f} ({raw_cmds / raw_n:.1f}) | {us:.1f} ({cmds / n:.1f}) | "
+                    f"{us / raw_us:.2f} |"
+                )
+        outbox.publisher.close(timeout=1)
+
+
+if __name__ == "__main__":
+    main()

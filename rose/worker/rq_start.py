@@ -1,0 +1,147 @@
+"""Taking jobs off RQ's queues and starting them, the RQ way (with rose.worker.rq_store, rq_scan and rq_worker, the
+one place that knows RQ's internals: an RQ upgrade that changes how a job starts touches this file).
+
+Ids move into the queue's intermediate list (`dequeue`: LMOVE, reading their hashes in the same script; `dequeue_blocking`:
+BLMOVE, as RQ's own dequeue), so a crash between dequeue and start loses none (rose.worker.recovery puts them
+back); a start is what RQ's `prepare_execution` + `prepare_job_execution` write (`record_start`): an Execution (its
+hash, the job's ExecutionRegistry, the StartedJobRegistry, the worker's execution index), the job `started` by this
+worker and persisted, sent for a take's jobs as one transaction (`Recorder`, `coalesced`: one write a take for the
+keys they share).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from rq.executions import Execution
+from rq.job import Job, JobStatus
+from rq.queue import Queue
+from rq.worker import BaseWorker, WorkerStatus
+
+from rose.worker.coalesce import coalesced
+from rose.worker.rq_store import JOB_OWNER_FIELD, JOB_STATUS_FIELD, decoded
+
+if TYPE_CHECKING:
+    from redis import Redis
+    from redis.client import Pipeline
+
+    from rose.worker.rq_worker import RQWorker
+
+log = logging.getLogger(__name__)
+
+# ---- dequeue --------------------------------------------------------------------------------------------------
+
+# KEYS: each queue's list, then its intermediate list, highest priority first; ARGV[1]: the most ids to move;
+# ARGV[2]: the prefix of job hashes. Moves ids as RQ's own dequeue does (LMOVE into the intermediate list) and returns
+# {queue index (1-based), id, the job's hash (flat), ...}: dequeue and fetch in one round trip, with no need to know
+# the queues' lengths first.
+_DEQUEUE = """
+local out, left = {}, tonumber(ARGV[1])
+for i = 1, #KEYS, 2 do
+  while left > 0 do
+    local id = redis.call('LMOVE', KEYS[i], KEYS[i + 1], 'LEFT', 'RIGHT')
+    if not id then break end
+    out[#out + 1] = (i + 1) / 2
+    out[#out + 1] = id
+    out[#out + 1] = redis.call('HGETALL', ARGV[2] .. id)
+    left = left - 1
+  end
+end
+return out
+"""
+
+
+def dequeue(
+    conn: Redis, queues: list[Queue], limit: int, serializer: Any
+) -> list[tuple[str, Queue, Job | None]]:
+    """Up to `limit` jobs from the queues, highest priority first, without blocking, in one round trip: (id, queue,
+    the job as its hash was, None if it has none). A crash before the start leaves the ids in the intermediate
+    lists, findable (`requeue_stuck`)."""
+    keys = [key for q in queues for key in (q.key, q.intermediate_queue_key)]
+    flat = conn.eval(_DEQUEUE, len(keys), *keys, limit, Job.redis_job_namespace_prefix)
+    taken: list[tuple[str, Queue, Job | None]] = []
+    for i in range(0, len(flat), 3):
+        queue, job_id, fields = queues[int(flat[i]) - 1], decoded(flat[i + 1]), flat[i + 2]
+        job = None
+        if fields:
+            job = Job(job_id, connection=conn, serializer=serializer)
+            job.restore(dict(zip(fields[::2], fields[1::2], strict=True)))
+        taken.append((job_id, queue, job))
+    return taken
+
+
+def dequeue_blocking(conn: Redis, queue: Queue, timeout: float) -> str | None:
+    """Block up to `timeout` s for one id of `queue` (BLMOVE into its intermediate list, as RQ does)."""
+    return decoded(conn.blmove(queue.key, queue.intermediate_queue_key, timeout, "LEFT", "RIGHT"))
+
+
+# ---- start ----------------------------------------------------------------------------------------------------
+
+
+def fetch_jobs(conn: Redis, job_ids: list[str], worker: BaseWorker) -> list[Job | None]:
+    return Job.fetch_many(job_ids, connection=conn, serializer=worker.serializer)
+
+
+def job_states(conn: Redis, job_ids: list[str]) -> list[tuple[str | None, str | None]]:
+    """(status, owning worker) of each job, as its hash says (None: no such field / no such job)."""
+    with conn.pipeline(transaction=False) as pipe:
+        for job_id in job_ids:
+            pipe.hmget(Job.key_for(job_id), JOB_STATUS_FIELD, JOB_OWNER_FIELD)
+        return [(decoded(status), decoded(owner)) for status, owner in pipe.execute()]
+
+
+def settle_dequeued(pipe: Pipeline, queue: Queue, job_id: str) -> None:
+    """Queue removing a dequeued id from the queue's intermediate list (started in the same transaction, or
+    dropped: the job vanished or is no longer queued)."""
+    pipe.lrem(queue.intermediate_queue_key, 1, job_id)
+
+
+def is_queued(job: Job) -> bool:
+    return job.get_status(refresh=False) == JobStatus.QUEUED
+
+
+def record_start(pipe: Pipeline, worker: RQWorker, job: Job, ttl: int) -> Execution:
+    """Queue what RQ's `prepare_execution` + `prepare_job_execution` write for one job: a new Execution (job's
+    execution registry, StartedJobRegistry, the worker's execution index), the job `started` by this worker, its
+    hash persisted. The worker's `busy` state: `mark_busy`."""
+    job.redis_server_version = worker.get_redis_server_version()
+    execution = Execution.create(job, ttl, pipeline=pipe, worker_name=worker.name)
+    job.prepare_for_execution(worker.name, pipeline=pipe)
+    pipe.persist(job.key)  # as RQ 3's prepare_job_execution: a running job must not expire under us
+    return execution
+
+
+def mark_busy(pipe: Pipeline, worker: RQWorker) -> None:
+    """Queue the worker's `busy` state, as RQ's start writes it, unless it is busy already."""
+    if worker.get_state() != WorkerStatus.BUSY:
+        worker.set_state_if_registered(pipe, WorkerStatus.BUSY)
+
+
+class Recorder:
+    """Writes queued through RQ's own calls (`pipe`), sent as one MULTI/EXEC, `coalesced`."""
+
+    def __init__(self, conn: Redis) -> None:
+        self.conn = conn
+        self.pipe = conn.pipeline(transaction=False)  # records, never executed
+
+    def execute(self, reads: list[tuple[Any, ...]] = ()) -> list[Any]:  # type: ignore[assignment]
+        """Send the writes and then `reads` in one transaction; returns the replies of `reads`."""
+        writes = coalesced([args for args, _ in self.pipe.command_stack])
+        self.pipe.reset()
+        if not writes and not reads:
+            return []
+        with self.conn.pipeline() as pipe:
+            for command in [*writes, *reads]:
+                pipe.execute_command(*command)
+            return pipe.execute()[len(writes) :]
+
+
+def started_execution(conn: Redis, queue: Queue, job_id: str, worker_name: str) -> Execution | None:
+    """The execution of `job_id` in `queue`'s StartedJobRegistry (a start whose reply was lost), or None."""
+    for jid, execution_id in queue.started_job_registry.get_job_and_execution_ids(cleanup=False):
+        if jid == job_id:
+            execution = Execution(execution_id, job_id, connection=conn)
+            execution.worker_name = worker_name
+            return execution
+    return None
