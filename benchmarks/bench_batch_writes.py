@@ -39,7 +39,7 @@ from rose.worker.rq_worker import RQWorker  # noqa: E402
 from rose.worker.running import Running, job_timeout  # noqa: E402
 
 VARIANTS = ("raw", "sent")
-CHUNK = 8  # batches per variant before switching
+CHUNK = 8  # batches per variant before switching (fewer where the jobs would not make two chunks a variant)
 
 
 def start(rq: RQWorker, n: int, sent: bool) -> list[Running]:
@@ -95,14 +95,14 @@ def retire(rq: RQWorker, outbox: Outbox, runs: list[Running], sent: bool) -> Non
         rq_store.after_success(rq, run)
 
 
-def measure(r, phase, per_variant: dict[str, list[float]]) -> None:
-    """Run `phase(variant)` in chunks of CHUNK, alternating variants, until it returns 0 jobs; add CPU s, jobs and
-    commands to `per_variant`."""
+def measure(r, phase, per_variant: dict[str, list[float]], chunk: int) -> None:
+    """Run `phase(variant)` in chunks of `chunk` calls, alternating variants, until it returns 0 jobs; add CPU s,
+    jobs and commands to `per_variant`."""
     k = 0
     while True:
         variant = VARIANTS[k % 2]
         before = redis_meter.snapshot(r)
-        jobs = sum(phase(variant) for _ in range(CHUNK))
+        jobs = sum(phase(variant) for _ in range(chunk))
         after = redis_meter.snapshot(r)
         if not jobs:
             return
@@ -139,10 +139,11 @@ def one_batch_size(
             retire(rq, outbox, runs, variant == "sent")
         return len(runs)
 
-    measure(r, take, totals["start"])
+    chunk = max(1, min(CHUNK, jobs // (batch * 4)))  # at least two chunks a variant
+    measure(r, take, totals["start"], chunk)
     for variant in VARIANTS:
         finish(rq, started[variant])
-    measure(r, retirement, totals["retire"])
+    measure(r, retirement, totals["retire"], chunk)
     return totals
 
 
@@ -165,6 +166,9 @@ def main() -> None:
         for batch in [int(b) for b in args.batches.split(",")]:
             for phase, totals in one_batch_size(r, rq, outbox, batch, args.jobs).items():
                 (raw_cpu, raw_n, raw_cmds), (cpu, n, cmds) = totals["raw"], totals["sent"]
+                if not raw_n or not n:
+                    print(f"| {batch} | {phase} | too few jobs for both variants: raise --jobs |")
+                    continue
                 raw_us, us = raw_cpu * 1e6 / raw_n, cpu * 1e6 / n
                 print(
                     f"| {batch} | {phase} | {raw_us:.1f} ({raw_cmds / raw_n:.1f}) | {us:.1f} ({cmds / n:.1f}) | "

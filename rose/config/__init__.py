@@ -7,6 +7,7 @@ from typing import Annotated, Literal
 from pydantic import ByteSize, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from rose.engine.structured_outputs import DEFAULT_MAX_JSON_WHITESPACE
 from rose.jobs.connection import check_scheme, is_sentinel_url, parse_sentinel_url, redact_url
 
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
@@ -77,6 +78,13 @@ class WorkerSettings(BaseSettings):
         description="JSON constrained by a job's structured_outputs / response_format is written on one line, "
         "with no free whitespace between its tokens (vLLM's structured-outputs option of that name). Default: "
         "any whitespace, as vLLM; a weak model may then fill its max_tokens with whitespace.",
+    )
+    max_json_whitespace: int = Field(
+        DEFAULT_MAX_JSON_WHITESPACE,
+        ge=0,
+        description="Whitespace between two tokens of constrained JSON, at most this many characters (with any "
+        "whitespace allowed: not --disable-any-whitespace), so that a model leaning toward whitespace cannot fill "
+        "its max_tokens with it; 0: no limit (vLLM's behaviour).",
     )
     with_scheduler: bool = Field(
         False,

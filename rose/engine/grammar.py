@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import xgrammar as xgr
 
-from rose.engine.structured_outputs import StructuredOutputsParams
+from rose.engine.structured_outputs import DEFAULT_MAX_JSON_WHITESPACE, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -53,21 +53,28 @@ def choice_as_ebnf(choices: list[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
-def parse_grammar(params: StructuredOutputsParams, any_whitespace: bool = True) -> xgr.Grammar:
+def parse_grammar(
+    params: StructuredOutputsParams,
+    any_whitespace: bool = True,
+    max_whitespace: int | None = DEFAULT_MAX_JSON_WHITESPACE,
+) -> xgr.Grammar:
     """The constraint as an xgrammar Grammar. Raises ValueError naming the constraint and the problem.
 
-    `any_whitespace`: JSON may have any whitespace between its tokens (vLLM's default); False: one line with
-    `, ` and `: ` separators only (vLLM's disable_any_whitespace).
+    `any_whitespace`: JSON may have whitespace between its tokens (vLLM's default); False: one line with `, ` and
+    `: ` separators only (vLLM's disable_any_whitespace). `max_whitespace`: with any whitespace, at most this many
+    characters of it between two tokens (None: no limit), so that a model leaning toward whitespace cannot fill its
+    max_tokens with it.
     """
     kind = params.kind
+    spacing: dict[str, Any] = {"any_whitespace": any_whitespace}
+    if any_whitespace and max_whitespace is not None:
+        spacing["max_whitespace_cnt"] = max_whitespace
     try:
         if kind == "json":
-            return xgr.Grammar.from_json_schema(params.json, any_whitespace=any_whitespace)
+            return xgr.Grammar.from_json_schema(params.json, **spacing)
         if kind == "json_object":
             # any JSON *object* (OpenAI's json_object); xgrammar's builtin JSON grammar would also allow an array
-            return xgr.Grammar.from_json_schema(
-                {"type": "object"}, strict_mode=False, any_whitespace=any_whitespace
-            )
+            return xgr.Grammar.from_json_schema({"type": "object"}, strict_mode=False, **spacing)
         if kind == "regex":
             return xgr.Grammar.from_regex(params.regex)
         if kind == "choice":
@@ -156,12 +163,18 @@ class StructuredOutputManager:
         max_workers: int | None = None,
         disable_any_whitespace: bool = False,
         mask_backend: str = "auto",
+        max_json_whitespace: int | None = DEFAULT_MAX_JSON_WHITESPACE,
     ) -> None:
         if tokenizer is None:
             raise ValueError("structured outputs need a tokenizer; this engine has none")
+        if max_json_whitespace is not None and max_json_whitespace < 1:
+            raise ValueError(
+                f"max_json_whitespace must be >= 1 or None (no limit), got {max_json_whitespace}"
+            )
         self.vocab_size = vocab_size
         self.device = device
         self.any_whitespace = not disable_any_whitespace
+        self.max_json_whitespace = max_json_whitespace
         stops = sorted(stop_token_ids) or None  # None: xgrammar finds the tokenizer's own
         self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=stops
@@ -210,7 +223,9 @@ class StructuredOutputManager:
             self._cache.move_to_end(params.key)
             self.stats.cache_hits += 1
             return StructuredOutputRequest(params, future)
-        grammar = parse_grammar(params, self.any_whitespace)  # raises on the caller's thread
+        grammar = parse_grammar(
+            params, self.any_whitespace, self.max_json_whitespace
+        )  # raises on this thread
         future = self._executor.submit(self._compile, grammar)
         future.add_done_callback(self._on_done)
         self._cache[params.key] = future

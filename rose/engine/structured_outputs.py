@@ -13,6 +13,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+# Whitespace between two tokens of constrained JSON, at most (characters): a newline and 2-space indentation nine
+# levels deep. Unbounded, a model that leans toward whitespace (real ones do in JSON mode) writes it until max_tokens.
+DEFAULT_MAX_JSON_WHITESPACE = 20
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,6 +40,7 @@ _FLAGS: list[tuple[str, str, dict[str, Any]]] = [
         {"action": "store_const", "const": True},
     ),
     ("--disable-any-whitespace", "disable_any_whitespace", {"action": "store_const", "const": True}),
+    ("--max-json-whitespace", "max_json_whitespace", {"type": int, "metavar": "CHARS"}),
     ("--name", "name", {}),
     ("--drain-timeout", "drain_timeout", {"type": float, "metavar": "SECONDS"}),
     ("--log-level", "log_level", {"metavar": "LEVEL"}),
@@ -128,6 +129,7 @@ def build_engine(settings: WorkerSettings) -> Any:
         block_size=settings.block_size,
         enable_prefix_caching=settings.enable_prefix_caching,
         disable_any_whitespace=settings.disable_any_whitespace,
+        max_json_whitespace=settings.max_json_whitespace or None,
     )
     engine.prepare_structured_outputs()  # not on the loop thread when the first constrained job comes
     return engine

@@ -11,7 +11,6 @@ keys they share).
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING, Any
 
 from rq.executions import Execution
@@ -27,8 +26,6 @@ if TYPE_CHECKING:
     from redis.client import Pipeline
 
     from rose.worker.rq_worker import RQWorker
-
-log = logging.getLogger(__name__)
 
 # ---- dequeue --------------------------------------------------------------------------------------------------
 

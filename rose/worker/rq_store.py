@@ -1,15 +1,12 @@
 """Every read and write rose-worker makes in RQ's data, and every RQ internal it touches (RQ 3).
 
 rose-worker runs many jobs at once in one process; RQ's own worker runs one per work-horse. So the worker does RQ's
-bookkeeping itself, the same way RQ does it, and this module is the one place that knows how (with rq_scan.py, the
-reads for recovery and repair, and rq_worker.py, the worker's registration), so that an RQ upgrade touches these
-three files:
+bookkeeping itself, the same way RQ does it, and this module is the one place that knows how (with rq_start.py,
+dequeue and start; rq_scan.py, the reads for recovery and repair; and rq_worker.py, the worker's registration), so
+that an RQ upgrade touches these four files:
 
-- dequeue: LMOVE / BLMOVE into the queue's intermediate list, as RQ's own dequeue, so a crash loses no id;
-- start: an `Execution` per job (`rq:execution:<job>:<exec>`, the job's ExecutionRegistry, the StartedJobRegistry
-  and the worker's execution index `rq:worker:<name>:executions`), the job marked started, the worker `busy`;
 - success: RQ's `handle_job_success` one job at a time, or its writes recorded for a batch (retirer.py), less the
-  ones that change nothing, and `coalesced` (one write per shared key a batch);
+  ones that change nothing (`success_commands`);
 - failure / stop: RQ's `handle_job_failure` (Retry, failure_ttl, dependents, rate-limit slots, webhooks) and RQ's
   callback runners (`rq.callbacks`);
 - cancel: the execution removed (RQ's `job.cancel()` already set the status);
@@ -225,7 +222,7 @@ def success_commands(worker: BaseWorker, runs: list[Running], slim: bool = True)
         recorded = [args for args, _ in recorder.command_stack]
         out += _slimmed(job, as_started, recorded, encode) if slim else recorded
         recorder.reset()
-    return _summed_counters(out)
+    return out
 
 
 def _slimmed(
@@ -253,33 +250,6 @@ def _slimmed(
             out.append(command)
     if fields:
         out.insert(max(at, 0), ("HSET", job.key, *(x for item in fields.items() for x in item)))
-    return out
-
-
-def _summed_counters(commands: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
-    """RQ increments the worker's counters once per job (HINCRBY / HINCRBYFLOAT): one increment of the sum per
-    counter for the whole batch writes the same values with two commands a job less (each at the place of its
-    first increment)."""
-    sums: dict[tuple[str, Any, Any], float] = {}
-    order: list[tuple[Any, ...] | tuple[str, Any, Any]] = []
-    for command in commands:
-        name = str(command[0]).upper()
-        if name in ("HINCRBY", "HINCRBYFLOAT") and len(command) == 4:
-            counter = (name, command[1], command[2])
-            if counter not in sums:
-                sums[counter] = 0.0
-                order.append(counter)
-            sums[counter] += float(command[3])
-        else:
-            order.append(command)
-    out: list[tuple[Any, ...]] = []
-    for item in order:
-        if item in sums:
-            name, key, field = item
-            total = sums[item]
-            out.append((name, key, field, int(total) if name == "HINCRBY" else total))
-        else:
-            out.append(item)
     return out
 
 

@@ -17,6 +17,7 @@ from worker_helpers import probe_target, registered_rq_worker, start_jobs, strea
 
 from rose.engine.outputs import RequestMetrics, RequestOutput
 from rose.jobs.client import Client
+from rose.worker import rq_store
 from rose.worker.endings import Endings, result_dict
 from rose.worker.metrics import WorkerMetrics
 from rose.worker.outbox import Outbox
@@ -172,6 +173,27 @@ def test_a_batch_rewrites_only_what_changed_and_expires_a_dependents_set_of_depe
         assert r.smembers(run.job.dependencies_key) == {parent.id.encode()}
         assert 0 < r.ttl(run.job.dependencies_key) <= parts.rq.default_result_ttl
         assert abs(r.ttl(run.key) - r.ttl(run.job.dependencies_key)) <= 1
+
+
+def test_success_writes_leave_out_what_changes_nothing(parts, r):
+    """The job hash: one HSET of the fields that changed; EXPIRE: the dependencies set of a job that has one only,
+    no dependents set (the script finds it empty)."""
+    (parent,) = finished_runs(parts, r, 1)
+    Client(r, queue="rose").submit("after", max_tokens=2, depends_on=parent.id)
+    parts.endings.succeed(parent)  # enqueues the dependent
+    (dependent,) = finish(parts, start_jobs(parts.rq, 1))
+    (plain,) = finished_runs(parts, r, 1)
+    commands = rq_store.success_commands(parts.rq, [dependent, plain])
+    for run in (dependent, plain):
+        (hset,) = [c for c in commands if c[0] == "HSET" and c[1] == run.key]
+        assert {str(f) for f in hset[2::2]} == {"status", "ended_at"}
+    expired = {c[1] for c in commands if c[0] == "EXPIRE"}
+    assert dependent.job.dependencies_key in expired and plain.job.dependencies_key not in expired
+    assert not expired & {dependent.job.dependents_key, plain.job.dependents_key}
+    recorded = rq_store.success_commands(
+        parts.rq, finished_runs(parts, r, 1), slim=False
+    )  # RQ's, as recorded
+    assert len([c for c in recorded if c[0] == "HSET"]) == 2 and len(recorded) > len(commands) / 2
 
 
 def test_the_reply_is_read_only_once_redis_has_answered(parts, r):

@@ -1,0 +1,91 @@
+"""Whitespace in constrained JSON is bounded by default (`max_json_whitespace`, xgrammar's `max_whitespace_cnt`): a
+model that leans toward whitespace, as real ones do in JSON mode, still has to finish its JSON; unbounded (vLLM's
+behaviour) it fills max_tokens with whitespace. The setting reaches the engine from rose-worker's flag."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+import torch
+from engine_helpers import drain
+
+from rose.config import WorkerSettings
+from rose.engine.engine import Engine
+from rose.engine.presets import build_preset
+from rose.engine.sampling_params import SamplingParams
+from rose.engine.structured_outputs import DEFAULT_MAX_JSON_WHITESPACE, StructuredOutputsParams
+from rose.worker.cli import load_settings
+
+SCHEMA = {
+    "type": "object",
+    # no free string: xgrammar 0.2.8 lets a string with maxLength take raw control characters (tabs, ...), which
+    # a whitespace-leaning model then writes (issue 24); this test is about the whitespace between tokens
+    "properties": {"name": {"enum": ["ann", "bob"]}, "n": {"type": "integer"}},
+    "required": ["name", "n"],
+    "additionalProperties": False,
+}
+MAX_TOKENS = 200
+
+
+def whitespace_leaning_engine(**kwargs) -> Engine:
+    """tiny-llama whose every row strongly prefers the tokenizer's whitespace-only tokens."""
+    model, tokenizer = build_preset("tiny-llama")
+    vocab = model.config.vocab_size
+    spaces = [i for i in range(vocab) if (t := tokenizer.decode([i])) and set(t) <= set(" \t\n\r")]  # JSON's
+    assert spaces, "the preset tokenizer has whitespace tokens"
+    bias = torch.zeros(vocab)
+    bias[spaces] = 30.0
+    model.lm_head.register_forward_hook(lambda module, args, out: out + bias.to(out.dtype))
+    return Engine(
+        model, tokenizer, device="cpu", dtype="float32", max_num_seqs=8, max_model_len=256, **kwargs
+    )
+
+
+def run(engine: Engine) -> list:
+    params = StructuredOutputsParams(json=SCHEMA)
+    for i in range(8):
+        engine.add_request(
+            f"r{i}",
+            "Answer in JSON:",
+            SamplingParams(temperature=1.0, seed=i, max_tokens=MAX_TOKENS, structured_outputs=params),
+        )
+    outputs = drain(engine).outputs
+    return [outputs[f"r{i}"] for i in range(8)]
+
+
+def longest_gap(text: str) -> int:
+    """The longest run of whitespace between JSON tokens (string contents left out)."""
+    outside = re.sub(r'"(?:[^"\\]|\\.)*"', '""', text)
+    return max((len(m) for m in re.findall(r"\s+", outside)), default=0)
+
+
+def test_a_whitespace_leaning_model_still_finishes_its_json():
+    outputs = run(whitespace_leaning_engine())
+    for out in outputs:
+        assert out.finish_reason == "stop", out.text
+        jsonschema.validate(json.loads(out.text), SCHEMA)
+        assert 0 < longest_gap(out.text) <= DEFAULT_MAX_JSON_WHITESPACE  # it did lean, up to the bound
+
+
+def test_unbounded_the_same_model_fills_max_tokens_with_whitespace():
+    outputs = run(whitespace_leaning_engine(max_json_whitespace=None))
+    assert all(out.finish_reason == "length" and len(out.token_ids) == MAX_TOKENS for out in outputs)
+    assert all(longest_gap(out.text) > 5 * DEFAULT_MAX_JSON_WHITESPACE for out in outputs)
+
+
+def test_a_bound_of_zero_is_refused():
+    engine = whitespace_leaning_engine(max_json_whitespace=0)
+    with pytest.raises(ValueError, match="max_json_whitespace must be >= 1"):
+        engine.add_request("r", "x", SamplingParams(structured_outputs=StructuredOutputsParams(json=SCHEMA)))
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"), [([], DEFAULT_MAX_JSON_WHITESPACE), (["--max-json-whitespace", "0"], 0)]
+)
+def test_rose_worker_takes_the_bound(argv, expected, monkeypatch):
+    monkeypatch.delenv("ROSE_MAX_JSON_WHITESPACE", raising=False)
+    settings, _ = load_settings(argv)
+    assert isinstance(settings, WorkerSettings) and settings.max_json_whitespace == expected
