@@ -84,7 +84,7 @@ class WorkerSettings(BaseSettings):
         ge=0,
         description="Whitespace between two tokens of constrained JSON, at most this many characters (with any "
         "whitespace allowed: not --disable-any-whitespace), so that a model leaning toward whitespace cannot fill "
-        "its max_tokens with it; 0: no limit (vLLM's behaviour).",
+        "its max_tokens with it; 0: no limit (vLLM's behaviour). Larger bounds make larger compiled grammars.",
     )
     with_scheduler: bool = Field(
         False,

@@ -71,6 +71,10 @@ class Engine:
     ) -> None:
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        if max_json_whitespace is not None and max_json_whitespace < 1:
+            raise ValueError(
+                f"max_json_whitespace must be >= 1 or None (no limit), got {max_json_whitespace}"
+            )
         loaded = loader.load(
             model, tokenizer, device=device, dtype=dtype, trust_remote_code=trust_remote_code
         )

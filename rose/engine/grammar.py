@@ -39,6 +39,9 @@ logger = logging.getLogger(__name__)
 
 _NEG_INF = float("-inf")
 _CACHE_ENTRIES = 512  # compiled grammars kept (least recently used dropped first)
+# ... and at most this much memory in them: a grammar's token masks grow with the vocabulary and with the JSON
+# whitespace bound (xgrammar keeps a mask per counted position: ~7 MB for a 4-field schema at 128k tokens and 20)
+CACHE_BYTES = 512 << 20
 # xgrammar's errors start with "[hh:mm:ss] /project/cpp/file.cc:123: "; the rest is the useful part
 _XGR_PREFIX = re.compile(r"^\s*\[[^\]]*\]\s*\S+:\d+:\s*")
 
@@ -164,6 +167,7 @@ class StructuredOutputManager:
         disable_any_whitespace: bool = False,
         mask_backend: str = "auto",
         max_json_whitespace: int | None = DEFAULT_MAX_JSON_WHITESPACE,
+        cache_bytes: int = CACHE_BYTES,
     ) -> None:
         if tokenizer is None:
             raise ValueError("structured outputs need a tokenizer; this engine has none")
@@ -175,6 +179,7 @@ class StructuredOutputManager:
         self.device = device
         self.any_whitespace = not disable_any_whitespace
         self.max_json_whitespace = max_json_whitespace
+        self.cache_bytes = cache_bytes
         stops = sorted(stop_token_ids) or None  # None: xgrammar finds the tokenizer's own
         self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=stops
@@ -229,9 +234,24 @@ class StructuredOutputManager:
         future = self._executor.submit(self._compile, grammar)
         future.add_done_callback(self._on_done)
         self._cache[params.key] = future
+        self._evict()
+        return StructuredOutputRequest(params, future)
+
+    def _evict(self) -> None:
+        """Drop the least recently used grammars past _CACHE_ENTRIES, or past `cache_bytes` of compiled ones (the
+        newest always stays). A grammar dropped here lives on in the requests that use it."""
         while len(self._cache) > _CACHE_ENTRIES:
             self._cache.popitem(last=False)
-        return StructuredOutputRequest(params, future)
+        sizes = [
+            f.result().memory_size_bytes if f.done() and f.exception() is None else 0
+            for f in self._cache.values()
+        ]
+        total = sum(sizes)
+        for size in sizes[:-1]:
+            if total <= self.cache_bytes:
+                break
+            self._cache.popitem(last=False)
+            total -= size
 
     def _compile(self, grammar: xgr.Grammar) -> xgr.CompiledGrammar:
         start = time.perf_counter()

@@ -1,6 +1,7 @@
-"""Whitespace in constrained JSON is bounded by default (`max_json_whitespace`, xgrammar's `max_whitespace_cnt`): a
-model that leans toward whitespace, as real ones do in JSON mode, still has to finish its JSON; unbounded (vLLM's
-behaviour) it fills max_tokens with whitespace. The setting reaches the engine from rose-worker's flag."""
+"""Whitespace between the tokens of constrained JSON is bounded by default (`max_json_whitespace`, xgrammar's
+`max_whitespace_cnt`): a model that leans toward whitespace, as real ones do in JSON mode, still has to finish its
+JSON; unbounded (vLLM's behaviour) it fills max_tokens with whitespace. The setting reaches the engine from
+rose-worker's flag and environment; the compiled-grammar cache stays within its memory budget."""
 
 from __future__ import annotations
 
@@ -14,10 +15,11 @@ from engine_helpers import drain
 
 from rose.config import WorkerSettings
 from rose.engine.engine import Engine
+from rose.engine.grammar import StructuredOutputManager
 from rose.engine.presets import build_preset
 from rose.engine.sampling_params import SamplingParams
 from rose.engine.structured_outputs import DEFAULT_MAX_JSON_WHITESPACE, StructuredOutputsParams
-from rose.worker.cli import load_settings
+from rose.worker.cli import build_engine, load_settings
 
 SCHEMA = {
     "type": "object",
@@ -46,13 +48,16 @@ def whitespace_leaning_engine(**kwargs) -> Engine:
 
 def run(engine: Engine) -> list:
     params = StructuredOutputsParams(json=SCHEMA)
-    for i in range(8):
-        engine.add_request(
-            f"r{i}",
-            "Answer in JSON:",
-            SamplingParams(temperature=1.0, seed=i, max_tokens=MAX_TOKENS, structured_outputs=params),
-        )
-    outputs = drain(engine).outputs
+    try:
+        for i in range(8):
+            engine.add_request(
+                f"r{i}",
+                "Answer in JSON:",
+                SamplingParams(temperature=1.0, seed=i, max_tokens=MAX_TOKENS, structured_outputs=params),
+            )
+        outputs = drain(engine).outputs
+    finally:
+        engine.close()
     return [outputs[f"r{i}"] for i in range(8)]
 
 
@@ -76,16 +81,49 @@ def test_unbounded_the_same_model_fills_max_tokens_with_whitespace():
     assert all(longest_gap(out.text) > 5 * DEFAULT_MAX_JSON_WHITESPACE for out in outputs)
 
 
-def test_a_bound_of_zero_is_refused():
-    engine = whitespace_leaning_engine(max_json_whitespace=0)
+def test_a_bound_of_zero_is_refused_when_the_engine_is_built():
     with pytest.raises(ValueError, match="max_json_whitespace must be >= 1"):
-        engine.add_request("r", "x", SamplingParams(structured_outputs=StructuredOutputsParams(json=SCHEMA)))
+        whitespace_leaning_engine(max_json_whitespace=0)
 
 
 @pytest.mark.parametrize(
-    ("argv", "expected"), [([], DEFAULT_MAX_JSON_WHITESPACE), (["--max-json-whitespace", "0"], 0)]
+    ("argv", "env", "expected"),
+    [
+        ([], None, DEFAULT_MAX_JSON_WHITESPACE),
+        (["--max-json-whitespace", "0"], None, None),  # 0: no limit
+        ([], "7", 7),
+    ],
 )
-def test_rose_worker_takes_the_bound(argv, expected, monkeypatch):
-    monkeypatch.delenv("ROSE_MAX_JSON_WHITESPACE", raising=False)
-    settings, _ = load_settings(argv)
-    assert isinstance(settings, WorkerSettings) and settings.max_json_whitespace == expected
+def test_rose_worker_passes_the_bound_to_its_engine(argv, env, expected, monkeypatch):
+    if env is None:
+        monkeypatch.delenv("ROSE_MAX_JSON_WHITESPACE", raising=False)
+    else:
+        monkeypatch.setenv("ROSE_MAX_JSON_WHITESPACE", env)
+    settings, _ = load_settings([*argv, "--model", "tiny-llama", "--device", "cpu", "--max-model-len", "128"])
+    assert isinstance(settings, WorkerSettings)
+    engine = build_engine(settings)
+    try:
+        assert engine.structured_outputs.max_json_whitespace == expected
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize(("budget", "hit"), [(64 << 20, True), (1, False)])
+def test_compiled_grammars_are_kept_within_the_cache_budget(budget, hit):
+    """A grammar's masks grow with the whitespace bound: the cache drops the least recently used ones past its
+    memory budget (the newest always stays)."""
+    model, tokenizer = build_preset("tiny-llama")
+    manager = StructuredOutputManager(
+        tokenizer, model.config.vocab_size, [tokenizer.eos_token_id], torch.device("cpu"), cache_bytes=budget
+    )
+    try:
+        schemas = [
+            {**SCHEMA, "properties": {**SCHEMA["properties"], f"k{i}": {"type": "integer"}}} for i in range(3)
+        ]
+        for schema in schemas:
+            manager.make_request(StructuredOutputsParams(json=schema)).wait()
+        compiles = manager.get_stats()["structured_output_compiles"]
+        manager.make_request(StructuredOutputsParams(json=schemas[0])).wait()
+        assert (manager.get_stats()["structured_output_compiles"] == compiles) is hit
+    finally:
+        manager.shutdown()
