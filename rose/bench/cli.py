@@ -299,6 +299,7 @@ def build_worker_parser(prog: str | None = None) -> argparse.ArgumentParser:
         "plus latency under Poisson load (--rate).",
     )
     add_common_args(p, DEFAULT_WORKER_JSON)
+    add_target_args(p)
     p.add_argument("--num-requests", type=int, default=d.num_requests)
     p.add_argument("--prompt-len-range", type=parse_range, default=d.prompt_len_range, metavar="LO,HI")
     p.add_argument(
@@ -329,8 +330,12 @@ def build_worker_parser(prog: str | None = None) -> argparse.ArgumentParser:
 def worker_main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     args = build_worker_parser(prog).parse_args(argv)
     setup_logging(args.verbose)
+    if not target_ok(args.device, args.dtype):
+        return 2
     cfg = WorkerBenchConfig(
         model=args.model,
+        device=args.device,
+        dtype=args.dtype,
         num_requests=args.num_requests,
         prompt_len_range=args.prompt_len_range,
         output_len_range=args.output_len_range,
@@ -353,8 +358,7 @@ def worker_main(argv: Sequence[str] | None = None, prog: str | None = None) -> i
     wl, env = report.workload, report.environment
     title = (
         f"{cfg.model}: {wl['num_requests']} requests at once, prompts {cfg.prompt_len_range}, max_tokens "
-        f"{cfg.output_len_range}, {wl['requested_tokens']} tokens requested; torch threads "
-        f"{env['torch_num_threads']}, {env['cpu_count']} CPUs"
+        f"{cfg.output_len_range}, {wl['requested_tokens']} tokens requested; {where_ran(env)}"
     )
     headers, rows = throughput_rows(report)
     print_table(title, headers, rows, use_rich=not args.plain)

@@ -38,6 +38,7 @@ from rose.bench.common import (
 )
 from rose.bench.rose_runner import RoseConfig, run_rose
 from rose.bench.workload import Workload, make_workload
+from rose.engine.attention import sdpa_backends
 from rose.engine.host_malloc import tune_malloc
 
 logger = logging.getLogger(__name__)
@@ -149,17 +150,21 @@ def _runner(
             model, tokenizer = load()
             return run_rose(model, tokenizer, workload, rose_cfg)
 
+    # transformers' passes run under the SDPA backends rose's steps do: cuDNN's per-shape plans slow it too (an
+    # H100's first hf-continuous-batching pass: 678 tok/s with cuDNN, 2,676 without; benchmarks/README.md)
     elif name == STATIC:
 
         def run(workload: Workload) -> RunResult:
             model, _ = load()
-            return run_static_batching(model, workload, cfg.static)
+            with sdpa_backends(device):
+                return run_static_batching(model, workload, cfg.static)
 
     elif name == HF_CB:
 
         def run(workload: Workload) -> RunResult:
             model, _ = load()
-            return run_hf_continuous_batching(model, workload, cfg.hf_cb)
+            with sdpa_backends(device):
+                return run_hf_continuous_batching(model, workload, cfg.hf_cb)
 
     else:
         raise ValueError(f"unknown system {name!r}; systems are {', '.join(SYSTEMS)}")

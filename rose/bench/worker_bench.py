@@ -19,7 +19,15 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from rose.bench.common import RunResult, cpu_busy_fraction, environment, load_model, make_result, set_threads
+from rose.bench.common import (
+    RunResult,
+    cpu_busy_fraction,
+    environment,
+    load_model,
+    make_result,
+    resolve_target,
+    set_threads,
+)
 from rose.bench.latency import percentiles, run_latency
 from rose.bench.rose_runner import RoseConfig, run_rose
 from rose.bench.worker_procs import RedisProcess, WorkerProcess
@@ -35,6 +43,10 @@ JOB_TIMEOUT_S = 900
 @dataclass
 class WorkerBenchConfig:
     model: str = "tiny-llama"
+    device: str = (
+        "cpu"  # the worker's and the engine-alone pass's, as the engine takes them ('auto': CUDA if there)
+    )
+    dtype: str = "float32"
     num_requests: int = 128
     prompt_len_range: tuple[int, int] = (16, 128)
     output_len_range: tuple[int, int] = (16, 128)
@@ -148,7 +160,9 @@ def run_worker_bench(
             cfg.latency_requests, cfg.prompt_len_range, cfg.output_len_range, seed=cfg.seed + 1
         )
     max_len = max(model_len_for(workload), model_len_for(lat_wl) if lat_wl else 0)
-    report = WorkerBenchReport(config=asdict(cfg), environment=environment(), workload=workload.describe())
+    device, dtype = resolve_target(cfg.device, cfg.dtype)
+    env = environment(device, dtype)
+    report = WorkerBenchReport(config=asdict(cfg), environment=env, workload=workload.describe())
     report.load_average["before"] = _load()
     report.processes["cpu_busy_before"] = cpu_busy_fraction()
     queue = f"rose-bench-{uuid.uuid4().hex[:8]}"
@@ -160,6 +174,8 @@ def run_worker_bench(
             queue,
             f"bench-{uuid.uuid4().hex[:6]}",
             model=cfg.model,
+            device=str(device),
+            dtype=str(dtype).removeprefix("torch."),
             max_num_seqs=cfg.max_num_seqs,
             max_model_len=max_len,
             max_num_batched_tokens=cfg.max_num_batched_tokens,
@@ -227,8 +243,10 @@ def run_worker_bench(
 
 
 def _engine_pass(cfg: WorkerBenchConfig, workload: Workload, max_len: int) -> RunResult:
-    model, tokenizer = load_model(cfg.model, seed=0)
+    model, tokenizer = load_model(cfg.model, seed=0, device=cfg.device, dtype=cfg.dtype)
     rose_cfg = RoseConfig(
+        device=cfg.device,
+        dtype=cfg.dtype,
         max_num_seqs=cfg.max_num_seqs,
         max_num_batched_tokens=cfg.max_num_batched_tokens,
         max_model_len=max_len,

@@ -13,10 +13,12 @@ does, else `eager_attention`.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from rose.engine import cpu_attention, flash_attention
 from rose.engine.kv_cache import AttentionMetadata, KVCache
@@ -25,6 +27,18 @@ from rose.engine.layer_spec import LayerSpec
 # (q [B, heads, L, D], k [B, kv_heads, S, D], v [B, kv_heads, S, Dv], visible bool [B or 1, 1, L, S], one of the
 # step's cached masks) -> [B, L, heads, Dv]: one non-plain layer's attention over given views
 Eager = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+# cuDNN's SDPA builds an execution plan for each new (batch, query length, key length): a decode step's lengths
+# change every step, so on an H100 (torch 2.11) plan building made steps 3-4x slower (63 -> 23 ms at batch 1,
+# 84 -> 21 ms at batch 64, benchmarks/README.md "First CUDA run"); flash / memory-efficient need no plan
+_CUDA_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def sdpa_backends(device: torch.device) -> contextlib.AbstractContextManager:
+    """The SDPA backends rose's steps run under on `device`: on CUDA every backend but cuDNN's; elsewhere torch's
+    own choice."""
+    return sdpa_kernel(_CUDA_SDPA) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def eager_attention(

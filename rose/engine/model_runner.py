@@ -8,6 +8,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
+from rose.engine.attention import sdpa_backends
 from rose.engine.kv_cache import AttentionMetadata, KVCache, PrefillSegment
 from rose.engine.model_binding import ForwardContext, attach
 from rose.engine.model_probe import AttentionLayers
@@ -88,12 +89,13 @@ class ModelRunner:
         keep = self._tensor(sample_index)
         self.context.begin(meta)
         try:
-            out = self.model(
-                input_ids=self._tensor(ids)[None],
-                position_ids=self._tensor(positions)[None],
-                use_cache=False,
-                **({"logits_to_keep": keep} if self.keeps_logits else {}),
-            )
+            with sdpa_backends(self.device):
+                out = self.model(
+                    input_ids=self._tensor(ids)[None],
+                    position_ids=self._tensor(positions)[None],
+                    use_cache=False,
+                    **({"logits_to_keep": keep} if self.keeps_logits else {}),
+                )
         finally:
             self.context.end()
         return out.logits[0] if self.keeps_logits else out.logits[0, keep]

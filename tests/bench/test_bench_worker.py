@@ -7,6 +7,7 @@ import os
 import shutil
 
 import pytest
+import torch
 
 from rose.bench.cli import build_worker_parser, worker_main
 from rose.bench.latency import percentiles
@@ -39,6 +40,13 @@ def test_worker_parser_defaults_match_the_issue():
     assert args.num_requests == 128 and args.max_num_seqs == 128
     assert args.prompt_len_range == (16, 128) and args.output_len_range == (16, 128)
     assert args.rate == 0.0 and not args.skip_engine and args.repeats == 1
+    assert (args.device, args.dtype) == ("cpu", "float32")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_worker_bench_on_a_missing_gpu_is_a_clear_error(capsys):
+    assert worker_main(["--device", "cuda", "--dtype", "bfloat16", "--json-out", ""]) == 2
+    assert "CUDA is not available" in capsys.readouterr().err
 
 
 @pytest.mark.timeout(120)
@@ -74,6 +82,11 @@ def test_worker_bench_end_to_end(tmp_path, capsys):
     assert lat["ttft_ms"]["p50"] <= lat["e2e_ms"]["max"]
 
     procs = report["processes"]
+    command = procs["worker_command"]  # the worker runs where the engine-alone pass does
+    assert (
+        command[command.index("--device") + 1] == "cpu" and command[command.index("--dtype") + 1] == "float32"
+    )
+    assert report["environment"]["device"] == "cpu" and report["environment"]["dtype"] == "float32"
     assert _gone(procs["worker_pid"]) and _gone(procs["redis_pid"])
 
 

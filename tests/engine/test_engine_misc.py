@@ -10,6 +10,7 @@ import torch
 from engine_helpers import drain, generate, greedy, hf_greedy, make_engine, text_prompt
 from transformers import LlamaForCausalLM
 
+from rose.engine.attention import sdpa_backends
 from rose.engine.engine import Engine
 from rose.engine.llm import LLM
 from rose.engine.presets import build_preset, build_tokenizer, model_from_config, tiny_llama_config
@@ -191,3 +192,36 @@ def test_a_cpu_pool_takes_memory_only_for_the_blocks_used():
     assert all(
         float(t[-1].abs().sum()) == 0 for t in engine.cache.k + engine.cache.v
     )  # zeroed, never written
+
+
+def test_cuda_steps_leave_out_cudnn_attention():
+    """cuDNN's SDPA builds an execution plan for every new shape and a decode step's shapes change every step (on
+    an H100 that made steps 3-4x slower): a step on CUDA runs SDPA without it, and torch's flags are back after."""
+    cuda = torch.backends.cuda
+    before = (cuda.cudnn_sdp_enabled(), cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled())
+    with sdpa_backends(torch.device("cuda")):
+        assert not cuda.cudnn_sdp_enabled()
+        assert cuda.flash_sdp_enabled() and cuda.mem_efficient_sdp_enabled() and cuda.math_sdp_enabled()
+    assert (cuda.cudnn_sdp_enabled(), cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled()) == before
+    with sdpa_backends(torch.device("cpu")):
+        assert cuda.cudnn_sdp_enabled() == before[0]
+
+
+def test_every_step_runs_under_the_engines_sdpa_backends(monkeypatch):
+    """The model's forward (every layer's SDPA call) runs inside `sdpa_backends` of the engine's device."""
+    import contextlib
+
+    from rose.engine import model_runner
+
+    entered: list[torch.device] = []
+
+    @contextlib.contextmanager
+    def recording(device):
+        entered.append(device)
+        yield
+
+    monkeypatch.setattr(model_runner, "sdpa_backends", recording)
+    engine = make_engine("tiny-llama", max_num_seqs=2, max_model_len=32)
+    run = generate(engine, [("a", "hello world", greedy(3))])
+    assert len(run.outputs["a"].token_ids) == 3
+    assert entered and all(device == engine.device for device in entered)
