@@ -23,7 +23,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from rose.cli.batch_files import Entry, LineFormat, first_pass, key_of, read_jobs_file, scan_output, survey
+from rose.cli.batch_files import (
+    Entry,
+    LineFormat,
+    failure_code,
+    first_pass,
+    key_of,
+    read_jobs_file,
+    scan_output,
+    survey,
+)
 from rose.cli.batch_progress import Throughput, progress_text
 from rose.cli.common import EXIT_FAILED, add_redis_args, connect, error
 from rose.cli.openai_batch import detect_format, parse_queue_for
@@ -327,7 +336,7 @@ def _poll(batch: Batch, client: Any, conn: Any) -> int:
         try:
             result = client.job(job_id).result(timeout=0)
         except JobFailed as exc:
-            batch.write(fmt.failed_line(entry, job_id, exc.message, "job_failed"), failed=True)
+            batch.write(fmt.failed_line(entry, job_id, exc.message, failure_code(exc.message)), failed=True)
         except JobCanceled as exc:
             batch.write(fmt.failed_line(entry, job_id, f"job {exc.reason}", f"job_{exc.reason}"), failed=True)
         except TimeoutError:  # status moved back (requeued) between the two reads: keep waiting

@@ -15,9 +15,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from rose.jobs.schemas import INVALID_STRUCTURED_OUTPUT
+
 
 def key_of(line_id: Any) -> str:
     return json.dumps(line_id, sort_keys=True)
+
+
+def failure_code(message: str) -> str:
+    """The error code of a failed job's line: `invalid_structured_output` when its output broke its JSON schema
+    (the message says what, and holds the text), else `job_failed`."""
+    marker = INVALID_STRUCTURED_OUTPUT + ":"
+    stored = message.partition(": ")[2]  # RQ's stored form: `RoseJobError: <message>`
+    return (
+        INVALID_STRUCTURED_OUTPUT if message.startswith(marker) or stored.startswith(marker) else "job_failed"
+    )
 
 
 @dataclass

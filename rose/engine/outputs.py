@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-# "error": the request could not run at all (its grammar failed to compile after it was queued; see rose.engine.grammar)
+# "error": the request could not run at all (its grammar failed to compile after it was queued; see rose.engine.grammar),
+# or its JSON-constrained output broke its schema (rose.engine.structured_check; the text is kept)
 FinishReason = Literal["stop", "length", "abort", "error"]
 
 
@@ -50,7 +51,9 @@ class RequestOutput:
     finish_reason: FinishReason | None
     metrics: RequestMetrics
     logprobs: list[TokenLogprob] | None = None
-    error: str | None = None  # finish_reason "error": why the request could not run
+    error: str | None = None  # finish_reason "error": why the request could not run, or what its output broke
+    # a JSON constraint's output that is not strict JSON valid under its schema: what breaks it ("$.a: ...")
+    structured_output_error: str | None = None
 
     @property
     def finished(self) -> bool:

@@ -218,3 +218,19 @@ def build_preset(
 def preset_model(name: str, seed: int = 0, device: str | torch.device | None = None) -> PreTrainedModel:
     """The preset's model alone (float32, eval mode, on `device`: None for the CPU)."""
     return model_from_config(preset_config(name), _PRESETS[name][1], seed=seed, device=device).eval()
+
+
+def lean_toward(
+    model: PreTrainedModel, tokenizer, texts: Callable[[str], bool], bias: float = 30.0
+) -> list[int]:
+    """Make `model` strongly prefer the tokens whose decoded text satisfies `texts` (a hook adds `bias` to their
+    logits), as real models lean toward whitespace in JSON mode: to show what a constraint does with a model
+    pushing against it. Returns the ids it leans toward."""
+    vocab = model.config.vocab_size
+    ids = [i for i in range(vocab) if texts(tokenizer.decode([i]))]
+    if not ids:
+        raise ValueError("no token of the tokenizer matches")
+    logits_bias = torch.zeros(vocab)
+    logits_bias[ids] = bias
+    model.get_output_embeddings().register_forward_hook(lambda module, args, out: out + logits_bias.to(out))
+    return ids

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from rose.engine import structured_check
 from rose.engine.outputs import RequestOutput, StepOutput, TokenLogprob
 from rose.engine.sequence import Sequence
 
@@ -56,13 +57,17 @@ def append_token(
     if detok is not None:
         delta += detok.finish()
         seq.text = detok.text
-    error = None
+    error = invalid = None
     if grammar_done and seq.structured.refused is not None:
         reason, error = "error", f"structured_outputs: the grammar refused sampled token {token}"
+    elif reason == "stop" and detok is not None and params.structured_outputs is not None:
+        invalid = structured_check.violation(params.structured_outputs, seq.text)
+        if invalid is not None:  # the grammar let it through: not reported as a clean stop
+            reason, error = "error", f"structured_outputs: the output breaks its constraint: {invalid}"
     seq.finish_reason = reason
     metrics.finished_time = now
     output = request_output(seq)
-    output.error = error
+    output.error, output.structured_output_error = error, invalid
     return StepOutput(seq.request_id, [token], delta, True, reason, new_logprobs=new_logprobs, output=output)
 
 

@@ -12,7 +12,18 @@ from rose.engine.chat import ChatOptions, normalize_messages, render_chat
 from rose.engine.sampling_params import SamplingParams
 from rose.engine.structured_outputs import StructuredOutputsParams
 
-__all__ = ["GenerateRequest", "ValidationError", "format_validation_error", "suggest_field"]
+__all__ = [
+    "INVALID_STRUCTURED_OUTPUT",
+    "GenerateRequest",
+    "ValidationError",
+    "format_validation_error",
+    "suggest_field",
+]
+
+# How a failed job's message starts when its JSON-constrained output broke its schema (the engine checks every such
+# output: rose.engine.structured_check); the violation and the output's whole text follow. `rose batch` files the
+# job's error line under this code.
+INVALID_STRUCTURED_OUTPUT = "invalid_structured_output"
 
 
 class GenerateRequest(BaseModel):

@@ -9,13 +9,16 @@ them, as each of its callers documents.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from typing import Any
 
 from rq.job import Job
 
+from rose.engine.outputs import RequestOutput
 from rose.jobs.events import CanceledEvent, DoneEvent, ErrorEvent, Usage
+from rose.jobs.schemas import INVALID_STRUCTURED_OUTPUT
 from rose.worker import faults, rq_store, seal
 from rose.worker.logs import job_fields
 from rose.worker.metrics import WorkerMetrics
@@ -38,6 +41,18 @@ def queue_seconds(job: Job) -> float | None:
     if job.enqueued_at is None or job.started_at is None:
         return None
     return max(0.0, (job.started_at - job.enqueued_at).total_seconds())
+
+
+def failure_message(output: RequestOutput) -> str:
+    """A failed job's message for an engine output that finished "error": why it could not run, or what its
+    output broke, with the output's text (nothing is lost: the text is in the message)."""
+    if output.structured_output_error is None:
+        return output.error or "engine error"
+    text = json.dumps(output.text, ensure_ascii=False)
+    return (
+        f"{INVALID_STRUCTURED_OUTPUT}: {output.structured_output_error}; "
+        f"the output ({len(output.text)} characters): {text}"
+    )
 
 
 def result_dict(run: Running, worker_name: str) -> dict[str, Any]:

@@ -27,7 +27,7 @@ from typing import Any
 
 from rose.config import WorkerSettings
 from rose.worker import faults, intake, probe, rq_store
-from rose.worker.endings import Endings, RoseJobTimeout, result_dict
+from rose.worker.endings import Endings, RoseJobTimeout, failure_message, result_dict
 from rose.worker.intake import Intake
 from rose.worker.isolate import isolate
 from rose.worker.metrics import WorkerMetrics
@@ -227,9 +227,14 @@ class JobLoop:
             if out.finished:
                 self.outbox.release(run)  # its held tokens go out now, ahead of its result
                 run.phase = Phase.FINISHED  # out of the engine
-                if out.finish_reason == "error":  # the request could not run (its grammar failed to compile)
-                    # deterministic (a grammar that will not compile): RQ's Retry would fail the same way
-                    self._fail(run, out.output.error or "engine error", retry=False)
+                if (
+                    out.finish_reason == "error"
+                ):  # its grammar failed to compile, or its output broke its schema
+                    invalid = out.output.structured_output_error is not None
+                    if invalid:
+                        self.metrics.structured_output_errors.inc()
+                    # a grammar that will not compile fails again under RQ's Retry; resampled, an output may pass
+                    self._fail(run, failure_message(out.output), retry=invalid)
                     continue
                 run.output = out.output
                 run.result = result_dict(run, self.rq.name)

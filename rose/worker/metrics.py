@@ -123,6 +123,12 @@ class WorkerMetrics:
         self.failure = Counter(
             "rose_request_failure", "Job attempts failed (RQ Retry may run them again).", ln, registry=reg
         ).labels(*lv)
+        self.structured_output_errors = Counter(
+            "rose_structured_output_errors",
+            "Jobs whose JSON-constrained output broke its schema (failed, never stored as results).",
+            ln,
+            registry=reg,
+        ).labels(*lv)
         self.canceled = Counter(
             "rose_request_canceled", "Jobs canceled, deleted or stopped while running.", ln, registry=reg
         ).labels(*lv)

@@ -16,7 +16,7 @@ from engine_helpers import drain
 from rose.config import WorkerSettings
 from rose.engine.engine import Engine
 from rose.engine.grammar import StructuredOutputManager
-from rose.engine.presets import build_preset
+from rose.engine.presets import build_preset, lean_toward
 from rose.engine.sampling_params import SamplingParams
 from rose.engine.structured_outputs import DEFAULT_MAX_JSON_WHITESPACE, StructuredOutputsParams
 from rose.worker.cli import build_engine, load_settings
@@ -35,12 +35,7 @@ MAX_TOKENS = 200
 def whitespace_leaning_engine(**kwargs) -> Engine:
     """tiny-llama whose every row strongly prefers the tokenizer's whitespace-only tokens."""
     model, tokenizer = build_preset("tiny-llama")
-    vocab = model.config.vocab_size
-    spaces = [i for i in range(vocab) if (t := tokenizer.decode([i])) and set(t) <= set(" \t\n\r")]  # JSON's
-    assert spaces, "the preset tokenizer has whitespace tokens"
-    bias = torch.zeros(vocab)
-    bias[spaces] = 30.0
-    model.lm_head.register_forward_hook(lambda module, args, out: out + bias.to(out.dtype))
+    lean_toward(model, tokenizer, lambda t: bool(t) and set(t) <= set(" \t\n\r"))  # JSON's whitespace
     return Engine(
         model, tokenizer, device="cpu", dtype="float32", max_num_seqs=8, max_model_len=256, **kwargs
     )

@@ -1,0 +1,95 @@
+"""rose's structured-outputs guarantee: a JSON-constrained request that finishes `stop` produced strict JSON, valid
+under its schema. Checked here, on the finished text, before the engine reports it.
+
+A grammar backend turns a schema into token masks and can get the schema wrong: xgrammar 0.2.8 lets a `maxLength`
+string take raw control characters, lets a `multipleOf: 0.01` number run to more decimals, and lets `allOf` beside
+`type` through (issue 24's corpus). So the mask is not trusted: the text is parsed as strict JSON (no raw control
+characters in strings, no NaN / Infinity) and validated with `jsonschema` under the schema's own draft (its
+`$schema`; 2020-12 when it names none), `format` included where jsonschema can check it. `json_object` asks for a
+JSON object and nothing more. A regex, choice or grammar constraint is not checked: its mask is the definition.
+
+`violation` names what is wrong ("$.price: 24.11652 is not a multiple of 0.01"), or returns None. A schema the
+checker itself cannot use (an unresolvable `$ref`, say) is logged once and not checked: the grammar compiled it, and a
+checker's failure is not the output's.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+from decimal import Decimal
+from typing import Any
+
+from rose.engine.structured_outputs import StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
+
+MAX_MESSAGE = 300  # characters of jsonschema's message kept: it quotes the offending value, which may be long
+
+
+def violation(params: StructuredOutputsParams, text: str) -> str | None:
+    """What makes `text` break its JSON constraint, or None (valid, or not a JSON constraint)."""
+    if params.json is None and not params.json_object:
+        return None
+    try:
+        instance = json.loads(text, parse_constant=_not_json)
+    except ValueError as exc:
+        return f"not strict JSON: {exc}"
+    if params.json is None:
+        return None if isinstance(instance, dict) else f"not a JSON object: a {type(instance).__name__}"
+    spec = params.key[1]
+    validator = _validator(spec)
+    if validator is None:
+        return None
+    try:
+        from jsonschema.exceptions import best_match
+
+        error = best_match(validator.iter_errors(instance))
+    except (
+        Exception
+    ) as exc:  # the checker, not the output: a $ref it cannot resolve, a regex it cannot compile
+        _unchecked(spec, repr(exc))
+        return None
+    if error is None:
+        return None
+    message = error.message if len(error.message) <= MAX_MESSAGE else error.message[:MAX_MESSAGE] + "..."
+    return f"{error.json_path}: {message}"
+
+
+def _multiple_of(validator: Any, divisor: Any, instance: Any, schema: Any) -> Any:
+    """`multipleOf` in decimal, as the JSON text writes numbers: jsonschema divides floats, and 0.07 / 0.01 is
+    7.000000000000001 there, which would fail a valid output."""
+    if not validator.is_type(instance, "number"):
+        return
+    from jsonschema.exceptions import ValidationError
+
+    quotient = Decimal(repr(instance)) / Decimal(repr(divisor))
+    if quotient != quotient.to_integral_value():
+        yield ValidationError(f"{instance!r} is not a multiple of {divisor!r}")
+
+
+def _not_json(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+@functools.lru_cache(maxsize=256)
+def _validator(spec: str) -> Any:
+    """A validator of the schema's own draft, formats checked; built once per schema (requests share schemas)."""
+    from jsonschema import Draft202012Validator, validators
+
+    schema = json.loads(spec)
+    try:
+        cls = validators.validator_for(schema, default=Draft202012Validator)
+        exact = validators.extend(cls, {"multipleOf": _multiple_of})
+        return exact(schema, format_checker=cls.FORMAT_CHECKER)
+    except Exception as exc:
+        _unchecked(spec, repr(exc))
+        return None
+
+
+@functools.lru_cache(maxsize=64)
+def _unchecked(spec: str, error: str) -> None:  # cached: logged once per schema and error
+    logger.warning(
+        "structured outputs: a schema the checker cannot use is not checked (%s): %.200s", error, spec
+    )
