@@ -135,6 +135,9 @@ def validate(fields: dict[str, Any]) -> tuple[str, str | None] | None:
 
 
 def _named_field(message: str) -> str | None:
+    constraint = re.match(r"(response_format(?:\.json_schema\.schema)?|structured_outputs\.\w+)\b", message)
+    if constraint:  # a constraint's checks name the field as the user sent it
+        return constraint.group(1)
     named = re.search(r"\bSamplingParams\.(\w+)", message)  # SamplingParams' range checks name the field
     return named.group(1) if named else None
 

@@ -1,5 +1,15 @@
-"""rose's structured-outputs guarantee: a JSON-constrained request that finishes `stop` produced strict JSON, valid
-under its schema. Checked here, on the finished text, before the engine reports it.
+"""Checks of structured outputs, before and after: a constraint that cannot compile is refused where the job is
+made (`check_constraint`), and rose's guarantee holds on every output (`violation`).
+
+**Before.** `check_constraint` refuses what the worker's grammar engine would refuse, at the producer (Client,
+AsyncClient, rose submit, rose batch: they validate jobs with rose.jobs.schemas) and again in the worker, naming
+the field the user sent (`response_format.json_schema.schema`, `structured_outputs.regex`, ...): a JSON Schema that
+is not valid under its metaschema (jsonschema), a schema, regex or grammar xgrammar cannot compile (its
+tokenizer-free front end: the same parser the worker runs, so the same verdict and a keyword it does not support
+named). Verdicts are cached by constraint: a producer of a million jobs with one schema checks it once.
+
+**After.** A JSON-constrained request that finishes `stop` produced strict JSON, valid under its schema: checked
+on the finished text, before the engine reports it.
 
 A grammar backend turns a schema into token masks and can get the schema wrong: xgrammar 0.2.8 lets a `maxLength`
 string take raw control characters, lets a `multipleOf: 0.01` number run to more decimals, and lets `allOf` beside
@@ -18,6 +28,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import re
 from decimal import Decimal
 from typing import Any
 
@@ -26,6 +37,47 @@ from rose.engine.structured_outputs import StructuredOutputsParams
 logger = logging.getLogger(__name__)
 
 MAX_MESSAGE = 300  # characters of jsonschema's message kept: it quotes the offending value, which may be long
+
+
+def check_constraint(params: StructuredOutputsParams, where: str) -> None:
+    """Raise ValueError("<where> is invalid: <why>") when the constraint cannot compile."""
+    problem = _problem(params.key)
+    if problem is not None:
+        raise ValueError(f"{where} is invalid: {problem}")
+
+
+@functools.lru_cache(maxsize=1024)
+def _problem(key: tuple[str, str]) -> str | None:
+    kind, spec = key
+    if kind == "json":
+        from jsonschema import Draft202012Validator, validators
+        from jsonschema.exceptions import SchemaError
+
+        schema = json.loads(spec)
+        try:
+            # no format checks: the metaschema's `regex` format is Python's dialect, a `pattern` is ECMA 262's
+            validators.validator_for(schema, default=Draft202012Validator).check_schema(
+                schema, format_checker=None
+            )
+        except SchemaError as exc:
+            return f"not a valid JSON Schema: {exc.message} (at {exc.json_path})"
+    if kind not in ("json", "regex", "grammar"):
+        return None
+    try:
+        import xgrammar
+    except ImportError:  # a producer without the engine's packages: the worker checks it
+        return None
+    build = {
+        "json": xgrammar.Grammar.from_json_schema,
+        "regex": xgrammar.Grammar.from_regex,
+        "grammar": xgrammar.Grammar.from_ebnf,
+    }[kind]
+    try:
+        build(spec)
+    except Exception as exc:
+        # xgrammar's messages start "[12:00:00] /project/cpp/regex_converter.cc:83: "
+        return re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", str(exc).strip()).splitlines()[0]
+    return None
 
 
 def violation(params: StructuredOutputsParams, text: str) -> str | None:

@@ -118,5 +118,10 @@ class StructuredOutputsParams:
             unknown = set(spec) - {"name", "schema", "strict", "description"}
             if unknown:
                 raise ValueError(f"response_format.json_schema has unknown keys {sorted(unknown)}")
-            return cls(json=spec["schema"])
+            try:
+                return cls(json=spec["schema"])
+            except ValueError as exc:  # named as the user sent it
+                raise ValueError(
+                    str(exc).replace("structured_outputs.json", "response_format.json_schema.schema")
+                ) from None
         raise ValueError(f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}")

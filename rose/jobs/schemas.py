@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from rose.engine.chat import ChatOptions, normalize_messages, render_chat
 from rose.engine.sampling_params import SamplingParams
+from rose.engine.structured_check import check_constraint
 from rose.engine.structured_outputs import StructuredOutputsParams
 
 __all__ = [
@@ -114,6 +115,9 @@ class GenerateRequest(BaseModel):
                 raise ValueError(f"{', '.join(chat_set)} only apply to 'messages' jobs")
         if self.structured_outputs is not None and self.response_format is not None:
             raise ValueError("give at most one of 'structured_outputs' and 'response_format'")
+        constraint = self.constraint()
+        if constraint is not None:  # what the worker's grammar engine would refuse, named as the user sent it
+            check_constraint(constraint, self._constraint_field(constraint.kind))
         # SamplingParams owns the range checks; its ValueError names the field.
         self.to_sampling_params()
         return self
@@ -128,6 +132,11 @@ class GenerateRequest(BaseModel):
         if self.structured_outputs is not None:
             return StructuredOutputsParams.from_dict(self.structured_outputs)
         return None
+
+    def _constraint_field(self, kind: str) -> str:
+        if self.response_format is None:
+            return f"structured_outputs.{kind}"
+        return "response_format.json_schema.schema" if kind == "json" else "response_format"
 
     def to_sampling_params(self) -> SamplingParams:
         fields = {name: getattr(self, name) for name in SamplingParams.field_names()}
