@@ -73,6 +73,11 @@ class WorkerSettings(BaseSettings):
         "fails. Templates run in transformers' sandboxed Jinja, but a template from producers can still render "
         "any prompt, so only trust producers who may.",
     )
+    structured_outputs_backend: Literal["auto", "xgrammar", "guidance"] = Field(
+        "auto",
+        description="The grammar engine of structured outputs (vLLM's names): xgrammar, guidance (llguidance), or "
+        "auto (rose's choice, from its conformance corpus: docs/jobs.md).",
+    )
     disable_any_whitespace: bool = Field(
         False,
         description="JSON constrained by a job's structured_outputs / response_format is written on one line, "

@@ -27,7 +27,7 @@ from rose.engine.sampling_params import SamplingParams
 from rose.engine.scheduler import Scheduler
 from rose.engine.sequence import Sequence, SequenceStatus
 from rose.engine.stopping import append_token, eos_token_ids, request_output
-from rose.engine.structured_outputs import DEFAULT_MAX_JSON_WHITESPACE
+from rose.engine.structured_outputs import DEFAULT_MAX_JSON_WHITESPACE, resolve_backend
 
 if TYPE_CHECKING:
     from rose.engine.grammar import StructuredOutputManager
@@ -46,7 +46,8 @@ class Engine:
         Single-threaded: call every method from the same thread (grammars of structured outputs compile on a small
         pool of their own). `disable_any_whitespace`: JSON constrained by a schema is written on one line (vLLM's
         structured-outputs option of that name); by default any whitespace may separate its tokens, at most
-        `max_json_whitespace` characters of it at a time (None: no limit).
+        `max_json_whitespace` characters of it at a time (None: no limit). `structured_outputs_backend`: the
+        grammar engine, "guidance" (llguidance), "xgrammar", or "auto" (guidance; rose.engine.grammar_backends).
     """
 
     def __init__(
@@ -68,6 +69,7 @@ class Engine:
         trust_remote_code: bool = False,
         disable_any_whitespace: bool = False,
         max_json_whitespace: int | None = DEFAULT_MAX_JSON_WHITESPACE,
+        structured_outputs_backend: str = "auto",
     ) -> None:
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
@@ -144,6 +146,9 @@ class Engine:
         self._structured: StructuredOutputManager | None = None  # built for the first constrained request
         self._disable_any_whitespace = disable_any_whitespace
         self._max_json_whitespace = max_json_whitespace
+        self._structured_backend = resolve_backend(
+            structured_outputs_backend
+        )  # refused here, not at first use
         self.scheduler.is_ready = lambda seq: seq.structured is None or seq.structured.is_ready
 
     # ----------------------------------------------------------------- requests
@@ -255,6 +260,7 @@ class Engine:
                 self.device,
                 disable_any_whitespace=self._disable_any_whitespace,
                 max_json_whitespace=self._max_json_whitespace,
+                backend=self._structured_backend,
             )
         return self._structured
 

@@ -1,13 +1,12 @@
-"""Structured outputs through xgrammar, as vLLM V1 does it (StructuredOutputManager + its xgrammar backend).
-
-Everything that touches xgrammar lives here, so an xgrammar upgrade touches this file only:
+"""Structured outputs as vLLM V1 does them (StructuredOutputManager + a grammar backend: xgrammar or llguidance,
+rose.engine.grammar_backends, where everything touching either library lives).
 
 * `StructuredOutputManager` is built once per engine from its tokenizer (vocabulary = the engine's sampled
   vocabulary, stop tokens = the engine's EOS ids, so a grammar lets EOS through only where it can end).
-* `make_request` parses a request's constraint into an `xgr.Grammar` on the caller's thread (fast; an invalid
-  schema / regex / grammar raises ValueError there), then compiles it on a small thread pool (xgrammar releases the
-  GIL while compiling): the request holds a future. Compiled grammars are cached by `StructuredOutputsParams.key`;
-  a cache hit is a future that is already done.
+* `make_request` parses a request's constraint on the caller's thread (fast; an invalid schema / regex / grammar
+  raises ValueError there), then compiles it on a small thread pool (both backends release the GIL while
+  compiling): the request holds a future. Compiled grammars are cached by `StructuredOutputsParams.key`; a cache
+  hit is a future that is already done.
 * Each request's `StructuredOutputRequest` owns its matcher (created on first use, once the grammar is compiled).
 * `apply_grammar_bitmask` fills the next-token bitmask of the constrained rows of a step and sets their disallowed
   logits to -inf; unconstrained rows are not touched.
@@ -18,10 +17,8 @@ A compile that fails on the pool (rare: the grammar already parsed at add time) 
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import re
 import sys
 import threading
 import time
@@ -31,8 +28,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import xgrammar as xgr
 
+from rose.engine.grammar_backends import Backend, apply_bitmask_kernel, clean_error, make_backend
 from rose.engine.structured_outputs import DEFAULT_MAX_JSON_WHITESPACE, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -42,49 +39,6 @@ _CACHE_ENTRIES = 512  # compiled grammars kept (least recently used dropped firs
 # ... and at most this much memory in them: a grammar's token masks grow with the vocabulary and with the JSON
 # whitespace bound (xgrammar keeps a mask per counted position: ~7 MB for a 4-field schema at 128k tokens and 20)
 CACHE_BYTES = 512 << 20
-# xgrammar's errors start with "[hh:mm:ss] /project/cpp/file.cc:123: "; the rest is the useful part
-_XGR_PREFIX = re.compile(r"^\s*\[[^\]]*\]\s*\S+:\d+:\s*")
-
-
-def _clean_error(exc: BaseException) -> str:
-    return _XGR_PREFIX.sub("", str(exc)).strip() or type(exc).__name__
-
-
-def choice_as_ebnf(choices: list[str]) -> str:
-    """`root ::= "a" | "b"`; each alternative a JSON string literal, whose escapes (\\", \\\\, \\n, \\uXXXX)
-    xgrammar's EBNF parser reads the same way (`\\x` would not do: it reads as many hex digits as follow)."""
-    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
-
-
-def parse_grammar(
-    params: StructuredOutputsParams,
-    any_whitespace: bool = True,
-    max_whitespace: int | None = DEFAULT_MAX_JSON_WHITESPACE,
-) -> xgr.Grammar:
-    """The constraint as an xgrammar Grammar. Raises ValueError naming the constraint and the problem.
-
-    `any_whitespace`: JSON may have whitespace between its tokens (vLLM's default); False: one line with `, ` and
-    `: ` separators only (vLLM's disable_any_whitespace). `max_whitespace`: with any whitespace, at most this many
-    characters of it between two tokens (None: no limit), so that a model leaning toward whitespace cannot fill its
-    max_tokens with it.
-    """
-    kind = params.kind
-    spacing: dict[str, Any] = {"any_whitespace": any_whitespace}
-    if any_whitespace and max_whitespace is not None:
-        spacing["max_whitespace_cnt"] = max_whitespace
-    try:
-        if kind == "json":
-            return xgr.Grammar.from_json_schema(params.json, **spacing)
-        if kind == "json_object":
-            # any JSON *object* (OpenAI's json_object); xgrammar's builtin JSON grammar would also allow an array
-            return xgr.Grammar.from_json_schema({"type": "object"}, strict_mode=False, **spacing)
-        if kind == "regex":
-            return xgr.Grammar.from_regex(params.regex)
-        if kind == "choice":
-            return xgr.Grammar.from_ebnf(choice_as_ebnf(params.choice))
-        return xgr.Grammar.from_ebnf(params.grammar)
-    except Exception as exc:  # xgrammar raises RuntimeError / its own error types
-        raise ValueError(f"structured_outputs.{kind} is invalid: {_clean_error(exc)}") from None
 
 
 @dataclass
@@ -102,12 +56,13 @@ class StructuredOutputStats:
 class StructuredOutputRequest:
     """One request's constraint: its compiled grammar (a future until the pool is done) and its matcher."""
 
-    __slots__ = ("params", "future", "_matcher", "refused")
+    __slots__ = ("params", "future", "backend", "_matcher", "refused")
 
-    def __init__(self, params: StructuredOutputsParams, future: Future) -> None:
+    def __init__(self, params: StructuredOutputsParams, future: Future, backend: Backend) -> None:
         self.params = params
         self.future = future
-        self._matcher: xgr.GrammarMatcher | None = None
+        self.backend = backend
+        self._matcher: Any = None
         self.refused: int | None = None  # a sampled token the grammar refused (see advance)
 
     @property
@@ -123,7 +78,7 @@ class StructuredOutputRequest:
         if self.future.cancelled():
             return f"structured_outputs.{self.params.kind}: the compile was cancelled (engine closed)"
         exc = self.future.exception()
-        return None if exc is None else f"structured_outputs.{self.params.kind}: {_clean_error(exc)}"
+        return None if exc is None else f"structured_outputs.{self.params.kind}: {clean_error(exc)}"
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until the grammar is compiled (TimeoutError after `timeout` s); ValueError if it failed."""
@@ -134,10 +89,10 @@ class StructuredOutputRequest:
             raise ValueError(self.error)
 
     @property
-    def matcher(self) -> xgr.GrammarMatcher:
+    def matcher(self) -> Any:
         """The request's matcher (its position in the grammar), made on first use: only once `is_ready`."""
         if self._matcher is None:
-            self._matcher = xgr.GrammarMatcher(self.future.result())
+            self._matcher = self.backend.matcher(self.future.result())
         return self._matcher
 
     def advance(self, token: int, request_id: str = "") -> bool:
@@ -147,11 +102,16 @@ class StructuredOutputRequest:
         `refused` and the request ends here (the engine finishes it with finish_reason "error") rather than go on
         unconstrained.
         """
-        if not self.matcher.accept_token(token):
+        if not self.backend.accept(self.matcher, token):
             logger.error("request %s: the grammar refused sampled token %d", request_id, token)
             self.refused = token
             return True
-        return self._matcher.is_terminated()
+        return self.backend.ended(self._matcher, token)
+
+
+def _allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
+    """Both backends' layout: int32 words, bit j of word w allows token 32 * w + j; all allowed to start."""
+    return torch.full((rows, (vocab_size + 31) // 32), -1, dtype=torch.int32)
 
 
 class StructuredOutputManager:
@@ -168,6 +128,7 @@ class StructuredOutputManager:
         mask_backend: str = "auto",
         max_json_whitespace: int | None = DEFAULT_MAX_JSON_WHITESPACE,
         cache_bytes: int = CACHE_BYTES,
+        backend: str = "xgrammar",
     ) -> None:
         if tokenizer is None:
             raise ValueError("structured outputs need a tokenizer; this engine has none")
@@ -180,19 +141,18 @@ class StructuredOutputManager:
         self.any_whitespace = not disable_any_whitespace
         self.max_json_whitespace = max_json_whitespace
         self.cache_bytes = cache_bytes
-        stops = sorted(stop_token_ids) or None  # None: xgrammar finds the tokenizer's own
-        self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(
-            tokenizer, vocab_size=vocab_size, stop_token_ids=stops
-        )
         cpus = os.cpu_count() or 1
-        # xgrammar's own cache off: rose's LRU below holds the compiled grammars, and xgrammar's would grow
-        # without bound in a long-lived worker seeing a new schema per job
         # On a CPU engine, compiles share the cores with the forward: one compile at a time, on half the cores.
         on_cpu = device.type == "cpu"
-        self.compiler = xgr.GrammarCompiler(
-            self.tokenizer_info,
-            max_threads=max(1, cpus // 2) if on_cpu else min(8, cpus),
-            cache_enabled=False,
+        self.backend: Backend = make_backend(
+            backend,
+            tokenizer,
+            vocab_size,
+            sorted(stop_token_ids),
+            device,
+            max(1, cpus // 2) if on_cpu else min(8, cpus),
+            self.any_whitespace,
+            max_json_whitespace,
         )
         # as vLLM (GPU engine): half the CPUs compile; the compile releases the GIL so the step loop keeps running
         default_workers = 1 if on_cpu else max(1, (cpus + 1) // 2)
@@ -204,8 +164,7 @@ class StructuredOutputManager:
         self.first_compile_seconds: float | None = None
         self.num_live = 0  # constrained requests in the engine: no work at all in a step while 0
         self.failed = False  # a compile failed on the pool: the engine looks for its requests
-        self.bitmask = xgr.allocate_token_bitmask(1, vocab_size)
-        self._batch_matcher = xgr.BatchGrammarMatcher()
+        self.bitmask = _allocate_bitmask(1, vocab_size)
         # CPU: one float row per bitmask byte (0 allowed / -inf masked, bit j = token 8 * byte + j), so the mask is
         # an embedding lookup + add: ~0.4 ms for 64 x 8192 against ~1.7 ms for xgrammar's CPU kernel (2 threads)
         # `mask_backend`: "lookup" (CPU, little-endian only), "xgrammar" (its kernel), "auto" (lookup on CPU)
@@ -227,15 +186,13 @@ class StructuredOutputManager:
         if future is not None and not (future.done() and future.exception() is not None):
             self._cache.move_to_end(params.key)
             self.stats.cache_hits += 1
-            return StructuredOutputRequest(params, future)
-        grammar = parse_grammar(
-            params, self.any_whitespace, self.max_json_whitespace
-        )  # raises on this thread
+            return StructuredOutputRequest(params, future, self.backend)
+        grammar = self.backend.parse(params)  # raises on this thread
         future = self._executor.submit(self._compile, grammar)
         future.add_done_callback(self._on_done)
         self._cache[params.key] = future
         self._evict()
-        return StructuredOutputRequest(params, future)
+        return StructuredOutputRequest(params, future, self.backend)
 
     def _evict(self) -> None:
         """Drop the least recently used grammars past _CACHE_ENTRIES, or past `cache_bytes` of compiled ones (the
@@ -243,7 +200,7 @@ class StructuredOutputManager:
         while len(self._cache) > _CACHE_ENTRIES:
             self._cache.popitem(last=False)
         sizes = [
-            f.result().memory_size_bytes if f.done() and f.exception() is None else 0
+            self.backend.size(f.result()) if f.done() and f.exception() is None else 0
             for f in self._cache.values()
         ]
         total = sum(sizes)
@@ -253,9 +210,9 @@ class StructuredOutputManager:
             self._cache.popitem(last=False)
             total -= size
 
-    def _compile(self, grammar: xgr.Grammar) -> xgr.CompiledGrammar:
+    def _compile(self, grammar: Any) -> Any:
         start = time.perf_counter()
-        compiled = self.compiler.compile_grammar(grammar)
+        compiled = self.backend.compile(grammar)
         elapsed = time.perf_counter() - start
         with self._stats_lock:
             self.stats.compiles += 1
@@ -267,7 +224,7 @@ class StructuredOutputManager:
     def _on_done(self, future: Future) -> None:
         exc = future.exception()
         if exc is not None:
-            logger.error("grammar compile failed: %s", _clean_error(exc))
+            logger.error("grammar compile failed: %s", clean_error(exc))
             with self._stats_lock:
                 self.stats.compile_errors += 1
             self.failed = True
@@ -317,25 +274,21 @@ class StructuredOutputManager:
     ) -> None:
         n = len(rows)
         if self.bitmask.shape[0] < n:
-            self.bitmask = xgr.allocate_token_bitmask(max(n, 2 * self.bitmask.shape[0]), self.vocab_size)
+            self.bitmask = _allocate_bitmask(max(n, 2 * self.bitmask.shape[0]), self.vocab_size)
         bitmask = self.bitmask[:n]
-        matchers = [requests[i].matcher for i in rows]
-        if n == 1:
-            matchers[0].fill_next_token_bitmask(bitmask, 0)
-        else:
-            self._batch_matcher.batch_fill_next_token_bitmask(matchers, bitmask)
+        self.backend.fill([requests[i].matcher for i in rows], bitmask)
         vocab = self.vocab_size
         if not self._use_lut:
             device_mask = bitmask.to(logits.device, non_blocking=True)
             if n == len(requests):
-                xgr.apply_token_bitmask_inplace(logits, device_mask, vocab_size=vocab)
+                apply_bitmask_kernel(logits, device_mask, vocab)
             else:
                 # xgrammar's indices pick rows of the logits; the bitmask has one row per logits row
                 full = torch.full(
                     (len(requests), bitmask.shape[1]), -1, dtype=torch.int32, device=logits.device
                 )
                 full[rows] = device_mask
-                xgr.apply_token_bitmask_inplace(logits, full, vocab_size=vocab, indices=rows)
+                apply_bitmask_kernel(logits, full, vocab, indices=rows)
             return
         add = torch.nn.functional.embedding(bitmask.view(torch.uint8).long(), self._byte_lut)
         add = add.view(n, -1)[:, :vocab].to(logits.dtype)

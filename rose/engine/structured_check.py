@@ -4,9 +4,10 @@ made (`check_constraint`), and rose's guarantee holds on every output (`violatio
 **Before.** `check_constraint` refuses what the worker's grammar engine would refuse, at the producer (Client,
 AsyncClient, rose submit, rose batch: they validate jobs with rose.jobs.schemas) and again in the worker, naming
 the field the user sent (`response_format.json_schema.schema`, `structured_outputs.regex`, ...): a JSON Schema that
-is not valid under its metaschema (jsonschema), a schema, regex or grammar xgrammar cannot compile (its
-tokenizer-free front end: the same parser the worker runs, so the same verdict and a keyword it does not support
-named). Verdicts are cached by constraint: a producer of a million jobs with one schema checks it once.
+is not valid under its metaschema (jsonschema), a schema, regex or grammar the default grammar engine cannot
+compile (its tokenizer-free front end: the parser a worker with the default backend runs, so the same verdict and
+the keyword it does not support named). Verdicts are cached by constraint: a producer of a million jobs with one
+schema checks it once.
 
 **After.** A JSON-constrained request that finishes `stop` produced strict JSON, valid under its schema: checked
 on the finished text, before the engine reports it.
@@ -28,11 +29,10 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import re
 from decimal import Decimal
 from typing import Any
 
-from rose.engine.structured_outputs import StructuredOutputsParams
+from rose.engine.structured_outputs import StructuredOutputsParams, resolve_backend
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +48,8 @@ def check_constraint(params: StructuredOutputsParams, where: str) -> None:
 
 @functools.lru_cache(maxsize=1024)
 def _problem(key: tuple[str, str]) -> str | None:
+    from rose.engine.grammar_backends import parse
+
     kind, spec = key
     if kind == "json":
         from jsonschema import Draft202012Validator, validators
@@ -63,20 +65,13 @@ def _problem(key: tuple[str, str]) -> str | None:
             return f"not a valid JSON Schema: {exc.message} (at {exc.json_path})"
     if kind not in ("json", "regex", "grammar"):
         return None
+    value = json.loads(spec) if kind == "json" else spec
     try:
-        import xgrammar
+        parse(resolve_backend("auto"), StructuredOutputsParams(**{kind: value}))
     except ImportError:  # a producer without the engine's packages: the worker checks it
         return None
-    build = {
-        "json": xgrammar.Grammar.from_json_schema,
-        "regex": xgrammar.Grammar.from_regex,
-        "grammar": xgrammar.Grammar.from_ebnf,
-    }[kind]
-    try:
-        build(spec)
-    except Exception as exc:
-        # xgrammar's messages start "[12:00:00] /project/cpp/regex_converter.cc:83: "
-        return re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", str(exc).strip()).splitlines()[0]
+    except ValueError as exc:  # "structured_outputs.<kind> is invalid: <why>"
+        return str(exc).partition(" is invalid: ")[2] or str(exc)
     return None
 
 

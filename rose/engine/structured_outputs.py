@@ -16,6 +16,19 @@ CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 # Whitespace between two tokens of constrained JSON, at most (characters): a newline and 2-space indentation nine
 # levels deep. Unbounded, a model that leans toward whitespace (real ones do in JSON mode) writes it until max_tokens.
 DEFAULT_MAX_JSON_WHITESPACE = 20
+# The grammar engines (vLLM's names; rose.engine.grammar_backends) and what `auto` runs, chosen on rose's
+# conformance corpus: validity first, then mask and compile time (benchmarks/README.md, structured outputs)
+BACKENDS = ("xgrammar", "guidance")
+DEFAULT_BACKEND = "guidance"
+
+
+def resolve_backend(name: str) -> str:
+    """`auto` -> DEFAULT_BACKEND; a backend's own name as it is; anything else: ValueError."""
+    if name == "auto":
+        return DEFAULT_BACKEND
+    if name not in BACKENDS:
+        raise ValueError(f"structured_outputs_backend must be auto, {' or '.join(BACKENDS)}, got {name!r}")
+    return name
 
 
 @dataclass(frozen=True, slots=True)

@@ -39,6 +39,11 @@ _FLAGS: list[tuple[str, str, dict[str, Any]]] = [
         "trust_request_chat_template",
         {"action": "store_const", "const": True},
     ),
+    (
+        "--structured-outputs-backend",
+        "structured_outputs_backend",
+        {"choices": ["auto", "xgrammar", "guidance"]},
+    ),
     ("--disable-any-whitespace", "disable_any_whitespace", {"action": "store_const", "const": True}),
     ("--max-json-whitespace", "max_json_whitespace", {"type": int, "metavar": "CHARS"}),
     ("--name", "name", {}),
@@ -130,6 +135,7 @@ def build_engine(settings: WorkerSettings) -> Any:
         enable_prefix_caching=settings.enable_prefix_caching,
         disable_any_whitespace=settings.disable_any_whitespace,
         max_json_whitespace=settings.max_json_whitespace or None,
+        structured_outputs_backend=settings.structured_outputs_backend,
     )
     engine.prepare_structured_outputs()  # not on the loop thread when the first constrained job comes
     return engine

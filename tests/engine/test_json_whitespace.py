@@ -62,16 +62,18 @@ def longest_gap(text: str) -> int:
     return max((len(m) for m in re.findall(r"\s+", outside)), default=0)
 
 
-def test_a_whitespace_leaning_model_still_finishes_its_json():
-    outputs = run(whitespace_leaning_engine())
+@pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
+def test_a_whitespace_leaning_model_still_finishes_its_json(backend):
+    outputs = run(whitespace_leaning_engine(structured_outputs_backend=backend))
     for out in outputs:
         assert out.finish_reason == "stop", out.text
         jsonschema.validate(json.loads(out.text), SCHEMA)
         assert 0 < longest_gap(out.text) <= DEFAULT_MAX_JSON_WHITESPACE  # it did lean, up to the bound
 
 
-def test_unbounded_the_same_model_fills_max_tokens_with_whitespace():
-    outputs = run(whitespace_leaning_engine(max_json_whitespace=None))
+@pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
+def test_unbounded_the_same_model_fills_max_tokens_with_whitespace(backend):
+    outputs = run(whitespace_leaning_engine(max_json_whitespace=None, structured_outputs_backend=backend))
     assert all(out.finish_reason == "length" and len(out.token_ids) == MAX_TOKENS for out in outputs)
     assert all(longest_gap(out.text) > 5 * DEFAULT_MAX_JSON_WHITESPACE for out in outputs)
 
@@ -103,13 +105,48 @@ def test_rose_worker_passes_the_bound_to_its_engine(argv, env, expected, monkeyp
         engine.close()
 
 
+@pytest.mark.parametrize(
+    ("argv", "env", "expected"),
+    [
+        ([], None, "guidance"),  # auto
+        (["--structured-outputs-backend", "xgrammar"], None, "xgrammar"),
+        ([], "xgrammar", "xgrammar"),
+    ],
+)
+def test_rose_worker_passes_the_grammar_backend_to_its_engine(argv, env, expected, monkeypatch):
+    if env is None:
+        monkeypatch.delenv("ROSE_STRUCTURED_OUTPUTS_BACKEND", raising=False)
+    else:
+        monkeypatch.setenv("ROSE_STRUCTURED_OUTPUTS_BACKEND", env)
+    settings, _ = load_settings([*argv, "--model", "tiny-llama", "--device", "cpu", "--max-model-len", "128"])
+    engine = build_engine(settings)
+    try:
+        assert engine.structured_outputs.backend.name == expected
+    finally:
+        engine.close()
+
+
+def test_an_unknown_grammar_backend_is_refused_when_the_engine_is_built():
+    with pytest.raises(
+        ValueError, match="structured_outputs_backend must be auto, xgrammar or guidance, got 'outlines'"
+    ):
+        whitespace_leaning_engine(structured_outputs_backend="outlines")
+    with pytest.raises(SystemExit):  # rose-worker's flag takes the three names only
+        load_settings(["--structured-outputs-backend", "outlines"])
+
+
 @pytest.mark.parametrize(("budget", "hit"), [(64 << 20, True), (1, False)])
 def test_compiled_grammars_are_kept_within_the_cache_budget(budget, hit):
     """A grammar's masks grow with the whitespace bound: the cache drops the least recently used ones past its
     memory budget (the newest always stays)."""
     model, tokenizer = build_preset("tiny-llama")
     manager = StructuredOutputManager(
-        tokenizer, model.config.vocab_size, [tokenizer.eos_token_id], torch.device("cpu"), cache_bytes=budget
+        tokenizer,
+        model.config.vocab_size,
+        [tokenizer.eos_token_id],
+        torch.device("cpu"),
+        cache_bytes=budget,
+        backend="xgrammar",  # its compiled grammars hold the masks the budget is about
     )
     try:
         schemas = [

@@ -17,7 +17,8 @@ import xgrammar as xgr
 from engine_helpers import drain, generate, make_engine, text_prompt
 
 from rose.engine.engine import Engine
-from rose.engine.grammar import StructuredOutputManager, choice_as_ebnf, parse_grammar
+from rose.engine.grammar import StructuredOutputManager, _allocate_bitmask
+from rose.engine.grammar_backends import apply_bitmask_kernel, choice_as_ebnf
 from rose.engine.presets import build_preset
 from rose.engine.sampling_params import SamplingParams
 from rose.engine.structured_outputs import StructuredOutputsParams
@@ -64,18 +65,25 @@ REGEXES = [r"[a-z]{3}-\d{2}", r"(yes|no)!", r"\d{1,4}(\.\d{1,2})?", r"[a-z]{1,6}
 CHOICES = [["yes", "no", "maybe so"], ['say "hi"', "back\\slash", "new\nline", "é中文🌹"]]
 
 
-@pytest.fixture(scope="module")
-def engine() -> Engine:
-    """JSON on one line (disable_any_whitespace), so that greedy random-weight rows cannot loop on whitespace."""
+@pytest.fixture(scope="module", params=["xgrammar", "guidance"])
+def engine(request) -> Engine:
+    """JSON on one line (disable_any_whitespace), so that greedy random-weight rows cannot loop on whitespace; each
+    grammar backend in turn."""
     return make_engine(
-        "tiny-llama", max_num_seqs=64, max_model_len=MAX_MODEL_LEN, disable_any_whitespace=True
+        "tiny-llama",
+        max_num_seqs=64,
+        max_model_len=MAX_MODEL_LEN,
+        disable_any_whitespace=True,
+        structured_outputs_backend=request.param,
     )
 
 
-@pytest.fixture(scope="module")
-def spaced() -> Engine:
+@pytest.fixture(scope="module", params=["xgrammar", "guidance"])
+def spaced(request) -> Engine:
     """The default: any whitespace between JSON tokens (vLLM's default)."""
-    return make_engine("tiny-llama", max_num_seqs=8, max_model_len=MAX_MODEL_LEN)
+    return make_engine(
+        "tiny-llama", max_num_seqs=8, max_model_len=MAX_MODEL_LEN, structured_outputs_backend=request.param
+    )
 
 
 def so(**kwargs) -> StructuredOutputsParams:
@@ -98,17 +106,18 @@ def check(params: StructuredOutputsParams, text: str) -> None:
 
 
 def replay_masks(engine: Engine, params: StructuredOutputsParams, tokens: list[int]) -> list[torch.Tensor]:
-    """An independent matcher over the same grammar: the allowed-token mask before each of `tokens`."""
-    compiled = engine.structured_outputs.compiler.compile_grammar(parse_grammar(params, any_whitespace=False))
-    matcher = xgr.GrammarMatcher(compiled)
+    """An independent matcher over the same grammar (the engine's backend): the allowed-token mask before each of
+    `tokens`."""
+    backend = engine.structured_outputs.backend
+    matcher = backend.matcher(backend.compile(backend.parse(params)))
     masks = []
-    bitmask = xgr.allocate_token_bitmask(1, engine.vocab_size)
+    bitmask = _allocate_bitmask(1, engine.vocab_size)
     for tok in tokens:
-        matcher.fill_next_token_bitmask(bitmask, 0)
+        backend.fill([matcher], bitmask)
         logits = torch.zeros(1, engine.vocab_size)
-        xgr.apply_token_bitmask_inplace(logits, bitmask)
+        apply_bitmask_kernel(logits, bitmask, engine.vocab_size)
         masks.append(logits[0] == 0)
-        assert matcher.accept_token(tok), f"token {tok} refused by the grammar"
+        assert backend.accept(matcher, tok), f"token {tok} refused by the grammar"
     return masks
 
 
@@ -177,7 +186,10 @@ def test_choice_literals_are_escaped():
 @pytest.mark.parametrize(
     ("constraint", "message"),
     [
-        ({"regex": "ab[c"}, r"structured_outputs\.regex is invalid: .*Unclosed '\['"),
+        (
+            {"regex": "ab[c"},
+            r"structured_outputs\.regex is invalid: .*(Unclosed '\['|unclosed character class)",
+        ),
         ({"grammar": "root ::= foo"}, r"structured_outputs\.grammar is invalid: .*foo"),
         ({"json": {"type": "nonsense"}}, r"structured_outputs\.json is invalid: .*nonsense"),
         ({"json": {"type": "string", "pattern": "[a"}}, r"structured_outputs\.json is invalid"),
@@ -295,24 +307,24 @@ def test_stop_strings_still_apply(engine):
 
 
 class SlowCompiler:
-    """Wraps the manager's compiler: each compile waits for `release` (so a test controls when it is done)."""
+    """Wraps the backend's compile: each compile waits for `release` (so a test controls when it is done)."""
 
     def __init__(self, inner) -> None:
         self.inner = inner
         self.release = threading.Event()
         self.threads: list[str] = []
 
-    def compile_grammar(self, grammar):
+    def compile(self, grammar):
         self.threads.append(threading.current_thread().name)
         if not self.release.wait(timeout=30):
             raise RuntimeError("test compile never released")
-        return self.inner.compile_grammar(grammar)
+        return self.inner(grammar)
 
 
 def test_a_compiling_grammar_neither_blocks_the_loop_nor_the_requests_behind_it(engine, monkeypatch):
     manager = engine.structured_outputs
-    slow = SlowCompiler(manager.compiler)
-    monkeypatch.setattr(manager, "compiler", slow)
+    slow = SlowCompiler(manager.backend.compile)
+    monkeypatch.setattr(manager.backend, "compile", slow.compile)
     schema = {"type": "object", "properties": {"slow": {"enum": [1, 2]}}, "required": ["slow"]}
     engine.add_request("slow", "hello", SamplingParams(max_tokens=20, structured_outputs={"json": schema}))
     engine.add_request("next", "hello", SamplingParams(temperature=0, max_tokens=8))
@@ -335,11 +347,10 @@ def test_a_compiling_grammar_neither_blocks_the_loop_nor_the_requests_behind_it(
 
 
 def test_a_compile_that_fails_on_the_pool_finishes_its_request_with_error(engine, monkeypatch):
-    class Failing:
-        def compile_grammar(self, grammar):
-            raise RuntimeError("out of memory while compiling")
+    def failing(grammar):
+        raise RuntimeError("out of memory while compiling")
 
-    monkeypatch.setattr(engine.structured_outputs, "compiler", Failing())
+    monkeypatch.setattr(engine.structured_outputs.backend, "compile", failing)
     engine.add_request("fine", "hello", SamplingParams(temperature=0, max_tokens=6))
     engine.add_request(
         "doomed", "hello", SamplingParams(max_tokens=9, structured_outputs={"regex": "z{1,3}q"})
