@@ -67,6 +67,12 @@ def build_engine_parser(prog: str | None = None) -> argparse.ArgumentParser:
         help="rose only: the workload unconstrained, every request constrained by a JSON schema, then half of "
         "them; throughput of each vs unconstrained, grammar compile time and the per-step mask cost",
     )
+    p.add_argument(
+        "--structured-outputs-backend",
+        choices=["auto", "xgrammar", "guidance"],
+        default="auto",
+        help="rose's grammar engine (auto: guidance)",
+    )
     p.add_argument("--skip-rose", action="store_true")
     p.add_argument("--skip-static", action="store_true")
     p.add_argument("--skip-hf-cb", action="store_true")
@@ -141,6 +147,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineBenchConfig:
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             detokenize=args.detokenize,
+            structured_outputs_backend=args.structured_outputs_backend,
             device=args.device,
             dtype=args.dtype,
         ),
@@ -167,7 +174,7 @@ def structured_main(args: argparse.Namespace) -> int:
     report = run_structured_bench(cfg, progress=lambda m: print(m, file=sys.stderr, flush=True))
     wl = report.workload
     title = (
-        f"{cfg.model} structured outputs: {wl['num_requests']} requests, prompts {cfg.prompt_len_range}, max_tokens "
+        f"{cfg.model} structured outputs ({cfg.rose.structured_outputs_backend}): {wl['num_requests']} requests, prompts {cfg.prompt_len_range}, max_tokens "
         f"{cfg.output_len_range}, max_num_seqs {cfg.rose.max_num_seqs}; {where_ran(report.environment)}, "
         f"repeats {cfg.repeats}"
     )

@@ -26,6 +26,7 @@ class RoseConfig:
     detokenize: bool = False
     device: str = "cpu"  # as the engine takes them ('auto': CUDA when available)
     dtype: str = "float32"
+    structured_outputs_backend: str = "auto"
 
 
 def _filtered_kwargs(fn: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -54,6 +55,7 @@ def build_llm(model: Any, tokenizer: Any, cfg: RoseConfig, max_model_len: int | 
             "max_num_seqs": cfg.max_num_seqs,
             "max_model_len": max_model_len,
             "max_num_batched_tokens": cfg.max_num_batched_tokens,
+            "structured_outputs_backend": cfg.structured_outputs_backend,
         },
     )
     return LLM(model, tokenizer, **kwargs), kwargs
