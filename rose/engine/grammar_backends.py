@@ -174,23 +174,47 @@ _SUBSCHEMAS = (
 )
 
 
-def closed_objects(schema: Any, close: bool = True) -> Any:
+def closed_objects(schema: Any) -> Any:
     """The schema with `additionalProperties: false` wherever an object schema lists properties and says nothing
     of others (a copy): what xgrammar's strict mode does, and what an extraction means. JSON Schema's default
     would let a model append keys of its own choosing, free strings that need not end. The outputs stay valid
-    under the schema as given. An `allOf` branch is left open itself (closed, each would refuse the others'
-    properties); what it nests is closed."""
+    under the schema as given. `allOf` branches, and the `$defs` / `definitions` they refer to, stay open
+    themselves (closed, each would refuse the others' properties: OpenAPI's inheritance); what they nest is
+    closed."""
+    return _close(schema, True, _all_of_refs(schema))
+
+
+def _all_of_refs(schema: Any) -> set[str]:
+    """The local `$ref`s used as `allOf` branches anywhere in the schema."""
+    refs: set[str] = set()
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+        elif isinstance(node, dict):
+            for branch in node.get("allOf", []) if isinstance(node.get("allOf"), list) else []:
+                if isinstance(branch, dict) and isinstance(branch.get("$ref"), str):
+                    refs.add(branch["$ref"])
+            stack.extend(node.values())
+    return refs
+
+
+def _close(schema: Any, close: bool, open_refs: set[str], path: str = "#") -> Any:
     if isinstance(schema, list):
-        return [closed_objects(item, close) for item in schema]
+        return [_close(item, close, open_refs, path) for item in schema]
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
     for key in _SUBSCHEMA_MAPS:
         if isinstance(out.get(key), dict):
-            out[key] = {name: closed_objects(sub) for name, sub in out[key].items()}
+            out[key] = {
+                name: _close(sub, f"{path}/{key}/{name}" not in open_refs, open_refs, f"{path}/{key}/{name}")
+                for name, sub in out[key].items()
+            }
     for key in (*_SUBSCHEMAS, "additionalProperties"):
         if isinstance(out.get(key), dict | list):
-            out[key] = closed_objects(out[key], close=key != "allOf")
+            out[key] = _close(out[key], key != "allOf", open_refs, f"{path}/{key}")
     if (
         close
         and "additionalProperties" not in out

@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import re
 from decimal import Decimal
 from typing import Any
 
@@ -116,6 +117,27 @@ def _multiple_of(validator: Any, divisor: Any, instance: Any, schema: Any) -> An
         yield ValidationError(f"{instance!r} is not a multiple of {divisor!r}")
 
 
+_LEAP_SECOND = re.compile(r"(T\d{2}:\d{2}:)60", re.IGNORECASE)
+
+
+@functools.lru_cache(maxsize=8)
+def _format_checker(drafts: Any) -> Any:
+    """The draft's format checks, but a `date-time` may hold a leap second (`23:59:60Z`, RFC 3339's 5.6), which
+    jsonschema's refuses: a grammar that allows it has not erred."""
+    import copy
+
+    checker = copy.deepcopy(drafts)
+    found = checker.checkers.get("date-time")
+    if found is not None:
+        check, raises = found
+
+        @checker.checks("date-time", raises=raises)
+        def date_time(instance: object) -> bool:
+            return check(_LEAP_SECOND.sub(r"\g<1>59", instance) if isinstance(instance, str) else instance)
+
+    return checker
+
+
 def _not_json(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
@@ -129,7 +151,7 @@ def _validator(spec: str) -> Any:
     try:
         cls = validators.validator_for(schema, default=Draft202012Validator)
         exact = validators.extend(cls, {"multipleOf": _multiple_of})
-        return exact(schema, format_checker=cls.FORMAT_CHECKER)
+        return exact(schema, format_checker=_format_checker(cls.FORMAT_CHECKER))
     except Exception as exc:
         _unchecked(spec, repr(exc))
         return None

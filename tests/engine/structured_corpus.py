@@ -1,13 +1,14 @@
 """A conformance corpus of JSON schemas shaped like the ones real producers send (API payloads, function calls,
 Kubernetes and GitHub-workflow snippets, extraction results), written for rose's tests and benchmarks.
 
-`CORPUS` is a list of (name, schema): each schema is valid under its metaschema and accepted by rose's producer-side
-check (`rose.jobs.schemas.GenerateRequest`). Every free string is bounded (maxLength, enum or pattern), every array
-has maxItems and every recursion is optional, so a random-weight model can finish each within ~200 tokens: what a
-schema allows, not what a model says, is under test.
+`CORPUS` is a list of (name, schema): each schema is valid under its metaschema and accepted by xgrammar 0.2.8's
+front end. Every free string is bounded (maxLength, enum or pattern), every array has maxItems and every recursion
+is optional, so a random-weight model can finish each within ~200 tokens: what a schema allows, not what a model
+says, is under test.
 
-`REFUSED` lists (name, schema, reason) for valid schemas the producer-side check refuses because xgrammar 0.2.8's
-front end does (`reason` is a substring of the message); they are kept out of `CORPUS`.
+`FRONT_END_REFUSALS[backend]` names the corpus schemas a grammar backend's front end refuses (the producer-side check,
+`rose.jobs.schemas.GenerateRequest`, runs the default backend's) and a substring of why. `REFUSED` lists valid
+schemas kept out of `CORPUS` because xgrammar refuses them, with each backend's verdict.
 """
 
 from __future__ import annotations
@@ -1029,7 +1030,26 @@ CORPUS: list[tuple[str, Schema]] = [
 ]
 
 
-REFUSED: list[tuple[str, Schema, str]] = [
+# llguidance 1.9.1 refuses, by name, the keywords it does not implement (xgrammar 0.2.8 drops them silently).
+_UNIMPLEMENTED = "Unimplemented keys"
+FRONT_END_REFUSALS: dict[str, dict[str, str]] = {
+    "xgrammar": {},
+    "guidance": {
+        "array_unique_enum": f'{_UNIMPLEMENTED}: ["uniqueItems"]',
+        "array_unique_integers": f'{_UNIMPLEMENTED}: ["uniqueItems"]',
+        "additional_properties_schema": f'{_UNIMPLEMENTED}: ["propertyNames"]',
+        "string_map": f'{_UNIMPLEMENTED}: ["propertyNames"]',
+        "log_entry": f'{_UNIMPLEMENTED}: ["propertyNames"]',
+        "k8s_deployment": f'{_UNIMPLEMENTED}: ["propertyNames"]',
+        "dependent_required": f'{_UNIMPLEMENTED}: ["dependentRequired"]',
+        "not_keyword": f'{_UNIMPLEMENTED}: ["not"]',
+        "if_then_else": f'{_UNIMPLEMENTED}: ["else", "if", "then"]',
+        "array_contains": f'{_UNIMPLEMENTED}: ["contains"]',
+    },
+}
+
+# (name, schema, {backend: a substring of its front end's refusal, or None where it accepts the schema})
+REFUSED: list[tuple[str, Schema, dict[str, str | None]]] = [
     # draft-04's boolean exclusiveMinimum (valid there, still emitted by some generators, e.g. older OpenAPI)
     (
         "draft4_boolean_exclusive_minimum",
@@ -1039,7 +1059,7 @@ REFUSED: list[tuple[str, Schema, str]] = [
             "minimum": 0,
             "exclusiveMinimum": True,
         },
-        "Value must be a number",
+        {"xgrammar": "Value must be a number", "guidance": None},
     ),
     # draft-07's tuple form of `items` (an array of schemas) with additionalItems
     (
@@ -1050,24 +1070,24 @@ REFUSED: list[tuple[str, Schema, str]] = [
             "items": [{"type": "number"}, {"type": "string", "maxLength": 5}],
             "additionalItems": False,
         },
-        "items must be a boolean or an object",
+        {"xgrammar": "items must be a boolean or an object", "guidance": None},
     ),
     # an integer bound that is not a whole number is valid JSON Schema (integers in [0.5, 10.5])
     (
         "integer_fractional_bounds",
         {"type": "integer", "minimum": 0.5, "maximum": 10.5},
-        "must be a whole number",
+        {"xgrammar": "must be a whole number", "guidance": None},
     ),
     # ECMA 262 regexes real schemas use: Unicode property escapes, backreferences
     (
         "pattern_unicode_letter_class",
         {"type": "string", "pattern": "^\\p{L}{1,10}$"},
-        "Unicode character class",
+        {"xgrammar": "Unicode character class escape sequence is not supported", "guidance": None},
     ),
     (
         "pattern_backreference",
         {"type": "string", "pattern": "^(['\"])[a-z]{1,5}\\1$"},
-        "Backreference is not supported",
+        {"xgrammar": "Backreference is not supported", "guidance": "backreferences are not supported"},
     ),
 ]
 

@@ -420,13 +420,13 @@ def test_a_schema_keeps_its_property_order_in_the_cache_and_as_a_string(engine):
     assert list(json.loads(texts["za-str"])) == ["zeta", "alpha"]
 
 
-def test_the_lookup_mask_equals_xgrammars_kernel_on_a_partly_constrained_batch(engine):
+def test_the_cpu_masks_equal_xgrammars_kernel_on_a_partly_constrained_batch(engine):
     tok = engine.tokenizer
     managers = {
         backend: StructuredOutputManager(
             tok, engine.vocab_size, engine.eos_token_ids, engine.device, mask_backend=backend
         )
-        for backend in ("lookup", "xgrammar")
+        for backend in ("lookup", "numba", "xgrammar")
     }
     logits = torch.randn(5, engine.vocab_size, generator=torch.Generator().manual_seed(0))
     masked = {}
@@ -439,7 +439,9 @@ def test_the_lookup_mask_equals_xgrammars_kernel_on_a_partly_constrained_batch(e
         manager.apply_grammar_bitmask(out, [None, reqs[0], None, reqs[1], None])
         masked[backend] = out
         manager.shutdown()
-    assert torch.equal(masked["lookup"], masked["xgrammar"])
+    assert torch.equal(masked["lookup"], masked["xgrammar"]) and torch.equal(
+        masked["numba"], masked["xgrammar"]
+    )
     for row in (0, 2, 4):  # unconstrained rows untouched
         assert torch.equal(masked["lookup"][row], logits[row])
     allowed = masked["lookup"][[1, 3]].isfinite().sum(dim=1).tolist()
