@@ -15,8 +15,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from rose.jobs.schemas import INVALID_STRUCTURED_OUTPUT
-
 
 def key_of(line_id: Any) -> str:
     return json.dumps(line_id, sort_keys=True)
@@ -25,11 +23,11 @@ def key_of(line_id: Any) -> str:
 def failure_code(message: str) -> str:
     """The error code of a failed job's line: `invalid_structured_output` when its output broke its JSON schema
     (the message says what, and holds the text), else `job_failed`."""
+    from rose.jobs.schemas import INVALID_STRUCTURED_OUTPUT  # lazily, as `validate` imports the job contract
+
     marker = INVALID_STRUCTURED_OUTPUT + ":"
-    stored = message.partition(": ")[2]  # RQ's stored form: `RoseJobError: <message>`
-    return (
-        INVALID_STRUCTURED_OUTPUT if message.startswith(marker) or stored.startswith(marker) else "job_failed"
-    )
+    ours = message.startswith(marker) or message.startswith("RoseJobError: " + marker)  # RQ's stored form
+    return INVALID_STRUCTURED_OUTPUT if ours else "job_failed"
 
 
 @dataclass

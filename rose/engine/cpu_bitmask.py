@@ -47,6 +47,12 @@ if njit is not None:
         _apply = njit(parallel=True, nogil=True)(_kernel)
 
 
+def warm() -> None:
+    """Compile (or load from numba's cache) the kernel now, not in the first constrained step (~1 s cold)."""
+    if njit is not None:
+        _apply(np.zeros((1, 32), np.float32), np.full((1, 1), -1, np.int32), np.zeros(1, np.int64), 32)
+
+
 def usable(logits: torch.Tensor) -> bool:
     """Whether the kernel can mask these logits (float32 on CPU, numba installed)."""
     return njit is not None and logits.device.type == "cpu" and logits.dtype == torch.float32

@@ -109,6 +109,10 @@ class IncrementalDetokenizer:
                 self._check_stop(len(self.text) - self._emitted)
         return self._take(final=True)
 
+    def token_text(self, token_id: int) -> str:
+        """One token's text on its own, as this detokenizer decodes (special tokens skipped or not)."""
+        return self._decode([token_id])
+
     def _decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=self._skip)
 

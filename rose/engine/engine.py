@@ -270,6 +270,10 @@ class Engine:
         A no-op without a tokenizer (constrained requests are then refused)."""
         if self.tokenizer is not None:
             self.structured_outputs  # noqa: B018 - built on access
+            if self.device.type == "cpu":
+                from rose.engine import cpu_bitmask
+
+                cpu_bitmask.warm()
 
     def close(self) -> None:
         """Stop the grammar compile pool (compiles not started are cancelled). Call when done with the engine."""

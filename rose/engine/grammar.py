@@ -31,7 +31,11 @@ import torch
 
 from rose.engine import cpu_bitmask
 from rose.engine.grammar_backends import Backend, apply_bitmask_kernel, clean_error, make_backend
-from rose.engine.structured_outputs import DEFAULT_MAX_JSON_WHITESPACE, StructuredOutputsParams
+from rose.engine.structured_outputs import (
+    DEFAULT_MAX_JSON_WHITESPACE,
+    StructuredOutputsParams,
+    resolve_backend,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -129,7 +133,7 @@ class StructuredOutputManager:
         mask_backend: str = "auto",
         max_json_whitespace: int | None = DEFAULT_MAX_JSON_WHITESPACE,
         cache_bytes: int = CACHE_BYTES,
-        backend: str = "xgrammar",
+        backend: str = "auto",
     ) -> None:
         if tokenizer is None:
             raise ValueError("structured outputs need a tokenizer; this engine has none")
@@ -146,11 +150,10 @@ class StructuredOutputManager:
         # On a CPU engine, compiles share the cores with the forward: one compile at a time, on half the cores.
         on_cpu = device.type == "cpu"
         self.backend: Backend = make_backend(
-            backend,
+            resolve_backend(backend),
             tokenizer,
             vocab_size,
             sorted(stop_token_ids),
-            device,
             max(1, cpus // 2) if on_cpu else min(8, cpus),
             self.any_whitespace,
             max_json_whitespace,

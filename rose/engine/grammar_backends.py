@@ -19,13 +19,17 @@ allowed between tokens, at most `max_json_whitespace` characters of it at a time
 from __future__ import annotations
 
 import json
+import logging
 import re
 from typing import TYPE_CHECKING, Any, Protocol
 
+from rose.engine.schema_rewrite import ascii_classes, ascii_patterns, closed_objects
 from rose.engine.structured_outputs import DEFAULT_MAX_JSON_WHITESPACE, StructuredOutputsParams
 
 if TYPE_CHECKING:
     import torch
+
+logger = logging.getLogger(__name__)
 
 # xgrammar's errors start with "[hh:mm:ss] /project/cpp/file.cc:123: "; the rest is the useful part
 _XGR_PREFIX = re.compile(r"^\s*\[[^\]]*\]\s*\S+:\d+:\s*")
@@ -106,7 +110,6 @@ class XGrammarBackend:
         tokenizer: Any,
         vocab_size: int,
         stop_token_ids: list[int],
-        on_cpu: bool,
         threads: int,
         any_whitespace: bool,
         max_json_whitespace: int | None,
@@ -158,118 +161,6 @@ def _guidance_json_options(any_whitespace: bool, max_whitespace: int | None) -> 
     }  # one line, as xgrammar
 
 
-_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_SUBSCHEMAS = (
-    "items",
-    "prefixItems",
-    "additionalItems",
-    "contains",
-    "not",
-    "if",
-    "then",
-    "else",
-    "allOf",
-    "anyOf",
-    "oneOf",
-)
-
-
-def closed_objects(schema: Any) -> Any:
-    """The schema with `additionalProperties: false` wherever an object schema lists properties and says nothing
-    of others (a copy): what xgrammar's strict mode does, and what an extraction means. JSON Schema's default
-    would let a model append keys of its own choosing, free strings that need not end. The outputs stay valid
-    under the schema as given. `allOf` branches, and the `$defs` / `definitions` they refer to, stay open
-    themselves (closed, each would refuse the others' properties: OpenAPI's inheritance); what they nest is
-    closed."""
-    return _close(schema, True, _all_of_refs(schema))
-
-
-def _all_of_refs(schema: Any) -> set[str]:
-    """The local `$ref`s used as `allOf` branches anywhere in the schema."""
-    refs: set[str] = set()
-    stack = [schema]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, list):
-            stack.extend(node)
-        elif isinstance(node, dict):
-            for branch in node.get("allOf", []) if isinstance(node.get("allOf"), list) else []:
-                if isinstance(branch, dict) and isinstance(branch.get("$ref"), str):
-                    refs.add(branch["$ref"])
-            stack.extend(node.values())
-    return refs
-
-
-def _close(schema: Any, close: bool, open_refs: set[str], path: str = "#") -> Any:
-    if isinstance(schema, list):
-        return [_close(item, close, open_refs, path) for item in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = dict(schema)
-    for key in _SUBSCHEMA_MAPS:
-        if isinstance(out.get(key), dict):
-            out[key] = {
-                name: _close(sub, f"{path}/{key}/{name}" not in open_refs, open_refs, f"{path}/{key}/{name}")
-                for name, sub in out[key].items()
-            }
-    for key in (*_SUBSCHEMAS, "additionalProperties"):
-        if isinstance(out.get(key), dict | list):
-            out[key] = _close(out[key], key != "allOf", open_refs, f"{path}/{key}")
-    if (
-        close
-        and "additionalProperties" not in out
-        and "unevaluatedProperties" not in out
-        and (isinstance(out.get("properties"), dict) or isinstance(out.get("patternProperties"), dict))
-    ):
-        out["additionalProperties"] = False
-    return out
-
-
-# ECMA 262's classes (JSON Schema's `pattern` dialect, and xgrammar's): ASCII, where llguidance's Rust regexes are
-# Unicode-aware (its `\d` takes "７"). Inside a [...] class, the bare ranges; outside, a class of them.
-_ASCII_CLASSES = {"d": "0-9", "w": "0-9A-Za-z_"}
-
-
-def ascii_classes(pattern: str) -> str:
-    r"""`pattern` with \d, \w (and \D, \W outside brackets) spelled as ECMA 262 means them: ASCII."""
-    out, i, in_class = [], 0, False
-    while i < len(pattern):
-        c = pattern[i]
-        if c == "\\" and i + 1 < len(pattern):
-            e = pattern[i + 1]
-            if e in _ASCII_CLASSES:
-                out.append(_ASCII_CLASSES[e] if in_class else f"[{_ASCII_CLASSES[e]}]")
-            elif e.lower() in _ASCII_CLASSES and not in_class:
-                out.append(f"[^{_ASCII_CLASSES[e.lower()]}]")
-            else:
-                out.append(c + e)
-            i += 2
-            continue
-        if c == "[" and not in_class:
-            in_class = True
-        elif c == "]" and in_class and out and out[-1] not in ("[", "[^"):
-            in_class = False
-        out.append(c)
-        i += 1
-    return "".join(out)
-
-
-def _ascii_patterns(schema: Any) -> Any:
-    """The schema with every `pattern` (and `patternProperties` key) through `ascii_classes` (a copy)."""
-    if isinstance(schema, list):
-        return [_ascii_patterns(item) for item in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {key: _ascii_patterns(value) for key, value in schema.items()}
-    if isinstance(schema.get("pattern"), str):
-        out["pattern"] = ascii_classes(schema["pattern"])
-    if isinstance(schema.get("patternProperties"), dict):
-        out["patternProperties"] = {
-            ascii_classes(key): _ascii_patterns(value) for key, value in schema["patternProperties"].items()
-        }
-    return out
-
-
 def parse_guidance(params: StructuredOutputsParams, json_options: dict[str, Any]) -> str:
     """The constraint as an llguidance grammar (serialized), checked without a tokenizer."""
     import llguidance as ll
@@ -277,7 +168,7 @@ def parse_guidance(params: StructuredOutputsParams, json_options: dict[str, Any]
     kind = params.kind
     try:
         if kind in ("json", "json_object"):
-            schema = _ascii_patterns(closed_objects(params.json)) if kind == "json" else {"type": "object"}
+            schema = ascii_patterns(closed_objects(params.json)) if kind == "json" else {"type": "object"}
             grammar = ll.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=json_options)
         elif kind == "regex":
             grammar = ll.grammar_from("regex", ascii_classes(params.regex))
@@ -339,6 +230,9 @@ class GuidanceBackend:
         return matcher
 
     def accept(self, matcher: Any, token: int) -> bool:
+        if matcher.is_error():  # a limit it hit (its mask then allows only EOS): refused, not a clean end
+            logger.error("llguidance matcher error: %s", matcher.get_error())
+            return False
         if matcher.is_stopped():  # only a stop token may follow a finished grammar
             return token in self.stop_token_ids
         return matcher.consume_token(token)
@@ -371,23 +265,11 @@ def make_backend(
     tokenizer: Any,
     vocab_size: int,
     stop_token_ids: list[int],
-    device: torch.device,
     threads: int,
     any_whitespace: bool,
     max_json_whitespace: int | None,
 ) -> Backend:
-    if name == "xgrammar":
-        return XGrammarBackend(
-            tokenizer,
-            vocab_size,
-            stop_token_ids,
-            device.type == "cpu",
-            threads,
-            any_whitespace,
-            max_json_whitespace,
-        )
-    if name == "guidance":
-        return GuidanceBackend(
-            tokenizer, vocab_size, stop_token_ids, threads, any_whitespace, max_json_whitespace
-        )
-    raise ValueError(f"unknown structured outputs backend {name!r}")
+    backend = {"xgrammar": XGrammarBackend, "guidance": GuidanceBackend}.get(name)
+    if backend is None:
+        raise ValueError(f"unknown structured outputs backend {name!r}")
+    return backend(tokenizer, vocab_size, stop_token_ids, threads, any_whitespace, max_json_whitespace)

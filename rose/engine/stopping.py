@@ -60,8 +60,12 @@ def append_token(
     error = invalid = None
     if grammar_done and seq.structured.refused is not None:
         reason, error = "error", f"structured_outputs: the grammar refused sampled token {token}"
-    elif reason == "stop" and detok is not None and params.structured_outputs is not None:
-        invalid = structured_check.violation(params.structured_outputs, seq.text)
+    elif grammar_done and reason == "stop" and detok is not None:
+        # the grammar's own end (a stop string or stop token of the job's own cuts it short: not checked)
+        text = seq.text
+        if params.include_stop_str_in_output:  # the stop token's text follows the output
+            text = text.removesuffix(detok.token_text(token))
+        invalid = structured_check.violation(seq.structured.params, text)
         if invalid is not None:  # the grammar let it through: not reported as a clean stop
             reason, error = "error", f"structured_outputs: the output breaks its constraint: {invalid}"
     seq.finish_reason = reason

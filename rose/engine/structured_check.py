@@ -40,15 +40,15 @@ logger = logging.getLogger(__name__)
 MAX_MESSAGE = 300  # characters of jsonschema's message kept: it quotes the offending value, which may be long
 
 
-def check_constraint(params: StructuredOutputsParams, where: str) -> None:
-    """Raise ValueError("<where> is invalid: <why>") when the constraint cannot compile."""
-    problem = _problem(params.key)
+def check_constraint(params: StructuredOutputsParams, where: str, backend: str = "auto") -> None:
+    """Raise ValueError("<where> is invalid: <why>") when the constraint cannot compile (with `backend`)."""
+    problem = _problem(params.key, resolve_backend(backend))
     if problem is not None:
         raise ValueError(f"{where} is invalid: {problem}")
 
 
 @functools.lru_cache(maxsize=1024)
-def _problem(key: tuple[str, str]) -> str | None:
+def _problem(key: tuple[str, str], backend: str) -> str | None:
     from rose.engine.grammar_backends import parse
 
     kind, spec = key
@@ -68,7 +68,7 @@ def _problem(key: tuple[str, str]) -> str | None:
         return None
     value = json.loads(spec) if kind == "json" else spec
     try:
-        parse(resolve_backend("auto"), StructuredOutputsParams(**{kind: value}))
+        parse(backend, StructuredOutputsParams(**{kind: value}))
     except ImportError:  # a producer without the engine's packages: the worker checks it
         return None
     except ValueError as exc:  # "structured_outputs.<kind> is invalid: <why>"

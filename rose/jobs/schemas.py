@@ -6,7 +6,7 @@ import difflib
 from collections.abc import Iterable
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, model_validator
 
 from rose.engine.chat import ChatOptions, normalize_messages, render_chat
 from rose.engine.sampling_params import SamplingParams
@@ -85,7 +85,7 @@ class GenerateRequest(BaseModel):
     detokenize: bool = True
 
     @model_validator(mode="after")
-    def _check(self) -> GenerateRequest:
+    def _check(self, info: ValidationInfo) -> GenerateRequest:
         for name in ("prompt", "messages", "stop", "chat_template", "chat_template_kwargs"):
             where = _lone_surrogate(getattr(self, name), name)
             if where is not None:  # the tokenizer would raise a TypeError deep down, on every retry alike
@@ -117,9 +117,10 @@ class GenerateRequest(BaseModel):
             raise ValueError("give at most one of 'structured_outputs' and 'response_format'")
         constraint = self.constraint()
         if constraint is not None:  # what the worker's grammar engine would refuse, named as the user sent it
-            check_constraint(constraint, self._constraint_field(constraint.kind))
+            backend = (info.context or {}).get("structured_outputs_backend", "auto")  # a worker's own
+            check_constraint(constraint, self._constraint_field(constraint.kind), backend)
         # SamplingParams owns the range checks; its ValueError names the field.
-        self.to_sampling_params()
+        self.to_sampling_params(constraint)
         return self
 
     @classmethod
@@ -138,9 +139,10 @@ class GenerateRequest(BaseModel):
             return f"structured_outputs.{kind}"
         return "response_format.json_schema.schema" if kind == "json" else "response_format"
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, constraint: StructuredOutputsParams | None = None) -> SamplingParams:
+        """`constraint`: `self.constraint()` when the caller has it (built once per validation)."""
         fields = {name: getattr(self, name) for name in SamplingParams.field_names()}
-        fields["structured_outputs"] = self.constraint()
+        fields["structured_outputs"] = constraint if constraint is not None else self.constraint()
         return SamplingParams(**fields)
 
     def chat_options(self) -> ChatOptions:

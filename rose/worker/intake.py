@@ -175,9 +175,14 @@ def may_run_callbacks(job: Job) -> bool:
 
 
 def parse(
-    job: Job, queue_name: str, queue_names: list[str], trust_chat_template: bool
+    job: Job,
+    queue_name: str,
+    queue_names: list[str],
+    trust_chat_template: bool,
+    structured_outputs_backend: str = "auto",
 ) -> GenerateRequest | str:
-    """The job's request, or the message of the failure it must end with (nothing in it is run)."""
+    """The job's request, or the message of the failure it must end with (nothing in it is run). A constraint is
+    checked by the front end of the worker's own grammar backend."""
     try:
         func_name, args, kwargs = job.func_name, job.args, job.kwargs
     except DeserializationError as exc:
@@ -202,7 +207,9 @@ def parse(
     if args:
         return f"{keys.FUNC_PATH} takes keyword arguments only (kwargs={{'prompt': ...}}), got positional {json.dumps(args)[:200]}"
     try:
-        request = GenerateRequest(**kwargs)
+        request = GenerateRequest.model_validate(
+            kwargs, context={"structured_outputs_backend": structured_outputs_backend}
+        )
     except ValidationError as exc:
         return format_validation_error(exc)
     except TypeError as exc:  # e.g. non-string keys

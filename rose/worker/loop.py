@@ -171,7 +171,11 @@ class JobLoop:
             self._let_go(stale)
         self.endings.taken(run)
         request = intake.parse(
-            run.job, run.queue.name, self.rq.queue_names(), self.settings.trust_request_chat_template
+            run.job,
+            run.queue.name,
+            self.rq.queue_names(),
+            self.settings.trust_request_chat_template,
+            self.settings.structured_outputs_backend,
         )
         if isinstance(request, str):
             self._fail(run, request, retry=False, callbacks=intake.may_run_callbacks(run.job))

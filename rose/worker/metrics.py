@@ -125,7 +125,8 @@ class WorkerMetrics:
         ).labels(*lv)
         self.structured_output_errors = Counter(
             "rose_structured_output_errors",
-            "Jobs whose JSON-constrained output broke its schema (failed, never stored as results).",
+            "Job attempts whose JSON-constrained output broke its schema (failed, never stored as results; RQ "
+            "Retry may run them again).",
             ln,
             registry=reg,
         ).labels(*lv)

@@ -186,3 +186,47 @@ def test_the_readmes_json_example_finishes_valid_on_the_default_preset():
     for out in outputs:
         assert out.finish_reason == "stop", out.text
         assert violation(StructuredOutputsParams(json=schema), out.text) is None
+
+
+@pytest.mark.parametrize("backend", ["guidance", "xgrammar"])
+def test_the_stop_tokens_text_and_the_jobs_own_stops_are_not_blamed_on_the_grammar(backend):
+    """The check reads the output the grammar produced: with include_stop_str_in_output (and special tokens kept)
+    the EOS text after the JSON is left out of it; a stop string of the job's own cuts the JSON short, which is
+    the job's choice (finish "stop", not checked), not the grammar's escape."""
+    from engine_helpers import make_engine
+
+    engine = make_engine("tiny-llama", max_model_len=128, structured_outputs_backend=backend)
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["n"],
+    }
+    try:
+        constraint = json_(schema)
+        engine.add_request(
+            "eos-text",
+            "Answer:",
+            SamplingParams(
+                temperature=0,
+                max_tokens=40,
+                structured_outputs=constraint,
+                include_stop_str_in_output=True,
+                skip_special_tokens=False,
+            ),
+        )
+        engine.add_request(
+            "cut",
+            "Answer:",
+            SamplingParams(temperature=0, max_tokens=40, structured_outputs=constraint, stop=[":"]),
+        )
+        outputs = drain(engine).outputs
+    finally:
+        engine.close()
+    eos = outputs["eos-text"]
+    assert eos.finish_reason == "stop" and eos.structured_output_error is None
+    eos_text = engine.tokenizer.decode([eos.token_ids[-1]], skip_special_tokens=False)
+    assert eos_text and eos.text.endswith(eos_text)  # the EOS text is in the output, after valid JSON
+    assert violation(constraint, eos.text.removesuffix(eos_text)) is None
+    cut = outputs["cut"]
+    assert cut.finish_reason == "stop" and cut.structured_output_error is None
+    assert cut.text.startswith("{") and cut.text.endswith('"n"')  # cut before its colon

@@ -120,3 +120,20 @@ def test_a_batch_line_with_a_bad_schema_is_a_400_naming_its_param():
     assert error["message"].startswith(
         "response_format.json_schema.schema is invalid: not a valid JSON Schema"
     )
+
+
+def test_a_worker_checks_with_its_own_backend():
+    """rose-worker --structured-outputs-backend xgrammar validates jobs with xgrammar's front end (the intake passes
+    its backend as validation context): a keyword llguidance refuses and xgrammar reads is taken there."""
+    fields = {
+        "prompt": "x",
+        "structured_outputs": {"json": {"type": "object", "propertyNames": {"maxLength": 3}}},
+    }
+    assert "Unimplemented keys" in refusal(structured_outputs=fields["structured_outputs"])
+    request = GenerateRequest.model_validate(fields, context={"structured_outputs_backend": "xgrammar"})
+    assert request.constraint() is not None
+    with pytest.raises(ValidationError, match=r"structured_outputs\.regex is invalid: Regex parsing error"):
+        GenerateRequest.model_validate(
+            {"prompt": "x", "structured_outputs": {"regex": r"\p{L}"}},
+            context={"structured_outputs_backend": "xgrammar"},
+        )
