@@ -305,7 +305,7 @@ class Engine:
         """Run one batched forward; returns what each request that produced a token got from it."""
         structured = self._structured if self._structured is not None and self._structured.num_live else None
         errors, self._undelivered = self._undelivered, []
-        if structured is not None and structured.failed:
+        if structured is not None and structured.failures_due:
             errors += self._grammar_errors()
         try:
             outputs = self._forward(structured)

@@ -44,6 +44,9 @@ _CACHE_ENTRIES = 512  # compiled grammars kept (least recently used dropped firs
 # ... and at most this much memory in them: a grammar's token masks grow with the vocabulary and with the JSON
 # whitespace bound (xgrammar keeps a mask per counted position: ~7 MB for a 4-field schema at 128k tokens and 20)
 CACHE_BYTES = 512 << 20
+# A grammar still compiling this long after it was asked for fails its requests alone, with the reason (the compile
+# itself runs on; a later request for it may find it done). xgrammar at 151k tokens: seconds for bounded strings.
+COMPILE_TIMEOUT_S = 60.0
 
 
 @dataclass
@@ -61,12 +64,17 @@ class StructuredOutputStats:
 class StructuredOutputRequest:
     """One request's constraint: its compiled grammar (a future until the pool is done) and its matcher."""
 
-    __slots__ = ("params", "future", "backend", "_matcher", "refused")
+    __slots__ = ("params", "future", "backend", "timeout", "deadline", "_matcher", "refused")
 
-    def __init__(self, params: StructuredOutputsParams, future: Future, backend: Backend) -> None:
+    def __init__(
+        self, params: StructuredOutputsParams, future: Future, backend: Backend, timeout: float | None = None
+    ) -> None:
         self.params = params
         self.future = future
         self.backend = backend
+        self.timeout = timeout
+        # time.monotonic() by which the compile must be done (None: no limit, or done already)
+        self.deadline = None if timeout is None or future.done() else time.monotonic() + timeout
         self._matcher: Any = None
         self.refused: int | None = None  # a sampled token the grammar refused (see advance)
 
@@ -77,8 +85,12 @@ class StructuredOutputRequest:
 
     @property
     def error(self) -> str | None:
-        """Why the grammar could not be compiled, once the pool has given up on it."""
+        """Why the grammar could not be compiled, once the pool has given up on it or its time is up."""
         if not self.future.done():
+            if self.deadline is not None and time.monotonic() > self.deadline:
+                return (
+                    f"structured_outputs.{self.params.kind}: compiling it took longer than {self.timeout:g} s"
+                )
             return None
         if self.future.cancelled():
             return f"structured_outputs.{self.params.kind}: the compile was cancelled (engine closed)"
@@ -134,6 +146,7 @@ class StructuredOutputManager:
         max_json_whitespace: int | None = DEFAULT_MAX_JSON_WHITESPACE,
         cache_bytes: int = CACHE_BYTES,
         backend: str = "auto",
+        compile_timeout: float | None = COMPILE_TIMEOUT_S,
     ) -> None:
         if tokenizer is None:
             raise ValueError("structured outputs need a tokenizer; this engine has none")
@@ -146,6 +159,10 @@ class StructuredOutputManager:
         self.any_whitespace = not disable_any_whitespace
         self.max_json_whitespace = max_json_whitespace
         self.cache_bytes = cache_bytes
+        self.compile_timeout = compile_timeout  # seconds a request waits for its grammar before it fails
+        self._next_deadline: float | None = (
+            None  # the earliest deadline of a compile not done: take_failed looks then
+        )
         cpus = os.cpu_count() or 1
         # On a CPU engine, compiles share the cores with the forward: one compile at a time, on half the cores.
         on_cpu = device.type == "cpu"
@@ -195,13 +212,16 @@ class StructuredOutputManager:
         if future is not None and not (future.done() and future.exception() is not None):
             self._cache.move_to_end(params.key)
             self.stats.cache_hits += 1
-            return StructuredOutputRequest(params, future, self.backend)
-        grammar = self.backend.parse(params)  # raises on this thread
-        future = self._executor.submit(self._compile, grammar)
-        future.add_done_callback(self._on_done)
-        self._cache[params.key] = future
-        self._evict()
-        return StructuredOutputRequest(params, future, self.backend)
+        else:
+            grammar = self.backend.parse(params)  # raises on this thread
+            future = self._executor.submit(self._compile, grammar)
+            future.add_done_callback(self._on_done)
+            self._cache[params.key] = future
+            self._evict()
+        request = StructuredOutputRequest(params, future, self.backend, self.compile_timeout)
+        if request.deadline is not None:
+            self._next_deadline = min(request.deadline, self._next_deadline or request.deadline)
+        return request
 
     def _evict(self) -> None:
         """Drop the least recently used grammars past _CACHE_ENTRIES, or past `cache_bytes` of compiled ones (the
@@ -238,14 +258,26 @@ class StructuredOutputManager:
                 self.stats.compile_errors += 1
             self.failed = True
 
+    @property
+    def failures_due(self) -> bool:
+        """A compile failed, or the earliest deadline of one still running has passed: `take_failed` has work."""
+        return self.failed or (self._next_deadline is not None and time.monotonic() > self._next_deadline)
+
     def take_failed(self, waiting: list[Any]) -> list[Any]:
-        """The sequences among `waiting` whose grammar failed to compile (each logged), once after a failure."""
-        if not self.failed:
+        """The sequences among `waiting` whose grammar failed to compile or ran out of time (each logged), once
+        `failures_due`."""
+        if not self.failures_due:
             return []
         self.failed = False
         failed = [seq for seq in waiting if seq.structured is not None and seq.structured.error is not None]
         for seq in failed:
             logger.error("request %s finished with an error: %s", seq.request_id, seq.structured.error)
+        pending = [
+            seq.structured.deadline
+            for seq in waiting
+            if seq not in failed and seq.structured is not None and seq.structured.deadline is not None
+        ]
+        self._next_deadline = min(pending, default=None)
         return failed
 
     def wait_for_any(self, requests: list[StructuredOutputRequest], timeout: float) -> None:

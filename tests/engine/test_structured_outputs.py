@@ -447,3 +447,21 @@ def test_the_cpu_masks_equal_xgrammars_kernel_on_a_partly_constrained_batch(engi
     allowed = masked["lookup"][[1, 3]].isfinite().sum(dim=1).tolist()
     assert 0 < allowed[0] < engine.vocab_size and 0 < allowed[1] < engine.vocab_size
     assert managers["lookup"].get_stats()["structured_output_masked_rows"] == 2
+
+
+def test_a_grammar_that_compiles_too_long_fails_its_request_alone(engine, monkeypatch):
+    """Past the manager's compile_timeout the waiting request finishes "error" with the reason; the others run."""
+    manager = engine.structured_outputs
+    slow = SlowCompiler(manager.backend.compile)
+    monkeypatch.setattr(manager.backend, "compile", slow.compile)
+    monkeypatch.setattr(manager, "compile_timeout", 0.2)
+    schema = {"type": "object", "properties": {"too_slow": {"enum": [1, 2]}}, "required": ["too_slow"]}
+    engine.add_request("slow", "hello", SamplingParams(max_tokens=8, structured_outputs={"json": schema}))
+    engine.add_request("next", "hello", SamplingParams(temperature=0, max_tokens=4))
+    try:
+        run = drain(engine)
+    finally:
+        slow.release.set()
+    assert run.outputs["slow"].finish_reason == "error" and run.outputs["slow"].token_ids == []
+    assert run.outputs["slow"].error == "structured_outputs.json: compiling it took longer than 0.2 s"
+    assert run.outputs["next"].finish_reason == "length"
