@@ -58,6 +58,8 @@ class ModePass:
     mask_calls: int
     mask_s: float
     masked_rows: int
+    fill_us_per_row: list[float] = field(default_factory=list)  # per masking step: the fill / rows masked
+    apply_us: list[float] = field(default_factory=list)  # per masking step: the apply (its launch on CUDA)
 
     @property
     def tokens_per_s(self) -> float:
@@ -86,6 +88,13 @@ class StructuredBenchReport:
         calls = sum(p.mask_calls for p in self.passes[mode])
         return 1e3 * sum(p.mask_s for p in self.passes[mode]) / calls if calls else 0.0
 
+    def percentiles(self, mode: str, name: str) -> tuple[float, float]:
+        """p50 and p99 (nearest rank) of a per-step sample over this mode's passes; NaN without samples."""
+        values = sorted(v for p in self.passes[mode] for v in getattr(p, name))
+        if not values:
+            return float("nan"), float("nan")
+        return values[(len(values) - 1) // 2], values[min(len(values) - 1, round(0.99 * (len(values) - 1)))]
+
     def mean_masked_rows(self, mode: str) -> float:
         calls = sum(p.mask_calls for p in self.passes[mode])
         return sum(p.masked_rows for p in self.passes[mode]) / calls if calls else 0.0
@@ -98,6 +107,8 @@ class StructuredBenchReport:
             "tokens",
             "mask ms/step",
             "rows masked/step",
+            "fill µs/row p50 / p99",
+            "apply µs p50 / p99",
         ]
         rows = []
         for mode in MODES:
@@ -110,6 +121,8 @@ class StructuredBenchReport:
                     best.generated_tokens,
                     f"{self.mask_ms_per_step(mode):.3f}",
                     f"{self.mean_masked_rows(mode):.1f}",
+                    "{:.0f} / {:.0f}".format(*self.percentiles(mode, "fill_us_per_row")),
+                    "{:.0f} / {:.0f}".format(*self.percentiles(mode, "apply_us")),
                 ]
             )
         return headers, rows
@@ -128,6 +141,8 @@ class StructuredBenchReport:
                     "ratio_vs_unconstrained": self.ratio(mode),
                     "mask_ms_per_step": self.mask_ms_per_step(mode),
                     "mean_masked_rows": self.mean_masked_rows(mode),
+                    "fill_us_per_row_p50_p99": self.percentiles(mode, "fill_us_per_row"),
+                    "apply_us_p50_p99": self.percentiles(mode, "apply_us"),
                     "passes": [{**asdict(p), "tokens_per_s": p.tokens_per_s} for p in self.passes[mode]],
                 }
                 for mode in MODES
@@ -148,6 +163,8 @@ def _run_mode(llm: Any, workload: Workload, mode: str) -> ModePass:
     prompts = [list(r.prompt_token_ids) for r in workload.requests]
     params = [_params(mode, i, r.max_tokens) for i, r in enumerate(workload.requests)]
     before = engine.get_stats()
+    manager = engine.structured_outputs
+    manager.take_step_samples()  # from this pass only
     sync(engine.device)
     start = time.perf_counter()
     outs = llm.generate(prompts, params)
@@ -159,6 +176,7 @@ def _run_mode(llm: Any, workload: Workload, mode: str) -> ModePass:
         return after.get(name, 0) - before.get(name, 0)
 
     tokens = sum(len(o.token_ids) for o in outs)
+    samples = manager.take_step_samples()
     return ModePass(
         wall,
         tokens,
@@ -166,6 +184,8 @@ def _run_mode(llm: Any, workload: Workload, mode: str) -> ModePass:
         int(delta("structured_output_mask_calls")),
         delta("structured_output_mask_s"),
         int(delta("structured_output_masked_rows")),
+        [1e6 * fill for fill, _ in samples],
+        [1e6 * apply for _, apply in samples],
     )
 
 

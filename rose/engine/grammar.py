@@ -22,7 +22,7 @@ import os
 import sys
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
@@ -47,6 +47,7 @@ CACHE_BYTES = 512 << 20
 # A grammar still compiling this long after it was asked for fails its requests alone, with the reason (the compile
 # itself runs on; a later request for it may find it done). xgrammar at 151k tokens: seconds for bounded strings.
 COMPILE_TIMEOUT_S = 60.0
+SAMPLES = 100_000  # masking steps whose costs are kept for take_step_samples
 
 
 @dataclass
@@ -59,6 +60,7 @@ class StructuredOutputStats:
     mask_calls: int = 0  # steps that masked at least one row
     masked_rows: int = 0  # rows masked, over those steps
     mask_seconds: float = 0.0  # bitmask fill + apply, on the loop thread
+    fill_seconds: float = 0.0  # of which the backend's bitmask fill
 
 
 class StructuredOutputRequest:
@@ -182,6 +184,8 @@ class StructuredOutputManager:
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self._stats_lock = threading.Lock()  # compile figures are written on the pool
         self.stats = StructuredOutputStats()
+        # (fill seconds per row, apply seconds) per masking step; on CUDA the apply is its launch (not synced)
+        self.step_samples: deque[tuple[float, float]] = deque(maxlen=SAMPLES)
         self.first_compile_seconds: float | None = None
         self.num_live = 0  # constrained requests in the engine: no work at all in a step while 0
         self.failed = False  # a compile failed on the pool: the engine looks for its requests
@@ -304,20 +308,32 @@ class StructuredOutputManager:
         if not rows:
             return
         start = time.perf_counter()
-        self._mask(logits, requests, rows)
+        filled = self._mask(logits, requests, rows)
+        end = time.perf_counter()
         st = self.stats
         st.mask_calls += 1
         st.masked_rows += len(rows)
-        st.mask_seconds += time.perf_counter() - start
+        st.mask_seconds += end - start
+        st.fill_seconds += filled - start
+        self.step_samples.append(((filled - start) / len(rows), end - filled))
+
+    def take_step_samples(self) -> list[tuple[float, float]]:
+        """(fill seconds per row, apply seconds) of each masking step since the last call (the most recent
+        SAMPLES kept): what the distribution of the mask's cost is, for benchmarks."""
+        samples = list(self.step_samples)
+        self.step_samples.clear()
+        return samples
 
     def _mask(
         self, logits: torch.Tensor, requests: list[StructuredOutputRequest | None], rows: list[int]
-    ) -> None:
+    ) -> float:
+        """Fill and apply; returns the time.perf_counter() at which the fill was done."""
         n = len(rows)
         if self.bitmask.shape[0] < n:
             self.bitmask = _allocate_bitmask(max(n, 2 * self.bitmask.shape[0]), self.vocab_size)
         bitmask = self.bitmask[:n]
         self.backend.fill([requests[i].matcher for i in rows], bitmask)
+        filled = time.perf_counter()
         vocab = self.vocab_size
         if not self._use_lut:
             device_mask = bitmask.to(logits.device, non_blocking=True)
@@ -330,16 +346,17 @@ class StructuredOutputManager:
                 )
                 full[rows] = device_mask
                 apply_bitmask_kernel(logits, full, vocab, indices=rows)
-            return
+            return filled
         if self._use_numba and cpu_bitmask.usable(logits):
             cpu_bitmask.apply(logits, bitmask, rows, vocab)
-            return
+            return filled
         add = torch.nn.functional.embedding(bitmask.view(torch.uint8).long(), self._byte_lut)
         add = add.view(n, -1)[:, :vocab].to(logits.dtype)
         if n == len(requests):
             logits[:, :vocab] += add
         else:  # one in-place kernel on the constrained rows only
             logits[:, :vocab].index_add_(0, torch.tensor(rows, device=logits.device), add)
+        return filled
 
     def get_stats(self) -> dict[str, int | float]:
         with self._stats_lock:
@@ -353,4 +370,5 @@ class StructuredOutputManager:
                 "structured_output_mask_calls": st.mask_calls,
                 "structured_output_masked_rows": st.masked_rows,
                 "structured_output_mask_s": st.mask_seconds,
+                "structured_output_fill_s": st.fill_seconds,
             }

@@ -271,3 +271,11 @@ def test_engine_bench_structured_flag(tmp_path, capsys):
     assert modes["unconstrained"]["mean_masked_rows"] == 0 and modes["json-schema"]["mean_masked_rows"] > 0
     assert 0 < modes["mixed"]["mean_masked_rows"] < modes["json-schema"]["mean_masked_rows"]
     assert report["first_compile_s"] > report["cache_hit_s"] >= 0
+    # the mask's cost per step: fill per row and apply, one sample per masking step of the pass
+    constrained = modes["json-schema"]["passes"][0]
+    assert (
+        len(constrained["fill_us_per_row"]) == len(constrained["apply_us"]) == constrained["mask_calls"] > 0
+    )
+    p50, p99 = modes["json-schema"]["fill_us_per_row_p50_p99"]
+    assert 0 < p50 <= p99 and "fill µs/row p50 / p99" in out
+    assert modes["unconstrained"]["passes"][0]["fill_us_per_row"] == []
