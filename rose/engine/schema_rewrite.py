@@ -46,7 +46,9 @@ def _rewrite(schema: Any, child: Callable[[Any, str, str], Any], path: str) -> A
     out = dict(schema)
     for key in _MAPS:
         if isinstance(out.get(key), dict):
-            out[key] = {name: child(sub, key, f"{path}/{key}/{name}") for name, sub in out[key].items()}
+            out[key] = {
+                name: child(sub, key, f"{path}/{key}/{_pointer(name)}") for name, sub in out[key].items()
+            }
     for key in _ONE:
         if isinstance(out.get(key), dict):
             out[key] = child(out[key], key, f"{path}/{key}")
@@ -54,6 +56,11 @@ def _rewrite(schema: Any, child: Callable[[Any, str, str], Any], path: str) -> A
         if isinstance(out.get(key), list):
             out[key] = [child(sub, key, f"{path}/{key}/{i}") for i, sub in enumerate(out[key])]
     return out
+
+
+def _pointer(name: str) -> str:
+    """A name as a JSON pointer token (RFC 6901), as a `$ref` spells it: `a/b` -> `a~1b`."""
+    return name.replace("~", "~0").replace("/", "~1")
 
 
 def _combined(schema: dict) -> bool:

@@ -15,9 +15,9 @@ on the finished text, before the engine reports it.
 A grammar backend turns a schema into token masks and can get the schema wrong: xgrammar 0.2.8 lets a `maxLength`
 string take raw control characters, lets a `multipleOf: 0.01` number run to more decimals, and lets `allOf` beside
 `type` through (issue 24's corpus). So the mask is not trusted: the text is parsed as strict JSON (no raw control
-characters in strings, no NaN / Infinity) and validated with `jsonschema` under the schema's own draft (its
-`$schema`; 2020-12 when it names none), `format` included where jsonschema can check it. `json_object` asks for a
-JSON object and nothing more. A regex, choice or grammar constraint is not checked: its mask is the definition.
+characters in strings, no NaN / Infinity, no repeated key in an object) and validated with `jsonschema` under the
+schema's own draft (its `$schema`; 2020-12 when it names none), `format` included where jsonschema can check it.
+`json_object` asks for a JSON object and nothing more. A regex, choice or grammar constraint is not checked: its mask is the definition.
 
 `violation` names what is wrong ("$.price: 24.11652 is not a multiple of 0.01"), or returns None. A schema the
 checker itself cannot use (an unresolvable `$ref`, say) is logged once and not checked: the grammar compiled it, and a
@@ -81,7 +81,7 @@ def violation(params: StructuredOutputsParams, text: str) -> str | None:
     if params.json is None and not params.json_object:
         return None
     try:
-        instance = json.loads(text, parse_constant=_not_json)
+        instance = json.loads(text, parse_constant=_not_json, object_pairs_hook=_unique_keys)
     except ValueError as exc:
         return f"not strict JSON: {exc}"
     if params.json is None:
@@ -136,6 +136,17 @@ def _format_checker(drafts: Any) -> Any:
             return check(_LEAP_SECOND.sub(r"\g<1>59", instance) if isinstance(instance, str) else instance)
 
     return checker
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """An object whose names are unique (RFC 8259's SHOULD; a repeated key reads differently from parser to parser:
+    an extraction with two `price`s has no price)."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        repeated = next(key for key, _ in pairs if key in seen or seen.add(key))
+        raise ValueError(f"duplicate key {repeated!r}")
+    return out
 
 
 def _not_json(name: str) -> Any:

@@ -59,6 +59,12 @@ def test_schemas_combined_in_place_stay_open_and_satisfiable(schema):
     )  # not refused
 
 
+def test_refs_are_matched_as_json_pointers():
+    """A def named `a/b` is `#/$defs/a~1b` in a $ref (RFC 6901): referred to from allOf, it stays open."""
+    schema = {"$defs": {"a/b": {"properties": {"x": STRING}}}, "allOf": [{"$ref": "#/$defs/a~1b"}]}
+    assert "additionalProperties" not in closed_objects(schema)["$defs"]["a/b"]
+
+
 def test_a_def_used_as_a_whole_property_is_closed():
     schema = {
         "$defs": {"Addr": {"type": "object", "properties": {"city": STRING}}},

@@ -37,6 +37,7 @@ def json_(schema) -> StructuredOutputsParams:
         (CAPPED_STRING, '{"s": "toolong"}', "$.s: 'toolong' is too long"),
         (CAPPED_STRING, "3", "$: 3 is not of type 'object'"),
         ({"type": "number"}, "NaN", "not strict JSON: NaN is not JSON"),
+        ({"type": "object"}, '{"a": 1, "b": {"c": 2, "c": 3}}', "not strict JSON: duplicate key 'c'"),
         ({"type": "number"}, "Infinity", "not strict JSON: Infinity is not JSON"),
         ({"type": "string", "allOf": [{"pattern": "^https?://"}]}, "[1]", "$: [1] is not of type 'string'"),
         ({"type": "string", "format": "email"}, '"no-at-sign"', "$: 'no-at-sign' is not a 'email'"),
