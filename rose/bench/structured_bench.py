@@ -1,7 +1,9 @@
 """`rose bench engine --structured`: what structured outputs cost rose's engine, in one process.
 
-The same workload (prompts, max_tokens, greedy) runs three ways on one engine: unconstrained (EOS ignored), every
-request constrained by a JSON schema, and half of them constrained (alternating). A constrained request ends when
+The same workload (prompts, max_tokens, greedy) runs four ways on one engine: unconstrained (EOS ignored), every
+request constrained by a JSON schema, half of them constrained (alternating), and every request constrained with
+each row masked before its draw (`mask-first`: what vLLM does; by default rose checks a drawn token and masks only
+where the grammar refuses it, rose.engine.sampler). A constrained request ends when
 its grammar does, so throughput is generated tokens (whatever each request produced) per second of wall time. The
 schema (one string field of up to 4,096 characters) keeps greedy random-weight rows writing until max_tokens, so the
 three passes generate about as many tokens. Also measured: the grammar's first compile and a cache hit, and the
@@ -33,7 +35,7 @@ BENCH_SCHEMA = {
     "properties": {"text": {"type": "string", "maxLength": 4096}},
     "required": ["text"],
 }
-MODES = ("unconstrained", "json-schema", "mixed")
+MODES = ("unconstrained", "json-schema", "mixed", "mask-first")
 
 
 @dataclass
@@ -58,6 +60,8 @@ class ModePass:
     mask_calls: int
     mask_s: float
     masked_rows: int
+    checked_rows: int = 0  # rows drawn unmasked and checked after the draw
+    refused_rows: int = 0  # of which the grammar refused the token (then masked and drawn again)
     fill_us_per_row: list[float] = field(default_factory=list)  # per masking step: the fill / rows masked
     apply_us: list[float] = field(default_factory=list)  # per masking step: the apply (its launch on CUDA)
 
@@ -85,8 +89,9 @@ class StructuredBenchReport:
         return statistics.median(p.tokens_per_s / base.tokens_per_s for p, base in pairs)
 
     def mask_ms_per_step(self, mode: str) -> float:
-        calls = sum(p.mask_calls for p in self.passes[mode])
-        return 1e3 * sum(p.mask_s for p in self.passes[mode]) / calls if calls else 0.0
+        """Mask time (fill + apply) per engine step, over every step of the mode's passes."""
+        steps = sum(p.steps for p in self.passes[mode])
+        return 1e3 * sum(p.mask_s for p in self.passes[mode]) / steps if steps else 0.0
 
     def percentiles(self, mode: str, name: str) -> tuple[float, float]:
         """p50 and p99 (nearest rank) of a per-step sample over this mode's passes; NaN without samples."""
@@ -96,8 +101,14 @@ class StructuredBenchReport:
         return values[(len(values) - 1) // 2], values[min(len(values) - 1, round(0.99 * (len(values) - 1)))]
 
     def mean_masked_rows(self, mode: str) -> float:
-        calls = sum(p.mask_calls for p in self.passes[mode])
-        return sum(p.masked_rows for p in self.passes[mode]) / calls if calls else 0.0
+        """Rows masked per engine step, over every step of the mode's passes."""
+        steps = sum(p.steps for p in self.passes[mode])
+        return sum(p.masked_rows for p in self.passes[mode]) / steps if steps else 0.0
+
+    def refused_share(self, mode: str) -> float:
+        """Of the rows checked after their draw, the share whose token the grammar refused (NaN: none checked)."""
+        checked = sum(p.checked_rows for p in self.passes[mode])
+        return sum(p.refused_rows for p in self.passes[mode]) / checked if checked else float("nan")
 
     def rows(self) -> tuple[list[str], list[list[Any]]]:
         headers = [
@@ -107,6 +118,7 @@ class StructuredBenchReport:
             "tokens",
             "mask ms/step",
             "rows masked/step",
+            "refused / checked",
             "fill µs/row p50 / p99",
             "apply µs p50 / p99",
         ]
@@ -121,6 +133,7 @@ class StructuredBenchReport:
                     best.generated_tokens,
                     f"{self.mask_ms_per_step(mode):.3f}",
                     f"{self.mean_masked_rows(mode):.1f}",
+                    f"{self.refused_share(mode):.1%}",
                     "{:.0f} / {:.0f}".format(*self.percentiles(mode, "fill_us_per_row")),
                     "{:.0f} / {:.0f}".format(*self.percentiles(mode, "apply_us")),
                 ]
@@ -141,6 +154,7 @@ class StructuredBenchReport:
                     "ratio_vs_unconstrained": self.ratio(mode),
                     "mask_ms_per_step": self.mask_ms_per_step(mode),
                     "mean_masked_rows": self.mean_masked_rows(mode),
+                    "refused_share": self.refused_share(mode),
                     "fill_us_per_row_p50_p99": self.percentiles(mode, "fill_us_per_row"),
                     "apply_us_p50_p99": self.percentiles(mode, "apply_us"),
                     "passes": [{**asdict(p), "tokens_per_s": p.tokens_per_s} for p in self.passes[mode]],
@@ -151,7 +165,7 @@ class StructuredBenchReport:
 
 
 def _params(mode: str, index: int, max_tokens: int) -> SamplingParams:
-    constrained = mode == "json-schema" or (mode == "mixed" and index % 2 == 0)
+    constrained = mode in ("json-schema", "mask-first") or (mode == "mixed" and index % 2 == 0)
     if not constrained:
         return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
     so = StructuredOutputsParams(json=BENCH_SCHEMA)
@@ -164,12 +178,14 @@ def _run_mode(llm: Any, workload: Workload, mode: str) -> ModePass:
     params = [_params(mode, i, r.max_tokens) for i, r in enumerate(workload.requests)]
     before = engine.get_stats()
     manager = engine.structured_outputs
+    manager.mask_first = mode == "mask-first"
     manager.take_step_samples()  # from this pass only
     sync(engine.device)
     start = time.perf_counter()
     outs = llm.generate(prompts, params)
     sync(engine.device)
     wall = time.perf_counter() - start
+    manager.mask_first = False
     after = engine.get_stats()
 
     def delta(name: str) -> float:
@@ -184,6 +200,8 @@ def _run_mode(llm: Any, workload: Workload, mode: str) -> ModePass:
         int(delta("structured_output_mask_calls")),
         delta("structured_output_mask_s"),
         int(delta("structured_output_masked_rows")),
+        int(delta("structured_output_checked_rows")),
+        int(delta("structured_output_refused_rows")),
         [1e6 * fill for fill, _ in samples],
         [1e6 * apply for _, apply in samples],
     )

@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 from pydantic import ByteSize, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from rose.engine.structured_outputs import DEFAULT_MAX_JSON_WHITESPACE
+from rose.engine.structured_outputs import DEFAULT_MAX_JSON_WHITESPACE, GRAMMAR_COMPILE_TIMEOUT_S
 from rose.jobs.connection import check_scheme, is_sentinel_url, parse_sentinel_url, redact_url
 
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
@@ -90,6 +90,12 @@ class WorkerSettings(BaseSettings):
         description="Whitespace between two tokens of constrained JSON, at most this many characters (with any "
         "whitespace allowed: not --disable-any-whitespace), so that a model leaning toward whitespace cannot fill "
         "its max_tokens with it; 0: no limit (vLLM's behaviour). Larger bounds make larger compiled grammars.",
+    )
+    grammar_compile_timeout: float = Field(
+        GRAMMAR_COMPILE_TIMEOUT_S,
+        ge=0,
+        description="Seconds a job waits for its structured-outputs grammar to compile; a grammar still compiling "
+        "then fails its jobs alone, with the reason (the compile runs on and is cached). 0: no limit.",
     )
     with_scheduler: bool = Field(
         False,

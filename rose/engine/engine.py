@@ -22,12 +22,16 @@ from rose.engine.model_runner import ModelRunner, model_context
 from rose.engine.outputs import RequestMetrics, RequestOutput, StepOutput
 from rose.engine.prefix_cache import PrefixCache
 from rose.engine.prompts import tokenize_prompt
-from rose.engine.sampler import Sampler
+from rose.engine.sampler import Sampler, checks_after
 from rose.engine.sampling_params import SamplingParams
 from rose.engine.scheduler import Scheduler
 from rose.engine.sequence import Sequence, SequenceStatus
 from rose.engine.stopping import append_token, eos_token_ids, request_output
-from rose.engine.structured_outputs import DEFAULT_MAX_JSON_WHITESPACE, resolve_backend
+from rose.engine.structured_outputs import (
+    DEFAULT_MAX_JSON_WHITESPACE,
+    GRAMMAR_COMPILE_TIMEOUT_S,
+    resolve_backend,
+)
 
 if TYPE_CHECKING:
     from rose.engine.grammar import StructuredOutputManager
@@ -48,6 +52,8 @@ class Engine:
         structured-outputs option of that name); by default any whitespace may separate its tokens, at most
         `max_json_whitespace` characters of it at a time (None: no limit). `structured_outputs_backend`: the
         grammar engine, "guidance" (llguidance), "xgrammar", or "auto" (guidance; rose.engine.grammar_backends).
+        `grammar_compile_timeout`: seconds a request waits for its grammar to compile before it fails (None: no
+        limit).
     """
 
     def __init__(
@@ -70,9 +76,14 @@ class Engine:
         disable_any_whitespace: bool = False,
         max_json_whitespace: int | None = DEFAULT_MAX_JSON_WHITESPACE,
         structured_outputs_backend: str = "auto",
+        grammar_compile_timeout: float | None = GRAMMAR_COMPILE_TIMEOUT_S,
     ) -> None:
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        if grammar_compile_timeout is not None and not grammar_compile_timeout > 0:
+            raise ValueError(
+                f"grammar_compile_timeout must be > 0 or None (no limit), got {grammar_compile_timeout}"
+            )
         if max_json_whitespace is not None and max_json_whitespace < 1:
             raise ValueError(
                 f"max_json_whitespace must be >= 1 or None (no limit), got {max_json_whitespace}"
@@ -146,6 +157,7 @@ class Engine:
         self._structured: StructuredOutputManager | None = None  # built for the first constrained request
         self._disable_any_whitespace = disable_any_whitespace
         self._max_json_whitespace = max_json_whitespace
+        self._grammar_compile_timeout = grammar_compile_timeout
         self._structured_backend = resolve_backend(
             structured_outputs_backend
         )  # refused here, not at first use
@@ -261,6 +273,7 @@ class Engine:
                 disable_any_whitespace=self._disable_any_whitespace,
                 max_json_whitespace=self._max_json_whitespace,
                 backend=self._structured_backend,
+                compile_timeout=self._grammar_compile_timeout,
             )
         return self._structured
 
@@ -330,9 +343,11 @@ class Engine:
                 chunk.seq.metrics.first_scheduled_time = now
         logits = self.runner.execute(batch)
         sampled = list(batch.decode) + [c.seq for c in batch.prefill if c.completes_prefill]
-        if structured is not None and sampled:  # before the sampler, so logprobs see the masked logits too
-            structured.apply_grammar_bitmask(logits, [s.structured for s in sampled])
-        result = self.sampler(logits, sampled) if sampled else None
+        check = None
+        if structured is not None and sampled:  # masks that logprobs or truncation need come before the draw
+            requests = [s.structured for s in sampled]
+            check = structured.mask_or_defer(logits, requests, [checks_after(s.params) for s in sampled])
+        result = self.sampler(logits, sampled, check) if sampled else None
 
         # Only now, with the forward and the sampler done, does the step change request state: an exception above
         # leaves every request as it was, so the caller can abort the ones it touched and carry on.

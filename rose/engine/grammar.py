@@ -9,7 +9,9 @@ rose.engine.grammar_backends, where everything touching either library lives).
   hit is a future that is already done.
 * Each request's `StructuredOutputRequest` owns its matcher (created on first use, once the grammar is compiled).
 * `apply_grammar_bitmask` fills the next-token bitmask of the constrained rows of a step and sets their disallowed
-  logits to -inf; unconstrained rows are not touched.
+  logits to -inf; unconstrained rows are not touched. `mask_or_defer` does so only for the rows that need their
+  mask before the draw, and returns a `GrammarCheck` that the sampler asks about the others' drawn tokens
+  (rose.engine.sampler: a mask only for a refused token; `mask_first` turns that off).
 
 A compile that fails on the pool (rare: the grammar already parsed at add time) leaves the request's
 `StructuredOutputRequest.error` set; the engine then finishes that request with finish_reason "error".
@@ -19,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import threading
 import time
 from collections import OrderedDict, deque
@@ -29,24 +30,21 @@ from typing import Any
 
 import torch
 
-from rose.engine import cpu_bitmask
-from rose.engine.grammar_backends import Backend, apply_bitmask_kernel, clean_error, make_backend
+from rose.engine.grammar_backends import Backend, clean_error, make_backend
+from rose.engine.logits_mask import LogitsMasker
 from rose.engine.structured_outputs import (
     DEFAULT_MAX_JSON_WHITESPACE,
+    GRAMMAR_COMPILE_TIMEOUT_S,
     StructuredOutputsParams,
     resolve_backend,
 )
 
 logger = logging.getLogger(__name__)
 
-_NEG_INF = float("-inf")
 _CACHE_ENTRIES = 512  # compiled grammars kept (least recently used dropped first)
 # ... and at most this much memory in them: a grammar's token masks grow with the vocabulary and with the JSON
 # whitespace bound (xgrammar keeps a mask per counted position: ~7 MB for a 4-field schema at 128k tokens and 20)
 CACHE_BYTES = 512 << 20
-# A grammar still compiling this long after it was asked for fails its requests alone, with the reason (the compile
-# itself runs on; a later request for it may find it done). xgrammar at 151k tokens: seconds for bounded strings.
-COMPILE_TIMEOUT_S = 60.0
 SAMPLES = 100_000  # masking steps whose costs are kept for take_step_samples
 
 
@@ -61,6 +59,8 @@ class StructuredOutputStats:
     masked_rows: int = 0  # rows masked, over those steps
     mask_seconds: float = 0.0  # bitmask fill + apply, on the loop thread
     fill_seconds: float = 0.0  # of which the backend's bitmask fill
+    checked_rows: int = 0  # rows drawn unmasked, then checked against their grammar
+    refused_rows: int = 0  # of which the grammar refused the token: masked and drawn again
 
 
 class StructuredOutputRequest:
@@ -127,10 +127,28 @@ class StructuredOutputRequest:
             return True
         return self.backend.ended(self._matcher, token)
 
+    def allows(self, token: int) -> bool:
+        """Whether the grammar would accept `token` now (the matcher is left as it was)."""
+        return self.backend.allows(self.matcher, token)
 
-def _allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
-    """Both backends' layout: int32 words, bit j of word w allows token 32 * w + j; all allowed to start."""
-    return torch.full((rows, (vocab_size + 31) // 32), -1, dtype=torch.int32)
+
+@dataclass(slots=True)
+class GrammarCheck:
+    """The grammars of the rows of a step whose tokens are checked after the draw (rose.engine.sampler.TokenCheck):
+    `requests[i]` is row i's, None where the row was masked before the draw or is unconstrained."""
+
+    manager: StructuredOutputManager
+    requests: list[StructuredOutputRequest | None]
+
+    def refused(self, token_ids: list[int]) -> list[int]:
+        rows = [i for i, r in enumerate(self.requests) if r is not None and not r.allows(token_ids[i])]
+        stats = self.manager.stats
+        stats.checked_rows += sum(r is not None for r in self.requests)
+        stats.refused_rows += len(rows)
+        return rows
+
+    def mask(self, logits: torch.Tensor, rows: list[int]) -> None:
+        self.manager.apply_grammar_bitmask(logits, [self.requests[i] for i in rows])
 
 
 class StructuredOutputManager:
@@ -148,7 +166,8 @@ class StructuredOutputManager:
         max_json_whitespace: int | None = DEFAULT_MAX_JSON_WHITESPACE,
         cache_bytes: int = CACHE_BYTES,
         backend: str = "auto",
-        compile_timeout: float | None = COMPILE_TIMEOUT_S,
+        compile_timeout: float | None = GRAMMAR_COMPILE_TIMEOUT_S,
+        mask_first: bool = False,
     ) -> None:
         if tokenizer is None:
             raise ValueError("structured outputs need a tokenizer; this engine has none")
@@ -162,6 +181,7 @@ class StructuredOutputManager:
         self.max_json_whitespace = max_json_whitespace
         self.cache_bytes = cache_bytes
         self.compile_timeout = compile_timeout  # seconds a request waits for its grammar before it fails
+        self.mask_first = mask_first  # every constrained row masked before the draw (no GrammarCheck)
         self._next_deadline: float | None = (
             None  # the earliest deadline of a compile not done: take_failed looks then
         )
@@ -189,23 +209,7 @@ class StructuredOutputManager:
         self.first_compile_seconds: float | None = None
         self.num_live = 0  # constrained requests in the engine: no work at all in a step while 0
         self.failed = False  # a compile failed on the pool: the engine looks for its requests
-        self.bitmask = _allocate_bitmask(1, vocab_size)
-        # CPU: float32 logits through a numba kernel that writes only the disallowed tokens (rose.engine.cpu_bitmask:
-        # ~0 ms for 64 free-string rows at 151k tokens, against 17 ms for the lookup); other CPU dtypes through one
-        # float row per bitmask byte (0 allowed / -inf masked, bit j = token 8 * byte + j), an embedding lookup +
-        # add: ~0.4 ms for 64 x 8192 against ~1.7 ms for xgrammar's CPU kernel (2 threads). `mask_backend`:
-        # "numba", "lookup" (CPU, little-endian only), "xgrammar" (its kernel), "auto" (numba / lookup on CPU)
-        if mask_backend not in ("auto", "numba", "lookup", "xgrammar"):
-            raise ValueError(
-                f"mask_backend must be 'auto', 'numba', 'lookup' or 'xgrammar', got {mask_backend!r}"
-            )
-        lut_ok = device.type == "cpu" and sys.byteorder == "little"
-        if mask_backend in ("lookup", "numba") and not lut_ok:
-            raise ValueError(f"mask_backend {mask_backend!r} needs a little-endian CPU device")
-        self._use_lut = lut_ok if mask_backend == "auto" else mask_backend in ("lookup", "numba")
-        self._use_numba = mask_backend in ("auto", "numba")
-        bits = (torch.arange(256)[:, None] >> torch.arange(8)) & 1
-        self._byte_lut = torch.zeros(256, 8).masked_fill_(bits == 0, _NEG_INF)
+        self.masker = LogitsMasker(vocab_size, device, mask_backend)  # rose.engine.logits_mask
 
     # ------------------------------------------------------------------ compile
 
@@ -295,6 +299,21 @@ class StructuredOutputManager:
 
     # ------------------------------------------------------------------ masking
 
+    def mask_or_defer(
+        self,
+        logits: torch.Tensor,
+        requests: list[StructuredOutputRequest | None],
+        checkable: list[bool],
+    ) -> GrammarCheck | None:
+        """Mask the constrained rows that need their mask before the draw (`checkable[i]` False: see
+        rose.engine.sampler.checks_after); the check the sampler makes of the others' tokens (None: no such row)."""
+        if self.mask_first:
+            checkable = [False] * len(requests)
+        now = [None if ok else r for r, ok in zip(requests, checkable, strict=True)]
+        self.apply_grammar_bitmask(logits, now)
+        later = [r if ok else None for r, ok in zip(requests, checkable, strict=True)]
+        return GrammarCheck(self, later) if any(r is not None for r in later) else None
+
     @torch.inference_mode()  # the logits are an inference tensor: in-place updates need the mode
     def apply_grammar_bitmask(
         self, logits: torch.Tensor, requests: list[StructuredOutputRequest | None]
@@ -328,34 +347,10 @@ class StructuredOutputManager:
         self, logits: torch.Tensor, requests: list[StructuredOutputRequest | None], rows: list[int]
     ) -> float:
         """Fill and apply; returns the time.perf_counter() at which the fill was done."""
-        n = len(rows)
-        if self.bitmask.shape[0] < n:
-            self.bitmask = _allocate_bitmask(max(n, 2 * self.bitmask.shape[0]), self.vocab_size)
-        bitmask = self.bitmask[:n]
+        bitmask = self.masker.bitmask(len(rows))
         self.backend.fill([requests[i].matcher for i in rows], bitmask)
         filled = time.perf_counter()
-        vocab = self.vocab_size
-        if not self._use_lut:
-            device_mask = bitmask.to(logits.device, non_blocking=True)
-            if n == len(requests):
-                apply_bitmask_kernel(logits, device_mask, vocab)
-            else:
-                # xgrammar's indices pick rows of the logits; the bitmask has one row per logits row
-                full = torch.full(
-                    (len(requests), bitmask.shape[1]), -1, dtype=torch.int32, device=logits.device
-                )
-                full[rows] = device_mask
-                apply_bitmask_kernel(logits, full, vocab, indices=rows)
-            return filled
-        if self._use_numba and cpu_bitmask.usable(logits):
-            cpu_bitmask.apply(logits, bitmask, rows, vocab)
-            return filled
-        add = torch.nn.functional.embedding(bitmask.view(torch.uint8).long(), self._byte_lut)
-        add = add.view(n, -1)[:, :vocab].to(logits.dtype)
-        if n == len(requests):
-            logits[:, :vocab] += add
-        else:  # one in-place kernel on the constrained rows only
-            logits[:, :vocab].index_add_(0, torch.tensor(rows, device=logits.device), add)
+        self.masker.apply(logits, bitmask, rows)
         return filled
 
     def get_stats(self) -> dict[str, int | float]:
@@ -371,4 +366,6 @@ class StructuredOutputManager:
                 "structured_output_masked_rows": st.masked_rows,
                 "structured_output_mask_s": st.mask_seconds,
                 "structured_output_fill_s": st.fill_seconds,
+                "structured_output_checked_rows": st.checked_rows,
+                "structured_output_refused_rows": st.refused_rows,
             }

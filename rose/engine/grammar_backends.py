@@ -10,7 +10,8 @@ words, bit j of word w allows token 32 * w + j (xgrammar's and llguidance's comm
 * `compile` runs on the manager's pool (both release the GIL); `size` is what the cache counts of it.
 * `matcher` makes a request's matcher; `accept` feeds it a sampled token (False: refused); `ended` says whether the
   token it accepted ended the grammar (a stop token where the grammar may end: the output's last token is the one
-  before); `fill` writes the next-token masks of several matchers at once.
+  before); `allows` says whether it would accept a token, leaving it as it was; `fill` writes the next-token masks
+  of several matchers at once.
 
 JSON whitespace: `any_whitespace` False writes one line (vLLM's disable_any_whitespace); otherwise whitespace is
 allowed between tokens, at most `max_json_whitespace` characters of it at a time (None: no limit).
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -58,6 +60,7 @@ class Backend(Protocol):
     def size(self, compiled: Any) -> int: ...
     def matcher(self, compiled: Any) -> Any: ...
     def accept(self, matcher: Any, token: int) -> bool: ...
+    def allows(self, matcher: Any, token: int) -> bool: ...
     def ended(self, matcher: Any, token: int) -> bool: ...
     def fill(self, matchers: list[Any], bitmask: torch.Tensor) -> None: ...
 
@@ -140,6 +143,12 @@ class XGrammarBackend:
     def accept(self, matcher: Any, token: int) -> bool:
         return matcher.accept_token(token)
 
+    def allows(self, matcher: Any, token: int) -> bool:
+        if not matcher.accept_token(token):
+            return False
+        matcher.rollback(1)  # xgrammar has no check that leaves the matcher as it was
+        return True
+
     def ended(self, matcher: Any, token: int) -> bool:
         return matcher.is_terminated()
 
@@ -208,7 +217,8 @@ class GuidanceBackend:
             tokenizer, n_vocab=vocab_size, eos_token=list(stop_token_ids) or None
         )
         self.stop_token_ids = frozenset(stop_token_ids) or frozenset([self.tokenizer.eos_token])
-        self._executor = llguidance.LLExecutor(num_threads=threads)
+        # the fill holds up the step while it runs, so it may use every core (`threads` is what compiles get)
+        self._executor = llguidance.LLExecutor(num_threads=max(threads, os.cpu_count() or 1))
         self._json_options = _guidance_json_options(any_whitespace, max_json_whitespace)
 
     def parse(self, params: StructuredOutputsParams) -> str:
@@ -236,6 +246,13 @@ class GuidanceBackend:
         if matcher.is_stopped():  # only a stop token may follow a finished grammar
             return token in self.stop_token_ids
         return matcher.consume_token(token)
+
+    def allows(self, matcher: Any, token: int) -> bool:
+        if matcher.is_error():
+            return False
+        if matcher.is_stopped():
+            return token in self.stop_token_ids
+        return matcher.validate_tokens([token]) == 1
 
     def ended(self, matcher: Any, token: int) -> bool:
         # llguidance stops as soon as nothing can follow (before the stop token): the stop token ends it

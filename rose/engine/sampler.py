@@ -6,15 +6,23 @@ their temperature, then min-p drops the tokens less likely than min_p times the 
 logits processor in V1, so it comes before top-k / top-p, unlike V0), then top-k and top-p (on what min-p kept,
 renormalized), then an exponential-race draw (argmax of p / q with q ~ Exp(1)). Seeded rows draw q from their own
 generator, so they yield the same tokens alone or in any batch.
+
+A grammar's mask may also come after the draw, for the rows where that cannot change the outcome (`checks_after`:
+greedy rows and plain temperature draws, without logprobs): the race's winner among the allowed tokens is the
+overall winner whenever that one is allowed, so the sampler draws from the unmasked logits, asks a `TokenCheck`
+which tokens the grammar refuses, and only for those rows masks the logits and redraws with the same q. The tokens
+are those of masking first (llama.cpp's grammar-first sampling) at the cost of a mask only where the model strays.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from rose.engine.outputs import TokenLogprob
+from rose.engine.sampling_params import SamplingParams
 from rose.engine.sequence import Sequence
 
 _NEG_INF = float("-inf")
@@ -47,6 +55,27 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     return index
 
 
+def checks_after(params: SamplingParams) -> bool:
+    """Whether a row drawn with `params` may be checked against its grammar after the draw instead of masked before
+    it (see the module's docstring): greedy, or a temperature draw without min-p / top-k / top-p (which would keep
+    a different set of tokens from masked logits), and no logprobs (reported from the masked logits)."""
+    if params.logprobs is not None:
+        return False
+    return params.greedy or (params.min_p == 0 and params.top_k == 0 and params.top_p == 1.0)
+
+
+class TokenCheck(Protocol):
+    """A grammar's verdict on drawn tokens, for the rows the sampler checks after the draw."""
+
+    def refused(self, token_ids: list[int]) -> list[int]:
+        """The rows (indices into `token_ids`, one per sampled row) whose token the grammar does not allow."""
+        ...
+
+    def mask(self, logits: torch.Tensor, rows: list[int]) -> None:
+        """Mask in place `logits` ([len(rows), vocab], row j for row `rows[j]`) to what each grammar allows."""
+        ...
+
+
 @dataclass
 class SamplerOutput:
     token_ids: list[int]
@@ -61,8 +90,11 @@ class Sampler:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
-        """logits: [len(seqs), vocab] for the rows' next tokens."""
+    def __call__(
+        self, logits: torch.Tensor, seqs: list[Sequence], check: TokenCheck | None = None
+    ) -> SamplerOutput:
+        """logits: [len(seqs), vocab] for the rows' next tokens. `check`: the grammar of the rows that were not
+        masked before the draw (rows for which `checks_after` holds), asked after it."""
         logits = logits[:, : self.vocab_size].float()
         raw = logits
         params = [s.params for s in seqs]
@@ -76,11 +108,23 @@ class Sampler:
             logits[list(rows), list(cols)] = _NEG_INF
 
         greedy = [p.greedy for p in params]
+        q = None
         if all(greedy):
             tokens = argmax(logits)
         else:
-            tokens = self._sample(logits, seqs, greedy)
+            tokens, q = self._sample(logits, seqs, greedy)
         token_list = tokens.tolist()
+        refused = check.refused(token_list) if check is not None else None
+        if refused:  # masked, then drawn again with the same q: what masking first would have drawn
+            masked = logits[refused]  # a copy
+            check.mask(masked, refused)
+            again = [greedy[i] for i in refused]
+            if all(again):
+                redrawn = argmax(masked)
+            else:
+                redrawn, _ = self._sample(masked, [seqs[i] for i in refused], again, q[refused])
+            for i, token in zip(refused, redrawn.tolist(), strict=True):
+                token_list[i] = token
 
         logprobs: list[TokenLogprob | None] = [None] * len(seqs)
         wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
@@ -88,7 +132,10 @@ class Sampler:
             logprobs = self._logprobs(raw, token_list, params, wanted, logprobs)
         return SamplerOutput(token_list, logprobs)
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], greedy: list[bool]) -> torch.Tensor:
+    def _sample(
+        self, logits: torch.Tensor, seqs: list[Sequence], greedy: list[bool], q: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The drawn tokens and the race's q (drawn here unless given)."""
         params = [s.params for s in seqs]
         device = logits.device
         temps = torch.tensor(
@@ -100,21 +147,27 @@ class Sampler:
             scaled = apply_min_p(scaled, min_p)
         top_k = [p.top_k for p in params]
         top_p = [p.top_p for p in params]
-        if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
+        # only the rows that ask for them: a row's draw does not depend on its batch (a cumulative sum rounding to
+        # 1 before the last token would drop tokens from a top_p = 1 row)
+        cut = [i for i, (k, p) in enumerate(zip(top_k, top_p, strict=True)) if k > 0 or p < 1.0]
+        if len(cut) == len(seqs):
             scaled = apply_top_k_top_p(scaled, top_k, top_p)
+        elif cut:
+            scaled[cut] = apply_top_k_top_p(scaled[cut], [top_k[i] for i in cut], [top_p[i] for i in cut])
         probs = scaled.softmax(dim=-1)
 
-        q = torch.empty_like(probs)
-        seeded = [i for i, s in enumerate(seqs) if s.generator is not None]
-        if len(seeded) < len(seqs):
-            q.exponential_(generator=self.generator)
-        for i in seeded:
-            q[i].exponential_(generator=seqs[i].generator)
+        if q is None:
+            q = torch.empty_like(probs)
+            seeded = [i for i, s in enumerate(seqs) if s.generator is not None]
+            if len(seeded) < len(seqs):
+                q.exponential_(generator=self.generator)
+            for i in seeded:
+                q[i].exponential_(generator=seqs[i].generator)
         sampled = argmax(probs / q)
         if any(greedy):
             is_greedy = torch.tensor(greedy, device=device)
             sampled = torch.where(is_greedy, argmax(logits), sampled)
-        return sampled
+        return sampled, q
 
     def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         rows = [i for i, s in enumerate(seqs) if s.params.uses_penalties]

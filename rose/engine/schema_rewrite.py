@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import unquote
 
 # keywords whose value is a map of name -> subschema, a subschema, or a list of subschemas
 _MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
@@ -79,7 +80,8 @@ def _collect_open_refs(schema: Any, close: bool, found: set[str]) -> None:
         return
     ref = schema.get("$ref")
     if isinstance(ref, str) and (not close or len(schema) > 1):
-        found.add(ref)
+        # a pointer in a URI fragment is percent-encoded (RFC 6901 section 6): "#/$defs/my%20def" is "my def"
+        found.add(unquote(ref) if ref.startswith("#") else ref)
 
     def child(sub: Any, key: str, _path: str) -> Any:
         _collect_open_refs(sub, key not in _IN_PLACE, found)

@@ -16,6 +16,9 @@ CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 # Whitespace between two tokens of constrained JSON, at most (characters): a newline and 2-space indentation nine
 # levels deep. Unbounded, a model that leans toward whitespace (real ones do in JSON mode) writes it until max_tokens.
 DEFAULT_MAX_JSON_WHITESPACE = 20
+# A grammar still compiling this long after it was asked for fails its requests alone, with the reason (the compile
+# itself runs on; a later request for it may find it done). xgrammar at 151k tokens: seconds for bounded strings.
+GRAMMAR_COMPILE_TIMEOUT_S = 60.0
 # The grammar engines (vLLM's names; rose.engine.grammar_backends) and what `auto` runs, chosen on rose's
 # conformance corpus: validity first, then mask and compile time (benchmarks/README.md, structured outputs)
 BACKENDS = ("xgrammar", "guidance")

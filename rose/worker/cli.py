@@ -46,6 +46,7 @@ _FLAGS: list[tuple[str, str, dict[str, Any]]] = [
     ),
     ("--disable-any-whitespace", "disable_any_whitespace", {"action": "store_const", "const": True}),
     ("--max-json-whitespace", "max_json_whitespace", {"type": int, "metavar": "CHARS"}),
+    ("--grammar-compile-timeout", "grammar_compile_timeout", {"type": float, "metavar": "SECONDS"}),
     ("--name", "name", {}),
     ("--drain-timeout", "drain_timeout", {"type": float, "metavar": "SECONDS"}),
     ("--log-level", "log_level", {"metavar": "LEVEL"}),
@@ -136,6 +137,7 @@ def build_engine(settings: WorkerSettings) -> Any:
         disable_any_whitespace=settings.disable_any_whitespace,
         max_json_whitespace=settings.max_json_whitespace or None,
         structured_outputs_backend=settings.structured_outputs_backend,
+        grammar_compile_timeout=settings.grammar_compile_timeout or None,
     )
     engine.prepare_structured_outputs()  # not on the loop thread when the first constrained job comes
     return engine

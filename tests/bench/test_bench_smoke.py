@@ -265,11 +265,18 @@ def test_engine_bench_structured_flag(tmp_path, capsys):
     assert "json-schema / unconstrained:" in out and "grammar compile: first" in out
     report = json.loads((tmp_path / "s.json").read_text())
     modes = report["modes"]
-    assert set(modes) == {"unconstrained", "json-schema", "mixed"}
-    # the bench schema keeps greedy rows writing to max_tokens: the three modes generate the same token count
+    assert set(modes) == {"unconstrained", "json-schema", "mixed", "mask-first"}
+    # the bench schema keeps greedy rows writing to max_tokens: the modes generate the same token count
     assert len({m["passes"][0]["generated_tokens"] for m in modes.values()}) == 1
     assert modes["unconstrained"]["mean_masked_rows"] == 0 and modes["json-schema"]["mean_masked_rows"] > 0
-    assert 0 < modes["mixed"]["mean_masked_rows"] < modes["json-schema"]["mean_masked_rows"]
+    assert 0 < modes["mixed"]["mean_masked_rows"] < modes["mask-first"]["mean_masked_rows"]
+    # by default a row is drawn, then checked; mask-first masks every constrained row of every step
+    checked = modes["json-schema"]["passes"][0]
+    assert checked["checked_rows"] > 0 and 0 < checked["refused_rows"] <= checked["checked_rows"]
+    assert checked["masked_rows"] == checked["refused_rows"]
+    first = modes["mask-first"]["passes"][0]
+    assert first["checked_rows"] == 0 and first["masked_rows"] == first["generated_tokens"]
+    assert "mask-first / unconstrained:" in out
     assert report["first_compile_s"] > report["cache_hit_s"] >= 0
     # the mask's cost per step: fill per row and apply, one sample per masking step of the pass
     constrained = modes["json-schema"]["passes"][0]

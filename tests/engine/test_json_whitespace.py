@@ -12,6 +12,7 @@ import jsonschema
 import pytest
 import torch
 from engine_helpers import drain
+from pydantic import ValidationError
 
 from rose.config import WorkerSettings
 from rose.engine.engine import Engine
@@ -124,6 +125,35 @@ def test_rose_worker_passes_the_grammar_backend_to_its_engine(argv, env, expecte
         assert engine.structured_outputs.backend.name == expected
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "expected"),
+    [
+        ([], None, 60.0),
+        (["--grammar-compile-timeout", "5"], None, 5.0),
+        (["--grammar-compile-timeout", "0"], None, None),  # no limit
+        ([], "2.5", 2.5),
+    ],
+)
+def test_rose_worker_passes_the_grammar_compile_timeout_to_its_engine(argv, env, expected, monkeypatch):
+    if env is None:
+        monkeypatch.delenv("ROSE_GRAMMAR_COMPILE_TIMEOUT", raising=False)
+    else:
+        monkeypatch.setenv("ROSE_GRAMMAR_COMPILE_TIMEOUT", env)
+    settings, _ = load_settings([*argv, "--model", "tiny-llama", "--device", "cpu", "--max-model-len", "128"])
+    engine = build_engine(settings)
+    try:
+        assert engine.structured_outputs.compile_timeout == expected
+    finally:
+        engine.close()
+
+
+def test_a_grammar_compile_timeout_must_be_positive():
+    with pytest.raises(ValueError, match=r"grammar_compile_timeout must be > 0 or None \(no limit\), got -1"):
+        whitespace_leaning_engine(grammar_compile_timeout=-1)
+    with pytest.raises(ValidationError, match="grammar_compile_timeout"):  # the settings refuse it too
+        load_settings(["--grammar-compile-timeout", "-1"])
 
 
 def test_an_unknown_grammar_backend_is_refused_when_the_engine_is_built():

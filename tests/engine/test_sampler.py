@@ -11,7 +11,7 @@ from engine_helpers import fake_seq
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from rose.engine.sampler import Sampler, apply_min_p, apply_top_k_top_p
+from rose.engine.sampler import Sampler, apply_min_p, apply_top_k_top_p, checks_after
 from rose.engine.sampling_params import SamplingParams
 
 NEG_INF = float("-inf")
@@ -389,3 +389,72 @@ def test_blocked_argmax_on_a_large_batch_matches_torch():
     x[3, 100] = x[3, 4000] = x[3].max() + 1  # a tie across blocks
     x[5, -1] = x[5].max() + 1  # the maximum in the tail
     assert torch.equal(argmax(x), x.argmax(dim=-1))
+
+
+# ----------------------------------------------------------------------------------------------- checked after the draw
+
+
+class AllowedSets:
+    """A TokenCheck over fixed allowed sets (one bool row per sampled row; None: not checked), which records the
+    rows it was asked to mask."""
+
+    def __init__(self, allowed: list[torch.Tensor | None]) -> None:
+        self.allowed = allowed
+        self.masked_rows: list[int] = []
+
+    def refused(self, token_ids: list[int]) -> list[int]:
+        return [i for i, a in enumerate(self.allowed) if a is not None and not bool(a[token_ids[i]])]
+
+    def mask(self, logits: torch.Tensor, rows: list[int]) -> None:
+        self.masked_rows += rows
+        for j, i in enumerate(rows):
+            logits[j].masked_fill_(~self.allowed[i], NEG_INF)
+
+
+def test_a_token_checked_after_the_draw_is_what_masking_first_draws():
+    """Greedy rows and plain temperature draws (seeded or not) may be checked after the draw: a refused token is
+    masked and drawn again with the same q, so every row gets the token masking first gives it."""
+    gen = torch.Generator().manual_seed(3)
+    vocab = 40
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.0, seed=11),
+        SamplingParams(temperature=0.7),
+        SamplingParams(temperature=1.5, seed=12),
+        SamplingParams(temperature=1.0),  # not constrained
+    ]
+    first = Sampler(vocab, torch.device("cpu"), set(), seed=5)
+    after = Sampler(vocab, torch.device("cpu"), set(), seed=5)
+    first_seqs = [fake_seq(p, seed=p.seed) for p in params]
+    after_seqs = [fake_seq(p, seed=p.seed) for p in params]
+    refused = 0
+    for _ in range(60):
+        logits = torch.randn((len(params), vocab), generator=gen) * 3
+        # each constrained row allows a random quarter to three quarters of the vocabulary
+        share = torch.rand((len(params), 1), generator=gen) * 0.5 + 0.25
+        allowed = list(torch.rand((len(params), vocab), generator=gen) < share)
+        allowed[-1] = None
+        masked = logits.clone()
+        for i, a in enumerate(allowed[:-1]):
+            masked[i].masked_fill_(~a, NEG_INF)
+        expected = first(masked, first_seqs).token_ids
+        check = AllowedSets(allowed)
+        got = after(logits, after_seqs, check).token_ids
+        assert got == expected
+        assert all(allowed[i][t] for i, t in enumerate(got[:-1]))
+        refused += len(check.masked_rows)
+        assert (
+            len(set(check.masked_rows)) == len(check.masked_rows) and len(params) - 1 not in check.masked_rows
+        )
+    assert 0 < refused < 60 * (len(params) - 1)  # some rows were masked, not all
+
+
+def test_rows_that_need_their_mask_before_the_draw():
+    assert checks_after(SamplingParams(temperature=0.0))
+    assert checks_after(SamplingParams(temperature=0.0, top_k=5, top_p=0.5))  # greedy: the argmax
+    assert checks_after(SamplingParams(temperature=0.8, seed=1, repetition_penalty=1.2))
+    # truncation keeps a different set from masked logits; logprobs are reported from the masked logits
+    assert not checks_after(SamplingParams(temperature=0.8, top_p=0.9))
+    assert not checks_after(SamplingParams(temperature=0.8, top_k=40))
+    assert not checks_after(SamplingParams(temperature=0.8, min_p=0.05))
+    assert not checks_after(SamplingParams(temperature=0.0, logprobs=0))

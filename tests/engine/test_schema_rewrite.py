@@ -65,6 +65,13 @@ def test_refs_are_matched_as_json_pointers():
     assert "additionalProperties" not in closed_objects(schema)["$defs"]["a/b"]
 
 
+@pytest.mark.parametrize("ref", ["#/$defs/my%20def", "#/$defs/my def"])
+def test_percent_encoded_refs_are_matched_as_their_names(ref):
+    """A $ref is a URI fragment: "#/$defs/my%20def" names the def `my def` (RFC 6901, section 6)."""
+    schema = {"$defs": {"my def": {"properties": {"x": STRING}}}, "allOf": [{"$ref": ref}]}
+    assert "additionalProperties" not in closed_objects(schema)["$defs"]["my def"]
+
+
 def test_a_def_used_as_a_whole_property_is_closed():
     schema = {
         "$defs": {"Addr": {"type": "object", "properties": {"city": STRING}}},

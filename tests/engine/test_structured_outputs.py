@@ -17,8 +17,9 @@ import xgrammar as xgr
 from engine_helpers import drain, generate, make_engine, text_prompt
 
 from rose.engine.engine import Engine
-from rose.engine.grammar import StructuredOutputManager, _allocate_bitmask
+from rose.engine.grammar import StructuredOutputManager
 from rose.engine.grammar_backends import apply_bitmask_kernel, choice_as_ebnf
+from rose.engine.logits_mask import allocate_bitmask
 from rose.engine.presets import build_preset
 from rose.engine.sampling_params import SamplingParams
 from rose.engine.structured_outputs import StructuredOutputsParams
@@ -111,7 +112,7 @@ def replay_masks(engine: Engine, params: StructuredOutputsParams, tokens: list[i
     backend = engine.structured_outputs.backend
     matcher = backend.matcher(backend.compile(backend.parse(params)))
     masks = []
-    bitmask = _allocate_bitmask(1, engine.vocab_size)
+    bitmask = allocate_bitmask(1, engine.vocab_size)
     for tok in tokens:
         backend.fill([matcher], bitmask)
         logits = torch.zeros(1, engine.vocab_size)
