@@ -3,11 +3,13 @@
 The same workload (prompts, max_tokens, greedy) runs four ways on one engine: unconstrained (EOS ignored), every
 request constrained by a JSON schema, half of them constrained (alternating), and every request constrained with
 each row masked before its draw (`mask-first`: what vLLM does; by default rose checks a drawn token and masks only
-where the grammar refuses it, rose.engine.sampler). A constrained request ends when
-its grammar does, so throughput is generated tokens (whatever each request produced) per second of wall time. The
-schema (one string field of up to 4,096 characters) keeps greedy random-weight rows writing until max_tokens, so the
-three passes generate about as many tokens. Also measured: the grammar's first compile and a cache hit, and the
-per-step mask cost (bitmask fill + apply on the constrained rows), from the engine's own counters (`get_stats`).
+where the grammar refuses it, rose.engine.sampler). A constrained request ends when its grammar does, so
+throughput is generated tokens (whatever each request produced) per second of wall time. The schema (one string
+field of up to 4,096 characters) keeps greedy random-weight rows writing until max_tokens, so the passes generate
+about as many tokens; it is the case where checking after the draw gains most (inside the string nearly every token
+is allowed): a schema with more structure is refused more often. Also measured: the grammar's first compile and a
+cache hit, the per-step mask cost (bitmask fill + apply on the constrained rows) and the time spent checking drawn
+tokens, from the engine's own counters (`get_stats`).
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ class ModePass:
     masked_rows: int
     checked_rows: int = 0  # rows drawn unmasked and checked after the draw
     refused_rows: int = 0  # of which the grammar refused the token (then masked and drawn again)
+    check_s: float = 0.0  # asking the grammars about the drawn tokens
     fill_us_per_row: list[float] = field(default_factory=list)  # per masking step: the fill / rows masked
     apply_us: list[float] = field(default_factory=list)  # per masking step: the apply (its launch on CUDA)
 
@@ -100,6 +103,11 @@ class StructuredBenchReport:
             return float("nan"), float("nan")
         return values[(len(values) - 1) // 2], values[min(len(values) - 1, round(0.99 * (len(values) - 1)))]
 
+    def check_ms_per_step(self, mode: str) -> float:
+        """Time checking drawn tokens against their grammars per engine step, over every step of the mode."""
+        steps = sum(p.steps for p in self.passes[mode])
+        return 1e3 * sum(p.check_s for p in self.passes[mode]) / steps if steps else 0.0
+
     def mean_masked_rows(self, mode: str) -> float:
         """Rows masked per engine step, over every step of the mode's passes."""
         steps = sum(p.steps for p in self.passes[mode])
@@ -117,6 +125,7 @@ class StructuredBenchReport:
             "vs unconstrained (paired)",
             "tokens",
             "mask ms/step",
+            "check ms/step",
             "rows masked/step",
             "refused / checked",
             "fill µs/row p50 / p99",
@@ -132,6 +141,7 @@ class StructuredBenchReport:
                     f"{self.ratio(mode):.1%}",
                     best.generated_tokens,
                     f"{self.mask_ms_per_step(mode):.3f}",
+                    f"{self.check_ms_per_step(mode):.3f}",
                     f"{self.mean_masked_rows(mode):.1f}",
                     f"{self.refused_share(mode):.1%}",
                     "{:.0f} / {:.0f}".format(*self.percentiles(mode, "fill_us_per_row")),
@@ -153,6 +163,7 @@ class StructuredBenchReport:
                     "median_generated_tokens_per_s": self.median_tokens_per_s(mode),
                     "ratio_vs_unconstrained": self.ratio(mode),
                     "mask_ms_per_step": self.mask_ms_per_step(mode),
+                    "check_ms_per_step": self.check_ms_per_step(mode),
                     "mean_masked_rows": self.mean_masked_rows(mode),
                     "refused_share": self.refused_share(mode),
                     "fill_us_per_row_p50_p99": self.percentiles(mode, "fill_us_per_row"),
@@ -178,14 +189,16 @@ def _run_mode(llm: Any, workload: Workload, mode: str) -> ModePass:
     params = [_params(mode, i, r.max_tokens) for i, r in enumerate(workload.requests)]
     before = engine.get_stats()
     manager = engine.structured_outputs
-    manager.mask_first = mode == "mask-first"
     manager.take_step_samples()  # from this pass only
-    sync(engine.device)
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params)
-    sync(engine.device)
-    wall = time.perf_counter() - start
-    manager.mask_first = False
+    manager.mask_first = mode == "mask-first"
+    try:
+        sync(engine.device)
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        sync(engine.device)
+        wall = time.perf_counter() - start
+    finally:
+        manager.mask_first = False
     after = engine.get_stats()
 
     def delta(name: str) -> float:
@@ -202,6 +215,7 @@ def _run_mode(llm: Any, workload: Workload, mode: str) -> ModePass:
         int(delta("structured_output_masked_rows")),
         int(delta("structured_output_checked_rows")),
         int(delta("structured_output_refused_rows")),
+        delta("structured_output_check_s"),
         [1e6 * fill for fill, _ in samples],
         [1e6 * apply for _, apply in samples],
     )

@@ -45,7 +45,7 @@ _CACHE_ENTRIES = 512  # compiled grammars kept (least recently used dropped firs
 # ... and at most this much memory in them: a grammar's token masks grow with the vocabulary and with the JSON
 # whitespace bound (xgrammar keeps a mask per counted position: ~7 MB for a 4-field schema at 128k tokens and 20)
 CACHE_BYTES = 512 << 20
-SAMPLES = 100_000  # masking steps whose costs are kept for take_step_samples
+SAMPLES = 100_000  # mask calls whose costs are kept for take_step_samples
 
 
 @dataclass
@@ -55,12 +55,14 @@ class StructuredOutputStats:
     cache_hits: int = 0
     compile_seconds: float = 0.0  # total, on the pool
     compile_errors: int = 0
-    mask_calls: int = 0  # steps that masked at least one row
+    mask_calls: int = 0  # calls that masked at least one row (a step may make two: rows masked first, then
+    # rows whose drawn token was refused)
     masked_rows: int = 0  # rows masked, over those steps
     mask_seconds: float = 0.0  # bitmask fill + apply, on the loop thread
     fill_seconds: float = 0.0  # of which the backend's bitmask fill
     checked_rows: int = 0  # rows drawn unmasked, then checked against their grammar
     refused_rows: int = 0  # of which the grammar refused the token: masked and drawn again
+    check_seconds: float = 0.0  # asking the grammars about drawn tokens, on the loop thread
 
 
 class StructuredOutputRequest:
@@ -141,8 +143,10 @@ class GrammarCheck:
     requests: list[StructuredOutputRequest | None]
 
     def refused(self, token_ids: list[int]) -> list[int]:
+        start = time.perf_counter()
         rows = [i for i, r in enumerate(self.requests) if r is not None and not r.allows(token_ids[i])]
         stats = self.manager.stats
+        stats.check_seconds += time.perf_counter() - start
         stats.checked_rows += sum(r is not None for r in self.requests)
         stats.refused_rows += len(rows)
         return rows
@@ -204,7 +208,7 @@ class StructuredOutputManager:
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self._stats_lock = threading.Lock()  # compile figures are written on the pool
         self.stats = StructuredOutputStats()
-        # (fill seconds per row, apply seconds) per masking step; on CUDA the apply is its launch (not synced)
+        # (fill seconds per row, apply seconds) per mask call; on CUDA the apply is its launch (not synced)
         self.step_samples: deque[tuple[float, float]] = deque(maxlen=SAMPLES)
         self.first_compile_seconds: float | None = None
         self.num_live = 0  # constrained requests in the engine: no work at all in a step while 0
@@ -337,7 +341,7 @@ class StructuredOutputManager:
         self.step_samples.append(((filled - start) / len(rows), end - filled))
 
     def take_step_samples(self) -> list[tuple[float, float]]:
-        """(fill seconds per row, apply seconds) of each masking step since the last call (the most recent
+        """(fill seconds per row, apply seconds) of each mask call since the last call (the most recent
         SAMPLES kept): what the distribution of the mask's cost is, for benchmarks."""
         samples = list(self.step_samples)
         self.step_samples.clear()
@@ -368,4 +372,5 @@ class StructuredOutputManager:
                 "structured_output_fill_s": st.fill_seconds,
                 "structured_output_checked_rows": st.checked_rows,
                 "structured_output_refused_rows": st.refused_rows,
+                "structured_output_check_s": st.check_seconds,
             }

@@ -217,8 +217,8 @@ class GuidanceBackend:
             tokenizer, n_vocab=vocab_size, eos_token=list(stop_token_ids) or None
         )
         self.stop_token_ids = frozenset(stop_token_ids) or frozenset([self.tokenizer.eos_token])
-        # the fill holds up the step while it runs, so it may use every core (`threads` is what compiles get)
-        self._executor = llguidance.LLExecutor(num_threads=max(threads, os.cpu_count() or 1))
+        # the fill holds up the step while it runs, so it may use every core this process may run on
+        self._executor = llguidance.LLExecutor(num_threads=max(threads, len(os.sched_getaffinity(0))))
         self._json_options = _guidance_json_options(any_whitespace, max_json_whitespace)
 
     def parse(self, params: StructuredOutputsParams) -> str:

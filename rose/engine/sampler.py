@@ -1,17 +1,20 @@
 """Batched sampling with per-row parameters, following vLLM V1's semantics (vLLM >= 0.10.1; its V0 differs).
 
-Order of operations, as in vLLM V1's sampler: penalties and min_tokens masking on the logits (and, before them, a
-structured-output grammar's mask, applied by the engine); greedy rows take the argmax; the others are divided by
+Order of operations, as in vLLM V1's sampler: a structured-output grammar's mask (by the engine, or after the draw:
+below), penalties and min_tokens masking on the logits; greedy rows take the argmax; the others are divided by
 their temperature, then min-p drops the tokens less likely than min_p times the most likely one (an argmax-invariant
 logits processor in V1, so it comes before top-k / top-p, unlike V0), then top-k and top-p (on what min-p kept,
-renormalized), then an exponential-race draw (argmax of p / q with q ~ Exp(1)). Seeded rows draw q from their own
-generator, so they yield the same tokens alone or in any batch.
+renormalized), then an exponential-race draw: the token maximizing p / q with q ~ Exp(1), computed as the argmax of
+logits / temperature - log q (the same winner, vLLM's distribution; each score depends on its own token only, so no
+softmax is needed and no probability underflows to a tie). Seeded rows draw q from their own generator, so they
+yield the same tokens alone or in any batch.
 
 A grammar's mask may also come after the draw, for the rows where that cannot change the outcome (`checks_after`:
-greedy rows and plain temperature draws, without logprobs): the race's winner among the allowed tokens is the
-overall winner whenever that one is allowed, so the sampler draws from the unmasked logits, asks a `TokenCheck`
-which tokens the grammar refuses, and only for those rows masks the logits and redraws with the same q. The tokens
-are those of masking first (llama.cpp's grammar-first sampling) at the cost of a mask only where the model strays.
+greedy rows and plain temperature draws, without logprobs): a token's score does not depend on the others, so the
+race's winner among the allowed tokens is the overall winner whenever that one is allowed. The sampler draws from the
+unmasked logits, asks a `TokenCheck` which tokens the grammar refuses, and only for those rows masks the logits and
+draws again with the same q: every token is the one masking first gives, at the cost of a mask only where the model
+strays (llama.cpp samples grammars this way).
 """
 
 from __future__ import annotations
@@ -154,16 +157,14 @@ class Sampler:
             scaled = apply_top_k_top_p(scaled, top_k, top_p)
         elif cut:
             scaled[cut] = apply_top_k_top_p(scaled[cut], [top_k[i] for i in cut], [top_p[i] for i in cut])
-        probs = scaled.softmax(dim=-1)
-
         if q is None:
-            q = torch.empty_like(probs)
+            q = torch.empty_like(scaled)
             seeded = [i for i, s in enumerate(seqs) if s.generator is not None]
             if len(seeded) < len(seqs):
                 q.exponential_(generator=self.generator)
             for i in seeded:
                 q[i].exponential_(generator=seqs[i].generator)
-        sampled = argmax(probs / q)
+        sampled = argmax(scaled - q.log())
         if any(greedy):
             is_greedy = torch.tensor(greedy, device=device)
             sampled = torch.where(is_greedy, argmax(logits), sampled)

@@ -273,9 +273,10 @@ def test_engine_bench_structured_flag(tmp_path, capsys):
     # by default a row is drawn, then checked; mask-first masks every constrained row of every step
     checked = modes["json-schema"]["passes"][0]
     assert checked["checked_rows"] > 0 and 0 < checked["refused_rows"] <= checked["checked_rows"]
-    assert checked["masked_rows"] == checked["refused_rows"]
+    assert checked["masked_rows"] == checked["refused_rows"] and checked["check_s"] > 0
     first = modes["mask-first"]["passes"][0]
     assert first["checked_rows"] == 0 and first["masked_rows"] == first["generated_tokens"]
+    assert first["check_s"] == 0
     assert "mask-first / unconstrained:" in out
     assert report["first_compile_s"] > report["cache_hit_s"] >= 0
     # the mask's cost per step: fill per row and apply, one sample per masking step of the pass

@@ -23,10 +23,10 @@ def poisoned_engine(model, tok, poison: str) -> Engine:
     engine = Engine(model, tok, device="cpu", max_num_seqs=4, max_model_len=64)
     sample = engine.sampler
 
-    def sampler(logits, seqs):
+    def sampler(logits, seqs, check=None):
         if any(s.prompt == poison for s in seqs):
             raise ValueError("Overflow when unpacking long long")
-        return sample(logits, seqs)
+        return sample(logits, seqs, check)
 
     engine.sampler = sampler
     return engine
