@@ -8,10 +8,12 @@ import os
 import sys
 
 from rose.cli import batch, bench, demo, generate, jobs_cmd, status, submit
+from rose.cli.parser import Parser
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rose", description="rose: a queue-driven LLM batch-job worker.")
+    parser = Parser(prog="rose", description="rose: a queue-driven LLM batch-job worker.")
+    parser.add_version()
     parser.add_argument("--log-level", default="WARNING", help="logging level (default: WARNING)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     demo.add_parser(sub)

@@ -59,6 +59,31 @@ def make_client(args: argparse.Namespace) -> Client:
     return Client(connect(args), queue=getattr(args, "queue", DEFAULT_QUEUE))
 
 
+def workers_serving(conn: redis.Redis, queue: str) -> int:
+    """How many RQ workers (rose-workers among them) have registered for `queue` on this Redis database."""
+    from rq import Queue, Worker
+
+    return Worker.count(connection=conn, queue=Queue(queue, connection=conn))
+
+
+def redis_flag(args: argparse.Namespace) -> str:
+    """` --redis-url URL` for a command printed for the user to run later, when they gave a URL other than the one
+    that command would take by default ($ROSE_REDIS_URL, else the default); '' otherwise. A password shows as ***."""
+    import shlex
+
+    from rose.jobs.connection import redact_url
+
+    if args.redis_url == (os.environ.get("ROSE_REDIS_URL") or DEFAULT_REDIS_URL):
+        return ""
+    return f" --redis-url {shlex.quote(redact_url(args.redis_url))}"
+
+
+def later(args: argparse.Namespace, job_id: str) -> str:
+    """What the user can run to follow a job they stopped waiting for."""
+    flag = redis_flag(args)
+    return f"`rose result {job_id} --wait S{flag}` or `rose cancel {job_id}{flag}`"
+
+
 def error(args: argparse.Namespace, message: str) -> None:
     print(f"rose {args.command}: {message}", file=sys.stderr, flush=True)
 

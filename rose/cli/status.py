@@ -50,7 +50,9 @@ def collect(conn: Any, only: list[str] | None = None) -> dict[str, Any]:
     from rq.serializers import JSONSerializer
 
     queues = []
-    for q in sorted(Queue.all(connection=conn, serializer=JSONSerializer), key=lambda q: q.name):
+    every = sorted(Queue.all(connection=conn, serializer=JSONSerializer), key=lambda q: q.name)
+    running = _running_by_worker(conn, every)
+    for q in every:
         if only and q.name not in only:
             continue
         queues.append(
@@ -82,6 +84,8 @@ def collect(conn: Any, only: list[str] | None = None) -> dict[str, Any]:
         }
         for key, value in raw.items():
             info[key] = _number(key, value)
+        # now, from RQ's started registries: the worker's own count is as old as its last heartbeat
+        info["running_jobs"] = running.get(w.name, 0)
         if isinstance(info.get("queues"), str):
             info["queues"] = [q for q in info["queues"].replace(",", " ").split() if q]
         started = info.get("started_at")
@@ -94,6 +98,19 @@ def collect(conn: Any, only: list[str] | None = None) -> dict[str, Any]:
             continue
         workers.append(info)
     return {"queues": queues, "workers": workers}
+
+
+def _running_by_worker(conn: Any, queues: list[Any]) -> dict[str, int]:
+    """How many jobs each worker runs now: the jobs in the queues' started registries, by their `worker_name`."""
+    from rq.job import Job
+    from rq.serializers import JSONSerializer
+
+    ids = [job_id for q in queues for job_id in q.started_job_registry.get_job_ids(cleanup=False)]
+    counts: dict[str, int] = {}
+    for job in Job.fetch_many(ids, connection=conn, serializer=JSONSerializer):
+        if job is not None and job.worker_name:
+            counts[job.worker_name] = counts.get(job.worker_name, 0) + 1
+    return counts
 
 
 def _number(key: str, value: str) -> Any:
@@ -149,7 +166,7 @@ def render(data: dict[str, Any]) -> None:
         wt.add_column(col, justify="right" if right else "left", overflow="fold")
     for w in data["workers"]:
         device = _cell(w, "device") + (f" {w['dtype']}" if w.get("dtype") else "")
-        running = _cell(w, "num_running") if "num_running" in w else _cell(w, "running_jobs")
+        running = _cell(w, "running_jobs")
         wt.add_row(
             w["name"],
             w["state"],

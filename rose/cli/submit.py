@@ -6,7 +6,16 @@ import argparse
 import sys
 from typing import TYPE_CHECKING, Any
 
-from rose.cli.common import EXIT_TIMEOUT, add_redis_args, ended_badly, error, make_client, usage_line
+from rose.cli.common import (
+    EXIT_TIMEOUT,
+    add_redis_args,
+    connect,
+    ended_badly,
+    error,
+    later,
+    usage_line,
+    workers_serving,
+)
 from rose.cli.request_args import add_request_args, json_arg, request_kwargs
 from rose.cli.sampling_args import add_sampling_args, sampling_kwargs
 
@@ -92,20 +101,31 @@ def run(args: argparse.Namespace) -> int:
     except ValidationError as exc:
         error(args, f"error: {format_validation_error(exc)}")
         return 2
-    job = make_client(args).submit(**fields, **rq_opts)
+    from rose.jobs.client import Client
+    from rose.jobs.connection import redact_url
+
+    conn = connect(args)
+    job = Client(conn, queue=args.queue).submit(**fields, **rq_opts)
     out = sys.stdout
     print(job.id, file=out, flush=True)
+    if not workers_serving(conn, args.queue):  # say so now rather than wait in silence
+        error(
+            args,
+            f"warning: no worker serves queue {args.queue!r} on {redact_url(args.redis_url)}: the job waits until "
+            f"one does (rose-worker --queue {args.queue}; a worker on another database of this Redis does not "
+            "count: the URL's /N picks the database, 0 by default)",
+        )
     try:
         result = _stream(job, args.timeout) if args.stream else job.result(timeout=args.timeout)
     except (JobFailed, JobCanceled) as exc:
         return ended_badly(args, job.id, exc)
     except TimeoutError as exc:
-        error(args, f"{exc}; the job goes on: `rose result {job.id} --wait S` or `rose cancel {job.id}`")
+        error(args, f"{exc}; the job goes on: {later(args, job.id)}")
         return EXIT_TIMEOUT
     except KeyboardInterrupt:
         error(
             args,
-            f"interrupted; job {job.id} goes on: `rose result {job.id} --wait S` or `rose cancel {job.id}`",
+            f"interrupted; job {job.id} goes on: {later(args, job.id)}",
         )
         return 130
     if not args.stream:

@@ -23,6 +23,7 @@ and, when the hub was asked, its answer.
 
 from __future__ import annotations
 
+import difflib
 import fnmatch
 import json
 import logging
@@ -206,8 +207,10 @@ def _patterns(parts: tuple[Part, ...], repo_files: list[str]) -> list[str]:
 
 
 def _not_found(name: str, why: str) -> ModelNotFoundError:
+    close = difflib.get_close_matches(name, presets.PRESET_NAMES, n=1, cutoff=0.75)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
     return ModelNotFoundError(
-        f"model {name!r} is not a preset ({', '.join(presets.PRESET_NAMES)}), not an existing path, and {why}"
+        f"model {name!r} is not a preset ({', '.join(presets.PRESET_NAMES)}), not an existing path, and {why}{hint}"
     )
 
 

@@ -22,10 +22,10 @@ def generate(*args: Any, **kwargs: Any) -> NoReturn:
 
     A stock `rq worker` that picks the job up lands here: rather than loading a model per job (slow, and the
     tokens would never be streamed), the job fails at once with this explanation. Requeue it from the failed
-    registry (`rq requeue --queue <q> <job_id>`) once a rose-worker serves the queue.
+    registry (`rq requeue -S json --queue <q> <job_id>`) once a rose-worker serves the queue.
     """
     raise WrongWorkerError(
         "rose.jobs.generate jobs must be run by the rose-worker daemon (continuous-batching engine + token "
         "streaming), not by a stock `rq worker`. Start `rose-worker --redis-url <url> --queue <queue>` and keep "
-        "stock RQ workers off this queue; requeue this job with `rq requeue --queue <queue> <job_id>`."
+        "stock RQ workers off this queue; requeue this job with `rq requeue -S json --queue <queue> <job_id>`."
     )

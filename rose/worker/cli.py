@@ -14,6 +14,7 @@ from typing import Any
 import redis
 from pydantic import ValidationError
 
+from rose.cli.parser import Parser
 from rose.config import WorkerSettings, redact_url
 from rose.jobs import connection
 from rose.worker.logs import setup_logging
@@ -63,7 +64,7 @@ _FLAGS: list[tuple[str, str, dict[str, Any]]] = [
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="rose-worker",
         description="Take rose.jobs.generate jobs from RQ queues, generate many at once with a continuous-batching "
         "engine, stream tokens on Redis (pub/sub rose:tokens:<job_id> + stream rose:stream:<job_id>) and store "
@@ -87,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--burst", action="store_true", help="Exit once the queues are empty and no job runs."
     )
+    parser.add_version()
     return parser
 
 

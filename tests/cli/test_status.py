@@ -70,6 +70,9 @@ def test_status_running_counts_a_running_job(rose, cli_worker) -> None:
         assert proc.stdout.read(1)  # streaming: it runs
         data = json.loads(rose("status", "--json", "--queue", "rose").stdout)
         assert data["queues"][0]["running"] >= 1
+        # the worker's count is read from RQ's started registry now, not from its last heartbeat (seconds old)
+        worker = next(w for w in data["workers"] if w["name"] == cli_worker.name)
+        assert worker["running_jobs"] >= 1
         assert rose("cancel", job_id).returncode == 0
         assert proc.wait(120) == 1
     finally:

@@ -43,6 +43,7 @@ def test_submit_stream_prints_id_tokens_then_usage(rose, cli_worker) -> None:
 def test_submit_waits_and_prints_the_text(rose, cli_worker) -> None:
     res = rose("submit", "--max-tokens", "5", "--ignore-eos", "--seed", "3", "Bonjour")
     assert res.returncode == 0, res.stderr
+    assert "no worker serves" not in res.stderr  # the session's worker serves the default queue
     job_id, rest = res.stdout.split("\n", 1)
     text, _, tail = rest.rpartition("\n[finish_reason=")
     assert tail.startswith("length ") and "completion_tokens=5]" in tail
@@ -102,6 +103,45 @@ def test_timeout_then_cancel_a_queued_job(rose, cli_worker) -> None:
     assert res.returncode == 1 and "canceled" in res.stderr
     res = rose("cancel", job_id)  # already ended: not an error
     assert res.returncode == 0 and "already canceled" in res.stdout
+
+
+def test_a_queue_no_worker_serves_is_said_at_once_and_the_hints_keep_the_url(
+    rose, cli_redis, cli_worker
+) -> None:
+    """Submitting where no worker listens (a wrong queue, or a wrong database: the default URL is db 0) says so at
+    once; the commands printed to follow the job carry the --redis-url the user gave, so they work as copied."""
+    env = {
+        k: v for k, v in rose.env.items() if k != "ROSE_REDIS_URL"
+    }  # the URL given on the command line only
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            rose_cmd(*args), capture_output=True, text=True, timeout=180, check=False, env=env
+        )
+
+    url = cli_redis.url
+    res = run("submit", "--redis-url", url, "--queue", "nobody-serves-this", "--timeout", "1", "Hello")
+    assert res.returncode == 124, res.stderr
+    job_id = res.stdout.strip()
+    assert f"warning: no worker serves queue 'nobody-serves-this' on {url}" in res.stderr
+    assert f"`rose result {job_id} --wait S --redis-url {url}`" in res.stderr
+    assert f"`rose cancel {job_id} --redis-url {url}`" in res.stderr
+    res = run("result", job_id, "--redis-url", url)  # as printed: the job is found, still queued
+    assert res.returncode == 124 and "queued" in res.stderr
+    res = run("cancel", job_id, "--redis-url", url)
+    assert res.returncode == 0 and f"{job_id} canceled" in res.stdout
+
+
+def test_version_and_a_misspelled_flag(rose) -> None:
+    res = rose("--version")
+    assert res.returncode == 0 and res.stdout.startswith("rose ") and res.stdout.split()[1][0].isdigit()
+    # the prompt after a misspelled flag's value is not taken silently: the flag meant is named
+    res = rose("submit", "--temprature", "0.5", "Hi")
+    assert res.returncode == 2 and res.stdout == ""
+    assert "unrecognized arguments: --temprature Hi (--temprature: did you mean --temperature?)" in res.stderr
+    assert res.stderr.startswith("usage: rose submit")  # the subcommand's usage, not rose's
+    res = rose("status", "--jsn")
+    assert res.returncode == 2 and "did you mean --json?" in res.stderr
 
 
 def test_cancel_unknown_ids_exit_1(rose, cli_worker) -> None:

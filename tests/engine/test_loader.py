@@ -214,11 +214,14 @@ def test_an_unknown_hub_id_fails_at_once_offline_listing_the_presets(tmp_path, h
         lambda: loader.model_tokenizer(name),
         lambda: loader.load_tokenizer(name),
     )
+    # a near miss of a preset's name is named
+    hint = "; did you mean 'tiny-llama'?" if name == "tiny-lama" else ""
     for call in calls:
         start = time.perf_counter()
-        with pytest.raises(loader.ModelNotFoundError, match=message):
+        with pytest.raises(loader.ModelNotFoundError, match=message) as raised:
             call()
         assert time.perf_counter() - start < 1.0
+        assert str(raised.value).endswith(hint) and ("did you mean" in str(raised.value)) == bool(hint)
     assert hub.requests == []
 
 

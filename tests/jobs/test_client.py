@@ -159,8 +159,10 @@ def test_stock_rq_worker_fails_the_job_loudly(client, fake_r):
         serializer=JSONSerializer,
     ).work(burst=True)
     assert job.rq_job.get_status() == JobStatus.FAILED
-    with pytest.raises(JobFailed, match="must be run by the rose-worker daemon"):
+    with pytest.raises(JobFailed, match="must be run by the rose-worker daemon") as failed:
         job.result(timeout=1)
+    # the requeue it suggests reads the job: rose's jobs need RQ's JSON serializer (-S json)
+    assert "`rq requeue -S json --queue <queue> <job_id>`" in str(failed.value)
 
 
 def test_stream_false_is_a_job_field_of_every_submit(client, fake_r):

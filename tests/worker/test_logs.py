@@ -74,6 +74,19 @@ def test_flags_and_env(monkeypatch):
     assert "--metrics-port" in text and "--log-format" in text and "ROSE_METRICS_PORT" in text
 
 
+def test_rose_worker_version_and_a_misspelled_flag(capsys):
+    with pytest.raises(SystemExit) as ended:
+        load_settings(["--version"])
+    assert ended.value.code == 0 and capsys.readouterr().out.startswith("rose-worker ")
+    with pytest.raises(SystemExit) as ended:
+        load_settings(["--modle", "tiny-llama"])
+    assert ended.value.code == 2
+    assert (
+        "unrecognized arguments: --modle tiny-llama (--modle: did you mean --model?)"
+        in capsys.readouterr().err
+    )
+
+
 def test_one_line_per_job_lifecycle_event(run_worker, r, q, caplog):
     caplog.set_level(logging.INFO, logger="rose.worker")
     engine = FakeEngine(max_num_seqs=3, step_delay=0.02)
