@@ -5,8 +5,9 @@ request constrained by a JSON schema, half of them constrained (alternating), an
 each row masked before its draw (`mask-first`: what vLLM does; by default rose checks a drawn token and masks only
 where the grammar refuses it, rose.engine.sampler). A constrained request ends when its grammar does, so
 throughput is generated tokens (whatever each request produced) per second of wall time. The schema (one string
-field of up to 4,096 characters) keeps greedy random-weight rows writing until max_tokens, so the passes generate
-about as many tokens; it is the case where checking after the draw gains most (inside the string nearly every token
+field of exactly 4,096 characters: minLength and maxLength) keeps every row writing until max_tokens, so every pass
+generates the same tokens (with maxLength alone a greedy random row may close its string early, and a pass with
+fewer rows per step has fewer tokens per second for that reason alone); it is the case where checking after the draw gains most (inside the string nearly every token
 is allowed): a schema with more structure is refused more often. Also measured: the grammar's first compile and a
 cache hit, the per-step mask cost (bitmask fill + apply on the constrained rows) and the time spent checking drawn
 tokens, from the engine's own counters (`get_stats`).
@@ -34,7 +35,7 @@ logger = logging.getLogger(__name__)
 TARGET_SHARE = 0.9  # constrained throughput / unconstrained, at batch 64 on CPU
 BENCH_SCHEMA = {
     "type": "object",
-    "properties": {"text": {"type": "string", "maxLength": 4096}},
+    "properties": {"text": {"type": "string", "minLength": 4096, "maxLength": 4096}},
     "required": ["text"],
 }
 MODES = ("unconstrained", "json-schema", "mixed", "mask-first")
