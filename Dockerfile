@@ -35,7 +35,7 @@ RUN python -c "import torch" 2>/dev/null \
 WORKDIR /opt/rose
 COPY pyproject.toml README.md ./
 COPY rose ./rose
-RUN pip install . && rm -rf build
+RUN pip install ".[engine]" && rm -rf build
 
 # Unprivileged runtime user; models are mounted read-only at /models.
 RUN useradd --create-home --uid 10001 --shell /usr/sbin/nologin rose && mkdir -p /models

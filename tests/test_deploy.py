@@ -410,6 +410,8 @@ def test_dockerfile_runs_unprivileged_and_picks_its_torch_base() -> None:
     assert d["USER"] and d["USER"][-1] not in ("root", "0")
     assert any(arg.startswith("BASE_IMAGE") for arg in d["ARG"])
     assert d["FROM"][0] == "${BASE_IMAGE}"
+    # the worker's image installs the engine: `pip install .` alone is a producer's install (no torch, no worker)
+    assert any('pip install ".[engine]"' in run for run in d["RUN"]), d["RUN"]
 
 
 def test_dockerfile_pins_the_readme_torch() -> None:

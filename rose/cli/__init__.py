@@ -8,6 +8,7 @@ import os
 import sys
 
 from rose.cli import batch, bench, demo, generate, jobs_cmd, status, submit
+from rose.cli.extras import missing_engine
 from rose.cli.parser import Parser
 
 
@@ -42,6 +43,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except (ValueError, TypeError) as exc:
         print(f"rose {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as exc:  # an engine command in a producer's install
+        message = missing_engine(exc)
+        if message is None:
+            raise
+        print(f"rose {args.command}: error: {message}", file=sys.stderr)
         return 2
 
 

@@ -14,6 +14,7 @@ from typing import Any
 import redis
 from pydantic import ValidationError
 
+from rose.cli.extras import missing_engine
 from rose.cli.parser import Parser
 from rose.config import WorkerSettings, redact_url
 from rose.jobs import connection
@@ -146,6 +147,17 @@ def build_engine(settings: WorkerSettings) -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except ModuleNotFoundError as exc:  # a producer's install: no engine
+        message = missing_engine(exc)
+        if message is None:
+            raise
+        print(f"rose-worker: error: {message}", file=sys.stderr)
+        return 2
+
+
+def _main(argv: list[str] | None = None) -> int:
     # A signal while starting (model loading): nothing is held yet, so just leave (exit 0, as a drain would).
     early: list[int] = []
     for sig in (signal.SIGTERM, signal.SIGINT):
