@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+from operator import attrgetter
 
 import jsonschema
 import pytest
@@ -84,6 +85,22 @@ def test_a_bound_of_zero_is_refused_when_the_engine_is_built():
         whitespace_leaning_engine(max_json_whitespace=0)
 
 
+def engine_setting(monkeypatch, variable: str, env: str | None, argv: list[str], read):
+    """`read(manager)` on the structured-outputs manager of the engine rose-worker builds from `argv` and the
+    environment variable `variable` (unset when `env` is None)."""
+    if env is None:
+        monkeypatch.delenv(variable, raising=False)
+    else:
+        monkeypatch.setenv(variable, env)
+    settings, _ = load_settings([*argv, "--model", "tiny-llama", "--device", "cpu", "--max-model-len", "128"])
+    assert isinstance(settings, WorkerSettings)
+    engine = build_engine(settings)
+    try:
+        return read(engine.structured_outputs)
+    finally:
+        engine.close()
+
+
 @pytest.mark.parametrize(
     ("argv", "env", "expected"),
     [
@@ -93,17 +110,8 @@ def test_a_bound_of_zero_is_refused_when_the_engine_is_built():
     ],
 )
 def test_rose_worker_passes_the_bound_to_its_engine(argv, env, expected, monkeypatch):
-    if env is None:
-        monkeypatch.delenv("ROSE_MAX_JSON_WHITESPACE", raising=False)
-    else:
-        monkeypatch.setenv("ROSE_MAX_JSON_WHITESPACE", env)
-    settings, _ = load_settings([*argv, "--model", "tiny-llama", "--device", "cpu", "--max-model-len", "128"])
-    assert isinstance(settings, WorkerSettings)
-    engine = build_engine(settings)
-    try:
-        assert engine.structured_outputs.max_json_whitespace == expected
-    finally:
-        engine.close()
+    read = attrgetter("max_json_whitespace")
+    assert engine_setting(monkeypatch, "ROSE_MAX_JSON_WHITESPACE", env, argv, read) == expected
 
 
 @pytest.mark.parametrize(
@@ -115,16 +123,8 @@ def test_rose_worker_passes_the_bound_to_its_engine(argv, env, expected, monkeyp
     ],
 )
 def test_rose_worker_passes_the_grammar_backend_to_its_engine(argv, env, expected, monkeypatch):
-    if env is None:
-        monkeypatch.delenv("ROSE_STRUCTURED_OUTPUTS_BACKEND", raising=False)
-    else:
-        monkeypatch.setenv("ROSE_STRUCTURED_OUTPUTS_BACKEND", env)
-    settings, _ = load_settings([*argv, "--model", "tiny-llama", "--device", "cpu", "--max-model-len", "128"])
-    engine = build_engine(settings)
-    try:
-        assert engine.structured_outputs.backend.name == expected
-    finally:
-        engine.close()
+    read = attrgetter("backend.name")
+    assert engine_setting(monkeypatch, "ROSE_STRUCTURED_OUTPUTS_BACKEND", env, argv, read) == expected
 
 
 @pytest.mark.parametrize(
@@ -137,16 +137,8 @@ def test_rose_worker_passes_the_grammar_backend_to_its_engine(argv, env, expecte
     ],
 )
 def test_rose_worker_passes_the_grammar_compile_timeout_to_its_engine(argv, env, expected, monkeypatch):
-    if env is None:
-        monkeypatch.delenv("ROSE_GRAMMAR_COMPILE_TIMEOUT", raising=False)
-    else:
-        monkeypatch.setenv("ROSE_GRAMMAR_COMPILE_TIMEOUT", env)
-    settings, _ = load_settings([*argv, "--model", "tiny-llama", "--device", "cpu", "--max-model-len", "128"])
-    engine = build_engine(settings)
-    try:
-        assert engine.structured_outputs.compile_timeout == expected
-    finally:
-        engine.close()
+    read = attrgetter("compile_timeout")
+    assert engine_setting(monkeypatch, "ROSE_GRAMMAR_COMPILE_TIMEOUT", env, argv, read) == expected
 
 
 def test_a_grammar_compile_timeout_must_be_positive():
