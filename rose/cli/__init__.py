@@ -8,8 +8,8 @@ import os
 import sys
 
 from rose.cli import batch, bench, demo, generate, jobs_cmd, status, submit
-from rose.cli.extras import missing_engine
-from rose.cli.parser import Parser
+from rose.config.extras import missing_engine
+from rose.config.parser import Parser
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -14,9 +14,9 @@ from typing import Any
 import redis
 from pydantic import ValidationError
 
-from rose.cli.extras import missing_engine
-from rose.cli.parser import Parser
 from rose.config import WorkerSettings, redact_url
+from rose.config.extras import missing_engine
+from rose.config.parser import Parser
 from rose.jobs import connection
 from rose.worker.logs import setup_logging
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from rose.cli.extras import ENGINE_MODULES
+from rose.config.extras import ENGINE_MODULES
 
 ROOT = Path(__file__).resolve().parents[2]
 
