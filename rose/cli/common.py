@@ -60,10 +60,11 @@ def make_client(args: argparse.Namespace) -> Client:
 
 
 def workers_serving(conn: redis.Redis, queue: str) -> int:
-    """How many RQ workers (rose-workers among them) have registered for `queue` on this Redis database."""
+    """How many live RQ workers (rose-workers among them) serve `queue` on this Redis database. `Worker.all`, not
+    `Worker.count`: a worker killed with SIGKILL stays in the queue's worker set, but its own key expires."""
     from rq import Queue, Worker
 
-    return Worker.count(connection=conn, queue=Queue(queue, connection=conn))
+    return len(Worker.all(connection=conn, queue=Queue(queue, connection=conn)))
 
 
 def redis_flag(args: argparse.Namespace) -> str:

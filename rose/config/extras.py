@@ -3,6 +3,8 @@ engine, the worker daemon and the offline commands (generate, demo, bench) need 
 
 from __future__ import annotations
 
+import importlib.util
+
 # top-level modules that come with the engine extra only (pyproject.toml)
 ENGINE_MODULES = frozenset(
     {
@@ -21,7 +23,9 @@ INSTALL_ENGINE = "pip install 'rose-worker[engine]' (torch first: the CPU or CUD
 
 
 def missing_engine(exc: ModuleNotFoundError) -> str | None:
-    """The message for a command run without the engine extra, or None when `exc` is about something else."""
-    if (exc.name or "").split(".")[0] not in ENGINE_MODULES:
+    """The message for a command run without the engine extra, or None when `exc` is about something else (a
+    module the engine's packages lack while they are installed: the error itself says more)."""
+    top = (exc.name or "").split(".")[0]
+    if top not in ENGINE_MODULES or (top != exc.name and importlib.util.find_spec(top) is not None):
         return None
     return f"{exc.name} is not installed: this command needs rose's engine: {INSTALL_ENGINE}"

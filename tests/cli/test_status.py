@@ -90,3 +90,17 @@ def test_status_unreachable_redis(unused_port) -> None:
         check=False,
     )
     assert res.returncode != 0 and "cannot reach Redis" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_a_dead_workers_registration_does_not_count_as_serving(r) -> None:
+    """A worker killed with SIGKILL leaves its name in the queue's worker set; its own key expires. rose submit's
+    "no worker serves" warning must still come."""
+    from rq import Worker
+
+    from rose.cli.common import workers_serving
+
+    worker = Worker([Queue("ghost", connection=r)], connection=r, name="ghost-worker")
+    worker.register_birth()
+    assert workers_serving(r, "ghost") == 1
+    r.delete(worker.key)  # what expiry leaves after a SIGKILL: no death registered
+    assert workers_serving(r, "ghost") == 0

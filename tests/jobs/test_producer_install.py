@@ -132,3 +132,11 @@ def test_engine_commands_say_what_to_install(redis_server):
             in ran.stderr
         ), ran.stderr
         assert "Traceback" not in ran.stderr
+
+
+def test_only_a_missing_engine_package_is_reported_as_one():
+    from rose.config.extras import missing_engine
+
+    assert "pip install 'rose-worker[engine]'" in missing_engine(ModuleNotFoundError(name="torch"))
+    assert missing_engine(ModuleNotFoundError(name="torch.nope")) is None  # torch is here: a real error
+    assert missing_engine(ModuleNotFoundError(name="no_such_module")) is None
