@@ -7,8 +7,9 @@ where the grammar refuses it, rose.engine.sampler). A constrained request ends w
 throughput is generated tokens (whatever each request produced) per second of wall time. The schema (one string
 field of exactly 4,096 characters: minLength and maxLength) keeps every row writing until max_tokens, so every pass
 generates the same tokens (with maxLength alone a greedy random row may close its string early, and a pass with
-fewer rows per step has fewer tokens per second for that reason alone); it is the case where checking after the draw gains most (inside the string nearly every token
-is allowed): a schema with more structure is refused more often. Also measured: the grammar's first compile and a
+fewer rows per step has fewer tokens per second for that reason alone). It is the case where checking after the
+draw gains most (inside the string nearly every token is allowed): a schema with more structure is refused more
+often. Also measured: the grammar's first compile and a
 cache hit, the per-step mask cost (bitmask fill + apply on the constrained rows) and the time spent checking drawn
 tokens, from the engine's own counters (`get_stats`).
 """

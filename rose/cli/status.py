@@ -101,15 +101,20 @@ def collect(conn: Any, only: list[str] | None = None) -> dict[str, Any]:
 
 
 def _running_by_worker(conn: Any, queues: list[Any]) -> dict[str, int]:
-    """How many jobs each worker runs now: the jobs in the queues' started registries, by their `worker_name`."""
+    """How many jobs each worker runs now: the jobs in the queues' started registries, by their `worker_name`
+    (that one field of each job, pipelined: not the whole job, prompt included)."""
     from rq.job import Job
-    from rq.serializers import JSONSerializer
 
     ids = [job_id for q in queues for job_id in q.started_job_registry.get_job_ids(cleanup=False)]
+    with conn.pipeline(transaction=False) as pipe:
+        for job_id in ids:
+            pipe.hget(Job.key_for(job_id), "worker_name")
+        names = pipe.execute()
     counts: dict[str, int] = {}
-    for job in Job.fetch_many(ids, connection=conn, serializer=JSONSerializer):
-        if job is not None and job.worker_name:
-            counts[job.worker_name] = counts.get(job.worker_name, 0) + 1
+    for name in names:
+        if name:
+            key = _decode(name)
+            counts[key] = counts.get(key, 0) + 1
     return counts
 
 

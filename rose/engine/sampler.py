@@ -118,15 +118,9 @@ class Sampler:
             tokens, q = self._sample(logits, seqs, greedy)
         token_list = tokens.tolist()
         refused = check.refused(token_list) if check is not None else None
-        if refused:  # masked, then drawn again with the same q: what masking first would have drawn
-            masked = logits[refused]  # a copy
-            check.mask(masked, refused)
-            again = [greedy[i] for i in refused]
-            if all(again):
-                redrawn = argmax(masked)
-            else:
-                redrawn, _ = self._sample(masked, [seqs[i] for i in refused], again, q[refused])
-            for i, token in zip(refused, redrawn.tolist(), strict=True):
+        if refused:
+            redrawn = self._redraw(logits, seqs, greedy, q, refused, check)
+            for i, token in zip(refused, redrawn, strict=True):
                 token_list[i] = token
 
         logprobs: list[TokenLogprob | None] = [None] * len(seqs)
@@ -134,6 +128,24 @@ class Sampler:
         if wanted:
             logprobs = self._logprobs(raw, token_list, params, wanted, logprobs)
         return SamplerOutput(token_list, logprobs)
+
+    def _redraw(
+        self,
+        logits: torch.Tensor,
+        seqs: list[Sequence],
+        greedy: list[bool],
+        q: torch.Tensor | None,
+        rows: list[int],
+        check: TokenCheck,
+    ) -> list[int]:
+        """The tokens of `rows` drawn again from their masked logits with the same q: what masking first draws."""
+        masked = logits[rows]  # a copy
+        check.mask(masked, rows)
+        again = [greedy[i] for i in rows]
+        if all(again):
+            return argmax(masked).tolist()
+        redrawn, _ = self._sample(masked, [seqs[i] for i in rows], again, q[rows])
+        return redrawn.tolist()
 
     def _sample(
         self, logits: torch.Tensor, seqs: list[Sequence], greedy: list[bool], q: torch.Tensor | None = None
