@@ -18,6 +18,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "LLM": "rose.engine.llm",
     "Engine": "rose.engine.engine",
+    "EngineConfig": "rose.engine.config",
     "SamplingParams": "rose.engine.sampling_params",
     "RequestOutput": "rose.engine.outputs",
     "StepOutput": "rose.engine.outputs",
@@ -34,6 +35,7 @@ __all__ = [
     "AsyncClient",
     "Client",
     "Engine",
+    "EngineConfig",
     "InvalidRequest",
     "JobCanceled",
     "JobFailed",
@@ -45,6 +47,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
+    from rose.engine.config import EngineConfig
     from rose.engine.engine import Engine
     from rose.engine.llm import LLM
     from rose.engine.model_probe import UnsupportedModelError

@@ -8,6 +8,7 @@ from typing import Any
 
 from rose.cli.request_args import add_request_args, chat_kwargs, constraint_kwargs
 from rose.cli.sampling_args import add_sampling_args, sampling_kwargs
+from rose.engine.config import DEFAULTS
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -24,10 +25,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="preset (tiny-llama, tiny-qwen2, tiny-gpt2), checkpoint directory or hub id",
     )
     p.add_argument("--tokenizer", default=None, help="tokenizer path or name (default: the model's)")
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N (default: auto)")
-    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16 (default: auto)")
+    p.add_argument("--device", default=DEFAULTS.device, help="auto, cpu, cuda, cuda:N (default: auto)")
+    p.add_argument("--dtype", default=DEFAULTS.dtype, help="auto, float32, bfloat16, float16 (default: auto)")
     p.add_argument(
-        "--max-num-seqs", type=int, default=256, help="most requests decoding at once (a batch cap)"
+        "--max-num-seqs",
+        type=int,
+        default=DEFAULTS.max_num_seqs,
+        help=f"most requests decoding at once (a batch cap; default: {DEFAULTS.max_num_seqs})",
     )
     p.add_argument("--max-model-len", type=int, default=None, help="context length per request")
     p.add_argument(

@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 from pydantic import ByteSize, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from rose.engine.structured_outputs import DEFAULT_MAX_JSON_WHITESPACE, GRAMMAR_COMPILE_TIMEOUT_S
+from rose.engine.config import DEFAULTS, EngineConfig
 from rose.jobs.connection import check_scheme, is_sentinel_url, parse_sentinel_url, redact_url
 
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
@@ -37,13 +37,15 @@ class WorkerSettings(BaseSettings):
         "weights).",
     )
     tokenizer: str | None = Field(None, description="Tokenizer dir, when it is not the model's.")
-    device: str = Field("auto", description="Torch device: auto (CUDA when present), cpu, cuda, cuda:1, ...")
+    device: str = Field(
+        DEFAULTS.device, description="Torch device: auto (CUDA when present), cpu, cuda, cuda:1, ..."
+    )
     dtype: str = Field(
-        "auto",
+        DEFAULTS.dtype,
         description="Weights dtype: auto (bfloat16 on CUDA, float32 on CPU), float32, float16, bfloat16.",
     )
     max_num_seqs: int = Field(
-        256,
+        DEFAULTS.max_num_seqs,
         ge=1,
         description="Most jobs generated at once: a batch cap (the engine's free KV blocks decide how many it takes).",
     )
@@ -65,7 +67,8 @@ class WorkerSettings(BaseSettings):
         description="Tokens per engine step (decodes + prompt chunks); default max(2048, max_num_seqs).",
     )
     enable_prefix_caching: bool = Field(
-        False, description="Reuse the K/V of prompt prefixes shared with running or recently finished jobs."
+        DEFAULTS.enable_prefix_caching,
+        description="Reuse the K/V of prompt prefixes shared with running or recently finished jobs.",
     )
     trust_request_chat_template: bool = Field(
         False,
@@ -74,25 +77,25 @@ class WorkerSettings(BaseSettings):
         "any prompt, so only trust producers who may.",
     )
     structured_outputs_backend: Literal["auto", "xgrammar", "guidance"] = Field(
-        "auto",
+        DEFAULTS.structured_outputs_backend,
         description="The grammar engine of structured outputs (vLLM's names): xgrammar, guidance (llguidance), or "
         "auto (rose's choice, from its conformance corpus: docs/jobs.md).",
     )
     disable_any_whitespace: bool = Field(
-        False,
+        DEFAULTS.disable_any_whitespace,
         description="JSON constrained by a job's structured_outputs / response_format is written on one line, "
         "with no free whitespace between its tokens (vLLM's structured-outputs option of that name). Default: "
         "any whitespace, as vLLM; a weak model may then fill its max_tokens with whitespace.",
     )
     max_json_whitespace: int = Field(
-        DEFAULT_MAX_JSON_WHITESPACE,
+        DEFAULTS.max_json_whitespace,
         ge=0,
         description="Whitespace between two tokens of constrained JSON, at most this many characters (with any "
         "whitespace allowed: not --disable-any-whitespace), so that a model leaning toward whitespace cannot fill "
         "its max_tokens with it; 0: no limit (vLLM's behaviour). Larger bounds make larger compiled grammars.",
     )
     grammar_compile_timeout: float = Field(
-        GRAMMAR_COMPILE_TIMEOUT_S,
+        DEFAULTS.grammar_compile_timeout,
         ge=0,
         description="Seconds a job waits for its structured-outputs grammar to compile; a grammar still compiling "
         "then fails its jobs alone, with the reason (the compile runs on and is cached). 0: no limit.",
@@ -193,10 +196,27 @@ class WorkerSettings(BaseSettings):
         self.queues = list(dict.fromkeys(self.queues))
         return self
 
+    def engine_config(self) -> EngineConfig:
+        """The engine's options among these settings (0 means "no limit" here, None there)."""
+        return EngineConfig(
+            device=self.device,
+            dtype=self.dtype,
+            max_num_seqs=self.max_num_seqs,
+            max_model_len=self.max_model_len,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_kv_cache_bytes=self.max_kv_cache_bytes,
+            block_size=self.block_size,
+            enable_prefix_caching=self.enable_prefix_caching,
+            disable_any_whitespace=self.disable_any_whitespace,
+            max_json_whitespace=self.max_json_whitespace or None,
+            structured_outputs_backend=self.structured_outputs_backend,
+            grammar_compile_timeout=self.grammar_compile_timeout or None,
+        )
+
     @property
     def heartbeat_interval(self) -> float:
         """How often the worker refreshes its key and its jobs' registry entries."""
         return max(1.0, self.heartbeat_timeout / 6)
 
 
-__all__ = ["WorkerSettings", "redact_url"]
+__all__ = ["EngineConfig", "WorkerSettings", "redact_url"]

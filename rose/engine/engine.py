@@ -6,6 +6,7 @@ import functools
 import logging
 import os
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -13,25 +14,22 @@ from transformers import PreTrainedModel
 
 from rose.engine import loader, model_probe
 from rose.engine.block_pool import BlockPool
+from rose.engine.config import EngineConfig
 from rose.engine.detokenizer import IncrementalDetokenizer
 from rose.engine.host_malloc import tune_malloc
 from rose.engine.kv_budget import plan_store
 from rose.engine.kv_cache import KVCache
+from rose.engine.kv_cache_manager import KVCacheManager
 from rose.engine.layer_spec import first_needed
 from rose.engine.model_runner import ModelRunner, model_context
 from rose.engine.outputs import RequestMetrics, RequestOutput, StepOutput
-from rose.engine.prefix_cache import PrefixCache
 from rose.engine.prompts import tokenize_prompt
-from rose.engine.sampler import Sampler, checks_after
+from rose.engine.sampler import Sampler, SamplerOutput, checks_after
 from rose.engine.sampling_params import SamplingParams
-from rose.engine.scheduler import Scheduler
-from rose.engine.sequence import Sequence, SequenceStatus
-from rose.engine.stopping import append_token, eos_token_ids, request_output
-from rose.engine.structured_outputs import (
-    DEFAULT_MAX_JSON_WHITESPACE,
-    GRAMMAR_COMPILE_TIMEOUT_S,
-    resolve_backend,
-)
+from rose.engine.scheduler import ScheduledBatch, Scheduler
+from rose.engine.sequence import Sequence
+from rose.engine.stopping import eos_token_ids, request_output
+from rose.engine.structured_outputs import resolve_backend
 
 if TYPE_CHECKING:
     from rose.engine.grammar import StructuredOutputManager
@@ -42,78 +40,56 @@ logger = logging.getLogger(__name__)
 class Engine:
     """Continuous-batching engine over a paged KV store: a pool of fixed-size blocks, allocated as sequences grow.
 
-    `max_num_seqs` caps the running batch; how many sequences run at once is otherwise decided by the blocks free
-    (rose.engine.scheduler), with preemption by recompute when decoding sequences outgrow the pool. The pool holds
-    `max_kv_cache_bytes` (default: rose.engine.kv_budget), at most what `max_num_seqs` sequences of `max_model_len`
-    tokens could use; `num_gpu_blocks_override` (vLLM's name; on any device) sets the number of blocks instead.
+    The parts, each the one owner of its state: the scheduler (rose.engine.scheduler: the requests, their status
+    and progress; which tokens run next), the KV-cache manager (rose.engine.kv_cache_manager: the blocks, the prefix
+    cache), the model runner (one forward over the paged store), the sampler, and the grammars of structured outputs
+    (rose.engine.grammar, built for the first constrained request). docs/dev/engine.md draws the step.
 
-        Single-threaded: call every method from the same thread (grammars of structured outputs compile on a small
-        pool of their own). `disable_any_whitespace`: JSON constrained by a schema is written on one line (vLLM's
-        structured-outputs option of that name); by default any whitespace may separate its tokens, at most
-        `max_json_whitespace` characters of it at a time (None: no limit). `structured_outputs_backend`: the
-        grammar engine, "guidance" (llguidance), "xgrammar", or "auto" (guidance; rose.engine.grammar_backends).
-        `grammar_compile_timeout`: seconds a request waits for its grammar to compile before it fails (None: no
-        limit).
+    Options: rose.engine.config.EngineConfig, as keyword arguments or as `config` (keyword arguments override it).
+    Single-threaded: call every method from the same thread (grammars compile on a small pool of their own).
     """
 
     def __init__(
         self,
         model: str | os.PathLike | PreTrainedModel,
         tokenizer: Any = None,
-        *,
-        device: str | torch.device = "auto",
-        dtype: str | torch.dtype = "auto",
-        max_num_seqs: int = 256,
-        max_model_len: int | None = None,
-        max_num_batched_tokens: int | None = None,
-        max_kv_cache_bytes: int | None = None,
-        num_gpu_blocks_override: int | None = None,
-        seed: int = 0,
-        max_logprobs: int = 20,
-        enable_prefix_caching: bool = False,
-        block_size: int | None = None,
-        trust_remote_code: bool = False,
-        disable_any_whitespace: bool = False,
-        max_json_whitespace: int | None = DEFAULT_MAX_JSON_WHITESPACE,
-        structured_outputs_backend: str = "auto",
-        grammar_compile_timeout: float | None = GRAMMAR_COMPILE_TIMEOUT_S,
+        config: EngineConfig | None = None,
+        **options: Any,
     ) -> None:
-        if max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
-        if grammar_compile_timeout is not None and not grammar_compile_timeout > 0:
-            raise ValueError(
-                f"grammar_compile_timeout must be > 0 or None (no limit), got {grammar_compile_timeout}"
-            )
-        if max_json_whitespace is not None and max_json_whitespace < 1:
-            raise ValueError(
-                f"max_json_whitespace must be >= 1 or None (no limit), got {max_json_whitespace}"
-            )
+        config = replace(config, **options) if config is not None else EngineConfig(**options)
+        self.config = config
+        self._structured_backend = resolve_backend(
+            config.structured_outputs_backend
+        )  # refused before loading
         loaded = loader.load(
-            model, tokenizer, device=device, dtype=dtype, trust_remote_code=trust_remote_code
+            model,
+            tokenizer,
+            device=config.device,
+            dtype=config.dtype,
+            trust_remote_code=config.trust_remote_code,
         )
         self.model, self.tokenizer, self.model_name = loaded.model, loaded.tokenizer, loaded.name
         self.device, self.dtype = loaded.device, loaded.dtype
         if self.device.type == "cpu":
             tune_malloc()  # steps reuse their activation memory instead of page-faulting it in again
-        self.max_num_seqs = max_num_seqs
-        self.max_logprobs = max_logprobs
+        self.max_num_seqs = config.max_num_seqs
+        self.max_logprobs = config.max_logprobs
 
         # refuses, before any request, a model rose cannot serve exactly
         layers = model_probe.probe(self.model)
-        context = layers.exact_context(model_context(self.model.config), max_model_len)
+        context = layers.exact_context(model_context(self.model.config), config.max_model_len)
         plan = plan_store(
             layers,
             self.device,
             self.dtype,
             context=context,
-            max_num_seqs=max_num_seqs,
-            max_model_len=max_model_len,
-            max_kv_cache_bytes=max_kv_cache_bytes,
-            num_gpu_blocks_override=num_gpu_blocks_override,
-            block_size=block_size,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=config.max_model_len,
+            max_kv_cache_bytes=config.max_kv_cache_bytes,
+            num_gpu_blocks_override=config.num_gpu_blocks_override,
+            block_size=config.block_size,
         )
         self.max_model_len, self.block_size = plan.max_model_len, plan.block_size
-        self.pool = BlockPool(plan.num_blocks, plan.block_size)
         self.cache = KVCache(layers.specs, plan.num_blocks, plan.block_size, self.dtype, self.device)
         logger.info(
             "KV store: %d blocks x %d tokens (%d tokens, %.1f MiB), max_model_len %d, up to %d sequences",
@@ -122,27 +98,18 @@ class Engine:
             plan.num_blocks * plan.block_size,
             self.cache.nbytes / 2**20,
             self.max_model_len,
-            max_num_seqs,
+            config.max_num_seqs,
         )
         self.runner = ModelRunner(self.model, layers, self.cache)
-        budget = layers.exact_step_tokens(max_num_batched_tokens, max(2048, max_num_seqs))
         # every layer windowed or chunked: blocks that all windows have passed are given back early
         visibilities = frozenset(spec.visibility for spec in layers.specs)
         windowed = (None, None) not in visibilities
-        self.scheduler = Scheduler(
-            max_num_seqs,
-            budget,
-            self.pool,
+        self.kv_cache_manager = KVCacheManager(
+            BlockPool(plan.num_blocks, plan.block_size),
+            enable_prefix_caching=config.enable_prefix_caching,
             watermark_blocks=plan.watermark_blocks,
             first_needed=functools.partial(first_needed, visibilities) if windowed else None,
         )
-        self.prefix_cache: PrefixCache | None = None
-        if enable_prefix_caching:
-            self.prefix_cache = PrefixCache(self.pool)
-            self.scheduler.should_defer = self.prefix_cache.pending_overlap
-            self.scheduler.lookup_prefix = self.prefix_cache.lookup
-            self.scheduler.take_prefix = self.prefix_cache.take
-
         config_vocab = self.model.config.get_text_config().vocab_size
         vocab = config_vocab
         # ids past the tokenizer are padding rows of the embedding: never sample them
@@ -150,18 +117,17 @@ class Engine:
             vocab = len(self.tokenizer)
         self.vocab_size = vocab
         self.eos_token_ids = eos_token_ids(self.model, self.tokenizer)
-        self.sampler = Sampler(vocab, self.device, self.eos_token_ids, seed=seed)
-        self._seqs: dict[str, Sequence] = {}
+        self.scheduler = Scheduler(
+            config.max_num_seqs,
+            layers.exact_step_tokens(config.max_num_batched_tokens, max(2048, config.max_num_seqs)),
+            self.kv_cache_manager,
+            eos_token_ids=self.eos_token_ids,
+            max_model_len=self.max_model_len,
+        )
+        self.sampler = Sampler(vocab, self.device, self.eos_token_ids, seed=config.seed)
         self._num_steps = 0  # forwards run
         self._undelivered: list[StepOutput] = []  # finished by a step that then raised (see step)
         self._structured: StructuredOutputManager | None = None  # built for the first constrained request
-        self._disable_any_whitespace = disable_any_whitespace
-        self._max_json_whitespace = max_json_whitespace
-        self._grammar_compile_timeout = grammar_compile_timeout
-        self._structured_backend = resolve_backend(
-            structured_outputs_backend
-        )  # refused here, not at first use
-        self.scheduler.is_ready = lambda seq: seq.structured is None or seq.structured.is_ready
 
     # ----------------------------------------------------------------- requests
 
@@ -180,7 +146,7 @@ class Engine:
         `{"prompt_token_ids": [...], "prompt": text}` (ids used as they are; the text, e.g. a rendered chat, is
         only echoed in the output).
         """
-        if request_id in self._seqs:
+        if request_id in self.scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already in the engine")
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -239,25 +205,12 @@ class Engine:
             logprobs=[] if params.logprobs is not None else None,
             structured=structured,
         )
-        if structured is not None:
-            self._structured.num_live += 1
-        self._seqs[request_id] = seq
         self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its blocks. Returns its final output (finish_reason "abort")."""
-        seq = self._seqs.pop(request_id, None)
-        if seq is None:
-            return None
-        return self._finish_now(seq, "abort")
-
-    def _finish_now(self, seq: Sequence, reason: str) -> RequestOutput:
-        self._remove(seq)
-        seq.finish_reason = reason
-        seq.metrics.finished_time = time.time()
-        if seq.detokenizer is not None:
-            seq.text = seq.detokenizer.emitted_text
-        return request_output(seq)
+        seq = self.scheduler.finish_request(request_id, "abort")
+        return request_output(seq) if seq is not None else None
 
     @property
     def structured_outputs(self) -> StructuredOutputManager:
@@ -270,10 +223,10 @@ class Engine:
                 self.vocab_size,
                 self.eos_token_ids,
                 self.device,
-                disable_any_whitespace=self._disable_any_whitespace,
-                max_json_whitespace=self._max_json_whitespace,
+                disable_any_whitespace=self.config.disable_any_whitespace,
+                max_json_whitespace=self.config.max_json_whitespace,
                 backend=self._structured_backend,
-                compile_timeout=self._grammar_compile_timeout,
+                compile_timeout=self.config.grammar_compile_timeout,
             )
         return self._structured
 
@@ -293,88 +246,63 @@ class Engine:
         if self._structured is not None:
             self._structured.shutdown()
 
-    def _grammar_errors(self) -> list[StepOutput]:
-        """Finish the waiting requests whose grammar failed to compile on the pool (finish_reason "error")."""
-        steps = []
-        for seq in self._structured.take_failed(self.scheduler.waiting_seqs()):
-            error = seq.structured.error
-            out = self._finish_now(self._seqs.pop(seq.request_id), "error")
-            out.error = error
-            steps.append(StepOutput(out.request_id, [], "", True, "error", output=out))
-        return steps
-
-    def _remove(self, seq: Sequence) -> None:
-        if seq.structured is not None:
-            seq.structured = None  # frees the matcher
-            self._structured.num_live -= 1
-        self.scheduler.remove(seq)  # its cached full blocks stay in the pool for prefix hits until evicted
-
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._undelivered)
 
     # ----------------------------------------------------------------- the step
 
     def step(self) -> list[StepOutput]:
-        """Run one batched forward; returns what each request that produced a token got from it."""
-        structured = self._structured if self._structured is not None and self._structured.num_live else None
-        errors, self._undelivered = self._undelivered, []
-        if structured is not None and structured.failures_due:
-            errors += self._grammar_errors()
+        """Run one batched forward; returns what each request that produced a token got from it.
+
+        A request's progress, tokens and retirement change only in `update_from_output`, after the forward and the
+        sampler: if either raises, what scheduling did (admissions, preemptions) is consistent and every request
+        can be stepped again or aborted by the caller (requests a failed grammar had already finished are reported
+        by the next step)."""
+        outputs, self._undelivered = self._undelivered, []
         try:
-            outputs = self._forward(structured)
+            outputs += self._grammar_errors()
+            batch = self._schedule()
+            if batch:
+                logits = self.runner.execute(batch)
+                sampled = self._sample(logits, batch.sampled)
+                outputs += self.scheduler.update_from_output(batch, sampled)
         except BaseException:
-            self._undelivered = errors  # requests already finished with an error: reported by the next step
+            self._undelivered = outputs
             raise
-        return errors + outputs if errors else outputs
-
-    def _forward(self, structured: StructuredOutputManager | None) -> list[StepOutput]:
-        batch = self.scheduler.schedule()
-        if not batch and structured is not None and self.scheduler.num_waiting:
-            # only requests whose grammar is compiling are left: wait for one rather than spin
-            waiting = [s.structured for s in self.scheduler.waiting_seqs() if s.structured is not None]
-            structured.wait_for_any(waiting, timeout=0.05)
-            batch = self.scheduler.schedule()
-        if not batch:
-            return []
-        self._num_steps += 1
-        now = time.time()
-        for chunk in batch.prefill:
-            if chunk.seq.metrics.first_scheduled_time is None:
-                chunk.seq.metrics.first_scheduled_time = now
-        logits = self.runner.execute(batch)
-        sampled = list(batch.decode) + [c.seq for c in batch.prefill if c.completes_prefill]
-        check = None
-        if structured is not None and sampled:  # masks that logprobs or truncation need come before the draw
-            requests = [s.structured for s in sampled]
-            check = structured.mask_or_defer(logits, requests, [checks_after(s.params) for s in sampled])
-        result = self.sampler(logits, sampled, check) if sampled else None
-
-        # Only now, with the forward and the sampler done, does the step change request state: an exception above
-        # leaves every request as it was, so the caller can abort the ones it touched and carry on.
-        for seq in batch.decode:
-            seq.num_computed_tokens += 1
-        for chunk in batch.prefill:
-            chunk.seq.num_computed_tokens += chunk.length
-            if chunk.completes_prefill:
-                self.scheduler.prefill_done(chunk.seq)
-        # registered before passed blocks go back to the pool: they stay findable in its free queue
-        if self.prefix_cache is not None:
-            for seq in batch.decode:
-                self.prefix_cache.register(seq)
-            for chunk in batch.prefill:
-                self.prefix_cache.register(chunk.seq)
-        self.scheduler.drop_passed_blocks([*batch.decode, *(chunk.seq for chunk in batch.prefill)])
-        if result is None:
-            return []
-        now = time.time()
-        outputs = [
-            append_token(seq, tok, lp, now, self.eos_token_ids, self.max_model_len)
-            for seq, tok, lp in zip(sampled, result.token_ids, result.logprobs, strict=True)
-        ]
-        for out in outputs:
-            if out.finished:
-                self._remove(self._seqs.pop(out.request_id))
         return outputs
+
+    def _schedule(self) -> ScheduledBatch:
+        batch = self.scheduler.schedule()
+        if not batch and self.scheduler.num_waiting and self._structured is not None:
+            # only requests whose grammar is compiling are left: wait for one rather than spin
+            compiling = [s.structured for s in self.scheduler.waiting_for_grammar()]
+            self._structured.wait_for_any(compiling, timeout=0.05)
+            batch = self.scheduler.schedule()
+        if batch:
+            self._num_steps += 1
+        return batch
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput | None:
+        """Draw the next token of `seqs` (the logits' rows), through their grammars where they have one."""
+        if not seqs:
+            return None
+        check = None
+        if self.scheduler.num_constrained:  # masks that logprobs or truncation need come before the draw
+            requests = [s.structured for s in seqs]
+            check = self._structured.mask_or_defer(logits, requests, [checks_after(s.params) for s in seqs])
+        return self.sampler(logits, seqs, check)
+
+    def _grammar_errors(self) -> list[StepOutput]:
+        """Finish the waiting requests whose grammar failed to compile or ran out of time (finish_reason "error")."""
+        if self._structured is None or not self._structured.failures_due:
+            return []
+        steps = []
+        for seq in self._structured.take_failed(self.scheduler.waiting_for_grammar()):
+            error = seq.structured.error
+            out = request_output(self.scheduler.finish_request(seq.request_id, "error"))
+            out.error = error
+            steps.append(StepOutput(out.request_id, [], "", True, "error", output=out))
+        return steps
 
     # ----------------------------------------------------------------- counters
 
@@ -389,11 +317,11 @@ class Engine:
     @property
     def kv_blocks_used(self) -> int:
         """Blocks held by running sequences."""
-        return self.pool.num_used
+        return self.kv_cache_manager.num_used
 
     @property
     def kv_blocks_total(self) -> int:
-        return self.pool.num_blocks
+        return self.kv_cache_manager.num_blocks
 
     def num_admittable(self, tokens_per_request: int | None = None) -> int:
         """How many more requests the engine can start now (rose.engine.scheduler.Scheduler.num_admittable): what
@@ -401,25 +329,19 @@ class Engine:
         return self.scheduler.num_admittable(tokens_per_request)
 
     def get_stats(self) -> dict[str, int | float]:
-        prefix = self.prefix_cache.get_stats() if self.prefix_cache is not None else {}
+        stats: dict[str, int | float] = dict(self.kv_cache_manager.get_stats())
         if self._structured is not None:
-            prefix.update(self._structured.get_stats())
+            stats.update(self._structured.get_stats())
+        kv = self.kv_cache_manager
         return {
-            **prefix,
+            **stats,
             "num_steps": self._num_steps,
             "num_running": self.num_running,
             "num_waiting": self.num_waiting,
             "num_preemptions": self.scheduler.num_preemptions,
-            "kv_blocks_used": self.kv_blocks_used,
-            "kv_blocks_free": self.pool.num_free,
-            "kv_blocks_total": self.kv_blocks_total,
-            "kv_block_size": self.block_size,
-            "kv_tokens_used": sum(
-                s.num_computed_tokens - s.num_dropped_blocks * self.block_size for s in self.scheduler.running
-            ),
-            "kv_tokens_total": self.pool.num_blocks * self.block_size,
+            "kv_tokens_used": sum(kv.num_tokens_held(s) for s in self.scheduler.running),
         }
 
     def get_request(self, request_id: str) -> Sequence | None:
-        seq = self._seqs.get(request_id)
-        return seq if seq is not None and seq.status is not SequenceStatus.FINISHED else None
+        """An unfinished request's state (None once it has finished)."""
+        return self.scheduler.requests.get(request_id)

@@ -211,7 +211,6 @@ class StructuredOutputManager:
         # (fill seconds per row, apply seconds) per mask call; on CUDA the apply is its launch (not synced)
         self.step_samples: deque[tuple[float, float]] = deque(maxlen=SAMPLES)
         self.first_compile_seconds: float | None = None
-        self.num_live = 0  # constrained requests in the engine: no work at all in a step while 0
         self.failed = False  # a compile failed on the pool: the engine looks for its requests
         self.masker = LogitsMasker(vocab_size, device, mask_backend)  # rose.engine.logits_mask
 

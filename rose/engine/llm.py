@@ -7,10 +7,10 @@ import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-import torch
 from transformers import PreTrainedModel
 
 from rose.engine.chat import ChatOptions, ChatTemplateError, render_chat
+from rose.engine.config import EngineConfig
 from rose.engine.engine import Engine
 from rose.engine.outputs import RequestOutput, StepOutput
 from rose.engine.sampling_params import SamplingParams
@@ -22,6 +22,9 @@ Conversation = list[dict[str, Any]]
 class LLM:
     """Generate for many prompts at once with continuous batching.
 
+    The engine's options (rose.engine.config.EngineConfig: device, dtype, max_num_seqs, max_model_len, ...) are
+    keyword arguments, as in vLLM, or an `EngineConfig` as `config`.
+
     >>> llm = LLM(model="tiny-llama", device="cpu")
     >>> outs = llm.generate(["Hello", "Bonjour"], SamplingParams(temperature=0, max_tokens=8))
     """
@@ -30,22 +33,10 @@ class LLM:
         self,
         model: str | os.PathLike | PreTrainedModel,
         tokenizer: Any = None,
-        *,
-        device: str | torch.device = "auto",
-        dtype: str | torch.dtype = "auto",
-        max_num_seqs: int = 256,
-        max_model_len: int | None = None,
-        **engine_kwargs: Any,
+        config: EngineConfig | None = None,
+        **options: Any,
     ) -> None:
-        self.engine = Engine(
-            model,
-            tokenizer,
-            device=device,
-            dtype=dtype,
-            max_num_seqs=max_num_seqs,
-            max_model_len=max_model_len,
-            **engine_kwargs,
-        )
+        self.engine = Engine(model, tokenizer, config, **options)
         self._ids = itertools.count()
         self._inbox: dict[str, list[StepOutput]] = {}  # step outputs not yet read, per request of this LLM
 

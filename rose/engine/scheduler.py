@@ -1,4 +1,4 @@
-"""Continuous batching over a paged KV store: which tokens run in the next forward, and who holds which blocks.
+"""Continuous batching over a paged KV store: which tokens run in the next forward, and the state of every request.
 
 Every step, each running sequence that is decoding gets one token, which may need one more block; the rest of the
 per-step token budget goes to prompt chunks (chunked prefill), first of sequences already admitted, then of waiting
@@ -18,17 +18,31 @@ value, latest arrival) is preempted by recompute, as in vLLM V1: its blocks go b
 ahead of later arrivals of its priority, with its generated tokens as part of what it prefills when readmitted. Its
 sampling state is untouched (nothing is sampled for the step it lost), so its stream and its seeded draws continue
 as if it had never been preempted.
+
+The scheduler owns the requests and their state: it holds them by id, moves each through its status (a request whose
+grammar is still compiling waits as WAITING_FOR_GRAMMAR, without holding up those behind it), and after each forward
+`update_from_output` advances what the step computed and appends what it sampled (nano-vllm's `postprocess`, vLLM's
+`update_from_output`). Blocks are the KV-cache manager's (rose.engine.kv_cache_manager): the scheduler asks it for
+them and gives them back.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Callable
+import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from rose.engine.block_pool import BlockPool
-from rose.engine.sequence import PASSED_BLOCK, Sequence, SequenceStatus
+from rose.engine.kv_cache_manager import KVCacheManager
+from rose.engine.outputs import FinishReason, StepOutput
+from rose.engine.sequence import Sequence, SequenceStatus
+from rose.engine.stopping import append_token
+
+if TYPE_CHECKING:
+    from rose.engine.sampler import SamplerOutput
+
+_WAITING = (SequenceStatus.WAITING, SequenceStatus.WAITING_FOR_GRAMMAR)
 
 
 @dataclass(slots=True)
@@ -53,13 +67,14 @@ class ScheduledBatch:
     def num_tokens(self) -> int:
         return len(self.decode) + sum(c.length for c in self.prefill)
 
+    @property
+    def sampled(self) -> list[Sequence]:
+        """The sequences that get a token from this step, in the order of the forward's logits rows: the decoding
+        ones, then those whose prefill this step completes."""
+        return self.decode + [c.seq for c in self.prefill if c.completes_prefill]
+
     def __bool__(self) -> bool:
         return bool(self.decode or self.prefill)
-
-
-# a prefix hit: (blocks the cache holds for the sequence's prefix, looked up but not taken) and taking them
-Lookup = Callable[[Sequence], list[int]]
-Take = Callable[[Sequence, list[int]], None]
 
 
 class Scheduler:
@@ -67,12 +82,11 @@ class Scheduler:
         self,
         max_num_seqs: int,
         max_num_batched_tokens: int,
-        pool: BlockPool,
-        watermark_blocks: int = 0,
-        first_needed: Callable[[int], int] | None = None,
+        kv: KVCacheManager,
+        *,
+        eos_token_ids: set[int],
+        max_model_len: int,
     ) -> None:
-        """`first_needed(p)`: the first position a query at p or later reads (rose.engine.layer_spec.first_needed);
-        None where some layer reads the whole context."""
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_num_seqs ({max_num_seqs}) "
@@ -80,23 +94,19 @@ class Scheduler:
             )
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.pool = pool
-        self.watermark_blocks = watermark_blocks
-        self.first_needed = first_needed
+        self.kv = kv
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.requests: dict[str, Sequence] = {}  # every unfinished request, by id
         self.running: list[Sequence] = []  # in admission order
         self._prefilling: list[Sequence] = []  # admitted, prefill not done, in admission order
         self._waiting: list[tuple[int, int, Sequence]] = []
         self._num_waiting = 0
         self._counter = itertools.count()
         self.num_preemptions = 0
+        self.num_constrained = 0  # requests with a grammar: the engine skips the grammar machinery while 0
         self._num_added = 0  # requests added and their prompt tokens: num_admittable's default request size
         self._prompt_tokens_added = 0
-        # prefix caching: may hold a request back for a step; finds and takes its cached prefix blocks
-        self.should_defer: Callable[[Sequence, list[Sequence]], bool] | None = None
-        self.lookup_prefix: Lookup | None = None
-        self.take_prefix: Take | None = None
-        # structured outputs: a request whose grammar is still compiling waits, without holding up those behind it
-        self.is_ready: Callable[[Sequence], bool] | None = None
 
     @property
     def num_waiting(self) -> int:
@@ -110,7 +120,13 @@ class Scheduler:
         return bool(self.running) or self._num_waiting > 0
 
     def add(self, seq: Sequence) -> None:
+        if seq.request_id in self.requests:
+            raise ValueError(f"request id {seq.request_id!r} is already in the engine")
+        self.requests[seq.request_id] = seq
         seq.queue_order = next(self._counter)
+        compiling = seq.structured is not None and not seq.structured.is_ready
+        seq.status = SequenceStatus.WAITING_FOR_GRAMMAR if compiling else SequenceStatus.WAITING
+        self.num_constrained += seq.structured is not None
         self._num_added += 1
         self._prompt_tokens_added += seq.num_prompt_tokens
         self._push(seq)
@@ -126,11 +142,12 @@ class Scheduler:
             return 0
         if tokens_per_request is None:
             tokens_per_request = self._prompt_tokens_added // self._num_added if self._num_added else 1
-        per_request = self.pool.blocks_for(max(1, tokens_per_request))
+        kv = self.kv
+        per_request = kv.blocks_for(max(1, tokens_per_request))
         if not self.has_unfinished():
-            return max(1, min(room, self.pool.num_free // per_request))
-        free = self.pool.num_free - self.watermark_blocks - self.waiting_blocks()
-        per_request = min(per_request, max(1, self.pool.num_blocks - self.watermark_blocks))
+            return max(1, min(room, kv.num_free // per_request))
+        free = kv.num_free - kv.watermark_blocks - self.waiting_blocks()
+        per_request = min(per_request, max(1, kv.num_blocks - kv.watermark_blocks))
         return max(0, min(room, free // per_request))
 
     def _push(self, seq: Sequence) -> None:
@@ -141,6 +158,8 @@ class Scheduler:
     def _importance(seq: Sequence) -> tuple[int, int]:
         """Sort key, most important first: the order waiting requests are served in."""
         return seq.priority, seq.queue_order
+
+    # ----------------------------------------------------------------- scheduling
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
@@ -155,43 +174,36 @@ class Scheduler:
             if budget <= 0:
                 break
             budget -= self._chunk(batch, seq, budget)
-        not_ready: list[tuple[int, int, Sequence]] = []  # pushed back with their keys: they keep their place
+        # popped but not admitted: pushed back with their keys, so they keep their place (an exception included)
+        held: list[tuple[int, int, Sequence]] = []
         try:
             while budget > 0 and len(self.running) < self.max_num_seqs and self._num_waiting:
                 entry = self._pop_waiting()
                 if entry is None:
                     break
+                held.append(entry)
                 seq = entry[2]
-                if self.is_ready is not None:
-                    not_ready.append(entry)  # until the check has passed: an exception must not lose it
-                    if not self.is_ready(seq):
+                if seq.status is SequenceStatus.WAITING_FOR_GRAMMAR:
+                    if not seq.structured.is_ready:
                         continue
-                    not_ready.pop()
-                deferred = self.should_defer is not None and self.should_defer(seq, self._prefilling)
-                if deferred or not self._admit(seq):  # no room: it waits for blocks to come back
-                    heapq.heappush(self._waiting, entry)  # same place in line; nothing behind it jumps ahead
-                    self._num_waiting += 1
-                    break
+                    seq.status = SequenceStatus.WAITING
+                if self.kv.should_defer(seq, self._prefilling) or not self._admit(seq):
+                    break  # no room: it keeps its place in line, and nothing behind it jumps ahead
+                held.pop()
                 budget -= self._chunk(batch, seq, budget)
         finally:
-            for entry in not_ready:
+            for entry in held:
                 heapq.heappush(self._waiting, entry)
-            self._num_waiting += len(not_ready)
+            self._num_waiting += len(held)
         return batch
 
     def _admit(self, seq: Sequence) -> bool:
-        """Give `seq` the blocks of its whole prefill (its cached prefix shared) if the pool has them above the
-        watermark (an idle engine admits without it: nothing else will free blocks)."""
-        pool = self.pool
-        hits = self.lookup_prefix(seq) if self.lookup_prefix is not None else []
-        new = pool.blocks_for(seq.num_prefill_tokens) - len(hits)
-        available = pool.num_free - sum(1 for b in hits if pool.refs(b) == 0)  # free cached blocks taken back
-        if new > available - (self.watermark_blocks if self.running else 0):
+        """Admit `seq` if the KV-cache manager has the blocks of its whole prefill (above the watermark unless the
+        engine is idle: nothing else will free blocks)."""
+        cached = self.kv.allocate_prefill(seq, watermark=bool(self.running))
+        if cached is None:
             return False
-        if self.take_prefix is not None:
-            self.take_prefix(seq, hits)
-        seq.block_ids = hits + pool.allocate(new)
-        seq.num_computed_tokens = len(hits) * pool.block_size
+        seq.num_computed_tokens = cached
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
         self._prefilling.append(seq)
@@ -200,30 +212,12 @@ class Scheduler:
     def _grow(self, seq: Sequence, num_tokens: int, batch: ScheduledBatch) -> bool:
         """Make `seq` hold blocks for `num_tokens` positions, preempting less important sequences while the pool
         is short. False when `seq` is itself the least important: then it is preempted."""
-        need = self.pool.blocks_for(num_tokens) - len(seq.block_ids)
-        while need > self.pool.num_free:
+        while not self.kv.allocate_slots(seq, num_tokens):
             victim = max(self.running, key=self._importance)
             self._preempt(victim, batch)
             if victim is seq:
                 return False
-        if need > 0:
-            seq.block_ids.extend(self.pool.allocate(need))
         return True
-
-    def drop_passed_blocks(self, seqs: list[Sequence]) -> None:
-        """Give back the leading blocks that no query from each sequence's next position on will read (called once
-        a step has advanced them, so that the free blocks count them at once); a no-op unless every layer is
-        windowed or chunked."""
-        if self.first_needed is None:
-            return
-        for seq in seqs:
-            passed = self.first_needed(seq.num_computed_tokens) // self.pool.block_size
-            if passed <= seq.num_dropped_blocks:
-                continue
-            dropped = seq.block_ids[seq.num_dropped_blocks : passed]
-            seq.block_ids[seq.num_dropped_blocks : passed] = [PASSED_BLOCK] * len(dropped)
-            seq.num_dropped_blocks = passed
-            self.pool.free(dropped)
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
         """Free `seq`'s blocks and queue it again, to recompute its prompt and generated tokens when readmitted."""
@@ -240,42 +234,81 @@ class Scheduler:
         self.running.remove(seq)
         if seq in self._prefilling:
             self._prefilling.remove(seq)
-        self.pool.free(seq.block_ids[seq.num_dropped_blocks :])
-        seq.block_ids = []
-        seq.num_registered_blocks = 0
-        seq.num_dropped_blocks = 0
-
-    def waiting_seqs(self) -> list[Sequence]:
-        """The requests still waiting to be admitted (in no particular order)."""
-        return [e[2] for e in self._waiting if e[2].status is SequenceStatus.WAITING]
-
-    def waiting_blocks(self) -> int:
-        """Blocks the waiting requests' prefills will take (before any prefix hit)."""
-        return sum(self.pool.blocks_for(s.num_prefill_tokens) for s in self.waiting_seqs())
+        self.kv.free(seq)
 
     def _chunk(self, batch: ScheduledBatch, seq: Sequence, budget: int) -> int:
         length = min(seq.num_prefill_tokens - seq.num_computed_tokens, budget)
         batch.prefill.append(PrefillChunk(seq, seq.num_computed_tokens, length))
+        if seq.metrics.first_scheduled_time is None:
+            seq.metrics.first_scheduled_time = time.time()
         return length
 
     def _pop_waiting(self) -> tuple[int, int, Sequence] | None:
         while self._waiting:
             entry = heapq.heappop(self._waiting)
-            if entry[2].status is SequenceStatus.WAITING:  # aborted ones stay in the heap until popped
+            if entry[2].status in _WAITING:  # finished ones stay in the heap until popped
                 self._num_waiting -= 1
                 return entry
         return None
 
-    def prefill_done(self, seq: Sequence) -> None:
-        self._prefilling.remove(seq)
+    def waiting_seqs(self) -> list[Sequence]:
+        """The requests still waiting to be admitted (in no particular order)."""
+        return [e[2] for e in self._waiting if e[2].status in _WAITING]
 
-    def remove(self, seq: Sequence) -> None:
-        """Take `seq` out (finished or aborted), its blocks back to the pool."""
-        if seq.status is SequenceStatus.WAITING:
-            seq.status = SequenceStatus.FINISHED
+    def waiting_for_grammar(self) -> list[Sequence]:
+        """The waiting requests whose grammar has not compiled (yet, or ever)."""
+        return [e[2] for e in self._waiting if e[2].status is SequenceStatus.WAITING_FOR_GRAMMAR]
+
+    def waiting_blocks(self) -> int:
+        """Blocks the waiting requests' prefills will take (before any prefix hit)."""
+        return sum(self.kv.blocks_for(s.num_prefill_tokens) for s in self.waiting_seqs())
+
+    # ----------------------------------------------------------------- after the forward
+
+    def update_from_output(self, batch: ScheduledBatch, sampled: SamplerOutput | None) -> list[StepOutput]:
+        """The step ran `batch` and drew `sampled` for `batch.sampled`: advance what it computed, append the tokens
+        (rose.engine.stopping), and retire the requests they finished. Returns each sampled request's output."""
+        for seq in batch.decode:
+            seq.num_computed_tokens += 1
+        for chunk in batch.prefill:
+            chunk.seq.num_computed_tokens += chunk.length
+            if chunk.completes_prefill:
+                self._prefilling.remove(chunk.seq)
+        if self.kv.caches_blocks:
+            for seq in [*batch.decode, *(chunk.seq for chunk in batch.prefill)]:
+                self.kv.cache_blocks(seq)
+        if sampled is None:
+            return []
+        now = time.time()
+        outputs = [
+            append_token(seq, token, logprob, now, self.eos_token_ids, self.max_model_len)
+            for seq, token, logprob in zip(batch.sampled, sampled.token_ids, sampled.logprobs, strict=True)
+        ]
+        for out in outputs:
+            if out.finished:
+                self._remove(self.requests[out.request_id])
+        return outputs
+
+    def finish_request(self, request_id: str, reason: FinishReason) -> Sequence | None:
+        """End a request now (aborted, or its grammar failed), its blocks back to the pool; None if unknown."""
+        seq = self.requests.get(request_id)
+        if seq is None:
+            return None
+        self._remove(seq)
+        seq.finish_reason = reason
+        seq.metrics.finished_time = time.time()
+        if seq.detokenizer is not None:
+            seq.text = seq.detokenizer.emitted_text
+        return seq
+
+    def _remove(self, seq: Sequence) -> None:
+        """Take `seq` out (finished or aborted): its blocks back to the pool, its grammar state freed."""
+        del self.requests[seq.request_id]
+        if seq.structured is not None:
+            seq.structured = None  # frees the matcher
+            self.num_constrained -= 1
+        if seq.status in _WAITING:
             self._num_waiting -= 1
-            return
-        if seq.status is not SequenceStatus.RUNNING:
-            return
+        elif seq.status is SequenceStatus.RUNNING:
+            self._release(seq)
         seq.status = SequenceStatus.FINISHED
-        self._release(seq)

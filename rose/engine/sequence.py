@@ -22,6 +22,11 @@ PASSED_BLOCK = 0
 
 
 class SequenceStatus(enum.Enum):
+    """Set by the scheduler only (rose.engine.scheduler), as vLLM's RequestStatus."""
+
+    WAITING_FOR_GRAMMAR = (
+        "waiting_for_grammar"  # queued; its grammar compiles on the pool (vLLM: WAITING_FOR_FSM)
+    )
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
@@ -40,9 +45,11 @@ class Sequence:
     generator: torch.Generator | None = None  # only for seeded requests
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
+    # written by the scheduler alone: the step's progress
     num_computed_tokens: int = 0  # tokens whose K/V are in the store
     # the tokens to prefill before decoding: the prompt, or after a preemption the prompt and the generated tokens
     num_prefill_tokens: int = 0
+    # written by the KV-cache manager alone (rose.engine.kv_cache_manager): the blocks it holds
     block_ids: list[int] = field(
         default_factory=list
     )  # block table: position p is in block_ids[p // block_size]

@@ -158,11 +158,15 @@ def test_num_gpu_blocks_override_sizes_the_pool_and_the_watermark_follows_it():
         "tiny-gpt2", max_num_seqs=4, max_model_len=64, block_size=16, num_gpu_blocks_override=6
     )
     assert short.kv_blocks_total == 6 and short.max_model_len == 64
-    assert short.scheduler.watermark_blocks == 1  # short of 4 x 64 positions: a block kept free at admission
+    assert (
+        short.kv_cache_manager.watermark_blocks == 1
+    )  # short of 4 x 64 positions: a block kept free at admission
     whole = make_engine(
         "tiny-gpt2", max_num_seqs=4, max_model_len=64, block_size=16, num_gpu_blocks_override=16
     )
-    assert whole.scheduler.watermark_blocks == 0  # every sequence fits at full length: it never runs short
+    assert (
+        whole.kv_cache_manager.watermark_blocks == 0
+    )  # every sequence fits at full length: it never runs short
     # with no watermark the whole pool is admitted: 4 prompts of 4 blocks each
     for i in range(4):
         whole.add_request(str(i), [5 + i] * 60, greedy(4))

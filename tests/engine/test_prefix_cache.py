@@ -114,7 +114,7 @@ def test_a_hit_shares_the_blocks_and_copies_nothing(monkeypatch):
     engine.step()
     b = engine.get_request("b")
     assert b.block_ids[:3] == a.block_ids[:3]  # the prompt's 3 full blocks, held by both
-    assert all(engine.pool.refs(block) == 2 for block in a.block_ids[:3])
+    assert all(engine.kv_cache_manager.pool.refs(block) == 2 for block in a.block_ids[:3])
     assert b.num_computed_tokens == 24 + 2 and b.output_token_ids  # only its own 2 tokens were computed
     assert copies == []  # no K/V was copied for the hit
     assert engine.get_stats()["prefix_cache_hit_tokens"] == 24

@@ -223,3 +223,22 @@ def test_top_k_1_sampling_is_greedy(engine):
     assert run.outputs["k1"].token_ids == run.outputs["g"].token_ids
     assert run.outputs["p0"].token_ids == run.outputs["g"].token_ids
     assert run.outputs["hot"].token_ids != run.outputs["g"].token_ids
+
+
+def test_an_admission_that_raises_loses_no_waiting_request(monkeypatch):
+    engine = make_engine("tiny-llama", max_num_seqs=4)
+    for i in range(3):
+        engine.add_request(str(i), [5 + i] * 10, greedy(3))
+    calls = []
+
+    def broken(seq, *, watermark):
+        calls.append(seq.request_id)
+        raise RuntimeError("admission failed")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(engine.kv_cache_manager, "allocate_prefill", broken)
+        with pytest.raises(RuntimeError, match="admission failed"):
+            engine.step()
+    assert calls == ["0"] and engine.num_waiting == 3 and engine.num_running == 0
+    run = drain(engine)
+    assert sorted(run.outputs) == ["0", "1", "2"] and all(len(o.token_ids) == 3 for o in run.outputs.values())

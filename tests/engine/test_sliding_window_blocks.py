@@ -11,12 +11,12 @@ import copy
 import random
 
 import pytest
+from architectures import prompt_id_range, tiny_model
 from engine_helpers import drain, greedy, hf_greedy
 
-from rose.bench.architectures import prompt_id_range, tiny_model
 from rose.engine.engine import Engine
 
-WINDOW = 8  # tiny mistral's sliding window (rose.bench.architectures)
+WINDOW = 8  # tiny mistral's sliding window (architectures.py)
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +49,7 @@ def _generate_and_check(engine: Engine, model, prompts: list[list[int]], max_tok
 def test_a_long_sequence_holds_a_windows_worth_of_blocks(mistral, backend, monkeypatch):
     monkeypatch.setenv("ROSE_ATTENTION_BACKEND", backend)  # sdpa: decode reads from the window's first block
     engine = _engine(mistral, max_num_seqs=2, max_model_len=128)
-    assert engine.scheduler.first_needed is not None  # every layer of mistral is windowed
+    assert engine.kv_cache_manager.drops_passed_blocks  # every layer of mistral is windowed
     prompts = _prompts(2, 20)
     prompts[1] = prompts[1][:7]  # two lengths in one decode batch
     held = []
@@ -79,7 +79,7 @@ def test_a_model_with_a_global_layer_gives_nothing_back():
     engine = _engine(
         tiny_model("gemma3_text"), max_num_seqs=1, max_model_len=128
     )  # windowed and global layers
-    assert engine.scheduler.first_needed is None
+    assert not engine.kv_cache_manager.drops_passed_blocks
     engine.add_request("long", _prompts(1, 20)[0], greedy(60))
     held = []
     drain(engine, on_step=lambda e, _outs: held.append(e.kv_blocks_used))

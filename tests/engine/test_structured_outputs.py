@@ -22,6 +22,7 @@ from rose.engine.grammar_backends import apply_bitmask_kernel, choice_as_ebnf
 from rose.engine.logits_mask import allocate_bitmask
 from rose.engine.presets import build_preset
 from rose.engine.sampling_params import SamplingParams
+from rose.engine.sequence import SequenceStatus
 from rose.engine.structured_outputs import StructuredOutputsParams
 
 MAX_MODEL_LEN = 256
@@ -149,7 +150,7 @@ def test_hundreds_of_constrained_requests_batched_with_unconstrained_ones_are_al
     stats = engine.get_stats()
     assert stats["structured_output_compiles"] <= len(SCHEMAS) + len(REGEXES) + len(CHOICES)
     assert stats["structured_output_cache_hits"] >= 200 - stats["structured_output_compiles"]
-    assert engine.structured_outputs.num_live == 0
+    assert engine.scheduler.num_constrained == 0
 
 
 def test_every_kind_with_any_whitespace(spaced):
@@ -336,12 +337,16 @@ def test_a_compiling_grammar_neither_blocks_the_loop_nor_the_requests_behind_it(
         assert time.perf_counter() - t0 < 1.0
     assert finished == ["next"]  # admitted and finished behind the waiting request
     assert engine.get_request("slow").block_ids == [] and engine.num_waiting == 1 and engine.has_unfinished()
+    assert engine.get_request("slow").status is SequenceStatus.WAITING_FOR_GRAMMAR
     assert slow.threads and all(name.startswith("rose-grammar") for name in slow.threads)
     # only the compiling request is left: step() waits for it instead of spinning
     t0 = time.perf_counter()
     assert engine.step() == []
     assert time.perf_counter() - t0 >= 0.04
     slow.release.set()
+    engine.get_request("slow").structured.wait(timeout=30)
+    engine.step()  # compiled: admitted, prefilled, and its first token drawn under its grammar
+    assert engine.get_request("slow").status is SequenceStatus.RUNNING
     run = drain(engine, stepped_before=True)
     assert run.outputs["slow"].finish_reason == "stop"
     assert json.loads(run.outputs["slow"].text)["slow"] in (1, 2)
@@ -362,7 +367,7 @@ def test_a_compile_that_fails_on_the_pool_finishes_its_request_with_error(engine
     assert "out of memory while compiling" in run.outputs["doomed"].error
     assert run.outputs["fine"].error is None
     assert run.outputs["fine"].finish_reason == "length"
-    assert engine.structured_outputs.num_live == 0
+    assert engine.scheduler.num_constrained == 0
     # a later request with the same constraint compiles again (failures are not cached)
     monkeypatch.undo()
     sp = SamplingParams(max_tokens=9, structured_outputs={"regex": "z{1,3}q"})
@@ -379,7 +384,7 @@ def test_abort_of_a_constrained_request_frees_its_matcher(engine):
     assert seq.structured is not None and seq.output_token_ids
     out = engine.abort("ab")
     assert out.finish_reason == "abort" and seq.structured is None
-    assert engine.structured_outputs.num_live == 0
+    assert engine.scheduler.num_constrained == 0
     run = drain(engine, stepped_before=True)
     assert run.outputs["keep"].finish_reason == "length" and "ab" not in run.outputs
 

@@ -62,6 +62,30 @@ def test_the_worker_builds_its_engine_with_the_store_settings():
         engine.close()
 
 
+def test_the_engine_options_are_one_config_shared_by_settings_engine_and_llm():
+    from rose import LLM, Engine, EngineConfig
+    from rose.engine.config import DEFAULTS
+
+    defaults = WorkerSettings().engine_config()
+    assert defaults == DEFAULTS  # one set of defaults: the settings read them from EngineConfig
+    s = WorkerSettings(max_num_seqs=3, max_json_whitespace=0, grammar_compile_timeout=0)
+    assert s.engine_config().max_num_seqs == 3
+    # 0 is "no limit" in the settings (an environment variable cannot say None)
+    assert s.engine_config().max_json_whitespace is None and s.engine_config().grammar_compile_timeout is None
+    with pytest.raises(ValueError, match="max_num_seqs must be >= 1"):
+        EngineConfig(max_num_seqs=0)
+    with pytest.raises(TypeError, match="max_num_sequences"):
+        EngineConfig(max_num_sequences=4)
+    config = EngineConfig(device="cpu", max_num_seqs=2, max_model_len=64)
+    engine = Engine("tiny-gpt2", config=config, max_model_len=32)  # keyword arguments override the config
+    try:
+        assert engine.config == EngineConfig(device="cpu", max_num_seqs=2, max_model_len=32)
+        assert engine.max_model_len == 32 and engine.max_num_seqs == 2
+    finally:
+        engine.close()
+    assert LLM("tiny-gpt2", device="cpu", max_model_len=48).engine.config.max_model_len == 48
+
+
 @pytest.mark.parametrize(
     "kwargs",
     [
