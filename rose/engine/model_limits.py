@@ -2,7 +2,8 @@
 
 rose flattens a step's sequences into one forward, each token with its own position. Where transformers computes
 something from more than a token's position, rose matches `generate` only below a length, and the engine caps
-`max_model_len` (and for llama4 the step's token budget) there (AttentionLayers.exact_context / exact_step_tokens):
+`max_model_len` (and for llama4 the step's token budget) there (`exact_lengths`, which rose.engine.model_probe keeps
+on its AttentionLayers: exact_context / exact_step_tokens):
 - a layer whose cache keeps fewer tokens than its mask sees (a `sliding_window` that only transformers' cache
   applies, as in moshi): `generate` forgets what rose still attends to, beyond that window;
 - longrope / dynamic RoPE: the frequencies depend on the longest position in the whole forward, another sequence's
@@ -12,13 +13,18 @@ something from more than a token's position, rose matches `generate` only below 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from transformers import PreTrainedModel
 from transformers.cache_utils import get_layer_types_and_kwargs
 
 if TYPE_CHECKING:
-    from rose.engine.model_probe import AttentionLayers
+    import torch
+
+    from rose.engine.layer_spec import LayerSpec
+
+Limit = tuple[int, str]  # a length, and why rose is exact only below it
 
 
 def cache_layers(config) -> tuple[list[str], list[dict]]:
@@ -39,29 +45,32 @@ def cache_windows(config) -> list[int | None]:
     return [kwargs.get("sliding_window") for kwargs in cache_layers(config)[1]]
 
 
-def limit_lengths(layers: AttentionLayers, model: PreTrainedModel) -> None:
+def exact_lengths(
+    modules: Sequence[torch.nn.Module], specs: Sequence[LayerSpec], model: PreTrainedModel
+) -> tuple[Limit | None, Limit | None]:
     """Where transformers' own computation depends on more than each token's position, rose is exact only below a
-    length: the tightest such limit is kept (AttentionLayers.exact_context / exact_step_tokens)."""
-    limits = [*_cache_window_limits(layers, model.config), *_rope_limits(model)]
+    length: (the longest context, the most tokens per forward) rose serves exactly, each the tightest such limit with
+    its reason, None where unbounded. `modules` / `specs`: the model's attention calls in forward order, as probed."""
+    limits = [*_cache_window_limits(modules, specs, model.config), *_rope_limits(model)]
+    step: Limit | None = None
     # llama4's temperature tuning scales NoPE layers' queries by the token's index in the forward, which is the
     # step's flattened index here: exact only while both stay below its floor_scale - 1
-    tuned = [m for m in layers.modules if getattr(m, "attn_temperature_tuning", False) and not m.use_rope]
+    tuned = [m for m in modules if getattr(m, "attn_temperature_tuning", False) and not m.use_rope]
     if tuned:
-        layers.step_limit = int(tuned[0].floor_scale) - 1
-        layers.step_reason = (
-            f"its NoPE layers scale queries by the token's index in the forward from {layers.step_limit} on"
-        )
-        limits.append((layers.step_limit, layers.step_reason))
-    if limits:
-        layers.context_limit, layers.limit_reason = min(limits)
+        limit = int(tuned[0].floor_scale) - 1
+        step = (limit, f"its NoPE layers scale queries by the token's index in the forward from {limit} on")
+        limits.append(step)
+    return (min(limits) if limits else None), step
 
 
-def _cache_window_limits(layers: AttentionLayers, config) -> list[tuple[int, str]]:
+def _cache_window_limits(
+    modules: Sequence[torch.nn.Module], specs: Sequence[LayerSpec], config
+) -> list[Limit]:
     """generate keeps only the last `window - 1` tokens of a layer transformers' cache calls sliding (or chunked);
     where that is fewer than the layer's mask lets it see, rose is exact only while contexts fit that window."""
     windows = cache_windows(config)
     limits = []
-    for module, spec in zip(layers.modules, layers.specs, strict=True):
+    for module, spec in zip(modules, specs, strict=True):
         index = getattr(module, "layer_idx", None)
         kept = windows[index] if isinstance(index, int) and index < len(windows) else None
         span = spec.window or spec.chunk
@@ -76,7 +85,7 @@ def _cache_window_limits(layers: AttentionLayers, config) -> list[tuple[int, str
     return limits
 
 
-def _rope_limits(model: PreTrainedModel) -> list[tuple[int, str]]:
+def _rope_limits(model: PreTrainedModel) -> list[Limit]:
     """longrope and dynamic RoPE pick their frequencies from the longest position in the whole forward, which in a
     batched step belongs to another sequence: exact only while no position reaches the length where they switch.
     (dynamic RoPE only grows past `max_position_embeddings`, the model's own context: it never caps in practice.)

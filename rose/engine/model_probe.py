@@ -140,11 +140,16 @@ def probe(model: PreTrainedModel) -> AttentionLayers:
             f"{name}: attention layer {skipped[0].layer_idx} ({type(skipped[0]).__name__}) ran without going "
             "through transformers' AttentionInterface, so rose cannot attach its KV cache to it"
         )
-    model_limits.limit_lengths(recorder.layers, model)
+    layers = recorder.layers
+    context, step = model_limits.exact_lengths(layers.modules, layers.specs, model)
+    if context is not None:
+        layers.context_limit, layers.limit_reason = context
+    if step is not None:
+        layers.step_limit, layers.step_reason = step
     if logger.isEnabledFor(logging.INFO):
-        kinds = Counter(spec.describe() for spec in recorder.layers.specs)
+        kinds = Counter(spec.describe() for spec in layers.specs)
         logger.info("%s attention: %s", name, "; ".join(f"{n} x {kind}" for kind, n in kinds.items()))
-    return recorder.layers
+    return layers
 
 
 def _probe_forward(

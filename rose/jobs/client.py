@@ -21,6 +21,7 @@ from rq.serializers import JSONSerializer
 
 from rose.jobs import gather, keys
 from rose.jobs.connection import connect
+from rose.jobs.errors import InvalidRequest, JobCanceled, JobFailed, StreamReset
 from rose.jobs.events import TERMINAL_TYPES, CanceledEvent, parse_event
 from rose.jobs.schemas import GenerateRequest, ValidationError, format_validation_error
 
@@ -45,44 +46,6 @@ _RQ_OPTIONS = (
 _ENDED = {JobStatus.FAILED, JobStatus.CANCELED, JobStatus.STOPPED}
 POLL_S = 1.0  # seconds a stream read blocks (the async client shares it)
 _SILENT_POLLS = 3
-
-
-class JobFailed(Exception):
-    """The job failed; `message` is the worker's explanation (validation error, timeout, engine error...)."""
-
-    def __init__(self, job_id: str, message: str):
-        super().__init__(f"job {job_id} failed: {message}")
-        self.job_id = job_id
-        self.message = message
-
-
-class JobCanceled(Exception):
-    """The job was canceled (or stopped) before it finished."""
-
-    def __init__(self, job_id: str, reason: str = "canceled"):
-        super().__init__(f"job {job_id} {reason}")
-        self.job_id = job_id
-        self.reason = reason
-
-
-class StreamReset(Exception):
-    """The job restarted from scratch while its text was being streamed; `text` is what had been yielded.
-    Iterate `stream()` again to get the new attempt from its start."""
-
-    def __init__(self, job_id: str, text: str):
-        super().__init__(f"job {job_id} restarted from scratch; drop the {len(text)} characters received")
-        self.job_id = job_id
-        self.text = text
-
-
-class InvalidRequest(ValueError):
-    """A job's arguments are invalid; nothing was enqueued. The message is the worker's own for the same job, one
-    clause per problem, naming the field (and the closest known name for a typo: `unknown field 'max_token' (did
-    you mean 'max_tokens'?)`). `errors` is pydantic's structured list; the ValidationError is the `__cause__`."""
-
-    def __init__(self, message: str, errors: list[dict[str, Any]]):
-        super().__init__(message)
-        self.errors = errors
 
 
 def _request_kwargs(prompt: str | list[int] | None, fields: dict[str, Any]) -> dict[str, Any]:
@@ -290,7 +253,7 @@ class Client:
     ) -> Iterator[tuple[Job, dict[str, Any] | Exception]]:
         """Yield (job, result dict) or (job, JobFailed / JobCanceled) as each job ends; TimeoutError after
         `timeout` s. A few round trips per wake-up however many jobs (rose.jobs.gather)."""
-        return gather.as_completed(self, jobs, timeout)
+        return gather.as_completed(self.redis, jobs, timeout)
 
     def results(
         self, jobs: Iterable[Job], timeout: float | None = None, return_exceptions: bool = False
@@ -298,7 +261,7 @@ class Client:
         """Every job's result, in the order given, once all have ended. A failed or canceled job raises its
         JobFailed / JobCanceled (after all have ended), or, with return_exceptions=True, stands in the list."""
         jobs = list(jobs)
-        ended = {job.id: value for job, value in gather.as_completed(self, jobs, timeout)}
+        ended = {job.id: value for job, value in gather.as_completed(self.redis, jobs, timeout)}
         values = [ended[job.id] for job in jobs]
         if not return_exceptions:
             for value in values:

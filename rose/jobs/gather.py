@@ -11,28 +11,37 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, TypeVar
 
+import redis
 from rq.job import JobStatus
 from rq.results import Result
 from rq.serializers import JSONSerializer
 
 from rose.jobs import keys
-
-if TYPE_CHECKING:
-    from rose.jobs.client import Client, Job
+from rose.jobs.errors import JobCanceled, JobFailed
 
 POLL_S = 1.0  # longest blocking read: a job canceled or failed without a result is noticed this late at worst
 _PENDING = object()
 _ENDED = {JobStatus.FAILED.value, JobStatus.CANCELED.value, JobStatus.STOPPED.value}
 
 
+class Waitable(Protocol):
+    """What is waited for: a job's id, and `result()`, which says what an ended job came to (`Client`'s `Job`)."""
+
+    id: str
+
+    def result(self, timeout: float | None = None) -> dict[str, Any]: ...
+
+
+J = TypeVar("J", bound=Waitable)
+
+
 def as_completed(
-    client: Client, jobs: Iterable[Job], timeout: float | None = None
-) -> Iterator[tuple[Job, dict[str, Any] | Exception]]:
-    """(job, result dict) or (job, JobFailed / JobCanceled) for each job as it ends, in the order they end.
-    TimeoutError if some are still pending after `timeout` seconds."""
-    r = client.redis
+    r: redis.Redis, jobs: Iterable[J], timeout: float | None = None
+) -> Iterator[tuple[J, dict[str, Any] | Exception]]:
+    """(job, result dict) or (job, JobFailed / JobCanceled) for each job as it ends, in the order they end, the
+    jobs' Redis connection `r` read directly. TimeoutError if some are still pending after `timeout` seconds."""
     pending = {job.id: job for job in jobs}
     deadline = None if timeout is None else time.monotonic() + timeout
     with r.pipeline(transaction=False) as pipe:  # where each result stream stands now: newer entries wake us
@@ -66,7 +75,7 @@ def as_completed(
                 yield pending.pop(job_id), outcome
 
 
-def _ended(r: Any, pending: dict[str, Job]) -> Iterator[tuple[Job, Any]]:
+def _ended(r: Any, pending: dict[str, J]) -> Iterator[tuple[J, Any]]:
     """The pending jobs that have ended, by their statuses (two pipelined round trips)."""
     ids = list(pending)
     with r.pipeline(transaction=False) as pipe:
@@ -91,7 +100,7 @@ def _ended(r: Any, pending: dict[str, Job]) -> Iterator[tuple[Job, Any]]:
                 yield pending.pop(job_id), outcome
 
 
-def _from_result(r: Any, job: Job, rid: Any, payload: Any) -> Any:
+def _from_result(r: Any, job: Waitable, rid: Any, payload: Any) -> Any:
     """A job's outcome from its latest RQ Result entry: the return value of a success, else what the job says."""
     if payload is not None:
         result = Result.restore(job.id, rid.decode(), payload, connection=r, serializer=JSONSerializer)
@@ -100,11 +109,9 @@ def _from_result(r: Any, job: Job, rid: Any, payload: Any) -> Any:
     return _outcome(job)  # failed (maybe retried), or no result kept (result_ttl=0)
 
 
-def _outcome(job: Job) -> Any:
+def _outcome(job: Waitable) -> Any:
     """What `Job.result()` says of an ended job: its result, or the exception it raises; _PENDING if it runs
     again."""
-    from rose.jobs.client import JobCanceled, JobFailed
-
     try:
         return job.result(timeout=0)
     except (JobFailed, JobCanceled) as exc:

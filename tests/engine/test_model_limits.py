@@ -7,9 +7,9 @@ import copy
 
 import pytest
 import torch
+from architectures import redraw_weights, tiny_config, tiny_model
 from engine_helpers import drain, greedy, hf_greedy
 
-from rose.bench.architectures import redraw_weights, tiny_config, tiny_model
 from rose.engine.engine import Engine
 from rose.engine.model_probe import UnsupportedModelError
 from rose.engine.presets import model_from_config
@@ -138,7 +138,8 @@ def one_thread():
 @pytest.mark.parametrize("build", ["longrope", "llama4"])
 def test_without_the_cap_rose_would_be_wrong(build, monkeypatch):
     """Guards the caps above: past them, batched steps really do diverge from generate."""
-    from rose.bench.coverage import check_model
+    from coverage_check import check_model
+
     from rose.engine import model_limits
 
     def model():
@@ -149,5 +150,5 @@ def test_without_the_cap_rose_would_be_wrong(build, monkeypatch):
         )  # scales large enough to change tiny models' tokens
 
     assert check_model(build, model, ("batched",)).status == "refused"  # max_model_len 128 is past the cap
-    monkeypatch.setattr(model_limits, "limit_lengths", lambda layers, model: None)
+    monkeypatch.setattr(model_limits, "exact_lengths", lambda modules, specs, model: (None, None))
     assert check_model(build, model, ("batched",)).status == "wrong"
