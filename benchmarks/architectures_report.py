@@ -1,6 +1,6 @@
 #!/usr/bin/env python
-"""Build every causal-LM architecture of the installed transformers tiny (rose.bench.architectures) and greedy-decode
-with transformers' own `generate`: does it build, does it generate, how clear are its greedy choices.
+"""Build every causal-LM architecture of the installed transformers tiny (tests/engine/architectures.py) and
+greedy-decode with transformers' own `generate`: does it build, does it generate, how clear are its greedy choices.
 
 PYTHONPATH=. python benchmarks/architectures_report.py                 # all types
 PYTHONPATH=. python benchmarks/architectures_report.py llama gemma2    # some
@@ -26,26 +26,41 @@ import warnings
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run from a checkout without installing
+sys.path.insert(0, str(ROOT / "tests" / "engine"))  # the tiny models live with the tests
 
+from architectures import build_failure, causal_lm_types, prompt_id_range, tiny_model  # noqa: E402
 from transformers import AttentionInterface  # noqa: E402
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface  # noqa: E402
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: E402
 
-from rose.bench.architectures import (  # noqa: E402
-    GENERATE_CAVEATS,
-    build_failure,
-    causal_lm_types,
-    features,
-    prompt_id_range,
-    tiny_model,
-)
-
 PROMPT_LENGTHS = (5, 11, 20)
 PROBE = "rose_probe"
+
+# Types that build and generate, but whose cached greedy tokens from transformers' `generate` differ from the
+# argmax of one full forward over the same sequence (this report checks every type).
+_DSA = (
+    "sparse (DSA) attention: once the context exceeds index_topk (8 here), cached decoding selects other keys than "
+    "a full forward (with index_topk 64 the two agree)"
+)
+_MASK_TOKEN = (
+    "generation appends a mask token to every step's input, so a plain forward is another computation"
+)
+GENERATE_CAVEATS: dict[str, str] = {
+    **dict.fromkeys(("axk2", "deepseek_v32", "dots3_note", "dots3_note_text", "glm_moe_dsa", "hy_v4"), _DSA),
+    "blt": "dynamic entropy patching: cached decoding disagrees with a full forward; use_cache=False agrees",
+    "xlm": _MASK_TOKEN,
+    "xlnet": _MASK_TOKEN + " (with a permutation mask)",
+    "reformer": "cached decoding disagrees with a full forward (LSH / chunked local attention; not analysed)",
+    **dict.fromkeys(
+        ("cpmant", "moshi", "prophetnet"), "cached decoding disagrees with a full forward (not analysed)"
+    ),
+}
 
 
 @dataclass
@@ -213,6 +228,55 @@ def _summary(results: list[TypeResult]) -> list[str]:
         lines.append(f"cached generate != full forward ({len(drift)}): {' '.join(drift)}")
         lines.append(f"  of which not in GENERATE_CAVEATS ({len(unexplained)}): {' '.join(unexplained)}")
     return lines
+
+
+# --- what a tiny model exercises -----------------------------------------------------------------------------
+
+_SOFTCAPS = ("attn_logit_softcapping", "final_logit_softcapping", "logits_soft_cap", "output_logit_soft_cap")
+_WINDOWS = ("sliding_window", "attention_window_size", "sliding_window_size", "window_size")
+_MOE_COUNTS = ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts")
+
+
+def features(model: torch.nn.Module) -> list[str]:
+    """Short tags for the distinctive features a tiny model has (layer kinds, GQA, window, soft-caps, chunks, MLA,
+    MoE, sinks: what the parity sweep exercises)."""
+    text = model.config.get_text_config(decoder=True)
+    # to_dict, not getattr: heterogeneous configs refuse getattr of their per-layer attributes
+    v = {**{k: getattr(text, k, None) for k in ("layer_types", "layers_block_type")}, **text.to_dict()}
+    tags: list[str] = []
+    kinds = v.get("layer_types") or v.get("layers_block_type") or v.get("block_types")
+    if isinstance(kinds, list) and len(set(map(str, kinds))) > 1:
+        tags.append("layers=" + ",".join(_short(k) for k in kinds))
+    heads, kv = v.get("num_attention_heads"), v.get("num_key_value_heads")
+    if isinstance(heads, int) and isinstance(kv, int) and kv < heads:
+        tags.append(f"gqa={heads}/{kv}")
+    if v.get("per_layer_config"):
+        tags.append("per-layer-config")
+    tags += [f"window={v[k]}" for k in _WINDOWS if isinstance(v.get(k), int) and _windowed(v)][:1]
+    tags += [f"softcap:{k.split('_')[0]}={v[k]}" for k in _SOFTCAPS if v.get(k)]
+    if v.get("attention_chunk_size"):
+        tags.append(f"chunk={v['attention_chunk_size']}")
+    if isinstance(v.get("kv_lora_rank"), int):
+        tags.append(f"mla(kv_rank={v['kv_lora_rank']})")
+    experts = next((v[k] for k in _MOE_COUNTS if isinstance(v.get(k), int)), None)
+    if experts and experts > 1 and v.get("is_moe") is not False:  # doge declares experts it does not build
+        tags.append(f"moe={experts}")
+    if any("sinks" in name for name, _ in model.named_parameters()):
+        tags.append("sinks")
+    return tags
+
+
+def _windowed(v: dict[str, Any]) -> bool:
+    """Whether the window is used: qwen2-style flags, or some layer of a sliding kind."""
+    if v.get("use_sliding_window") is False:
+        return False
+    kinds = v.get("layer_types")
+    return not isinstance(kinds, list) or any("sliding" in str(k) or "local" in str(k) for k in kinds)
+
+
+def _short(kind: Any) -> str:
+    """'sliding_attention' -> 'sliding', 'linear_attention' -> 'linear', 'mamba' -> 'mamba'."""
+    return str(kind).replace("_attention", "").replace("attention", "attn")
 
 
 def main(argv: list[str] | None = None) -> int:

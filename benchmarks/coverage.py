@@ -1,12 +1,16 @@
-"""`rose bench coverage`: rose's engine against transformers' `generate` on tiny models of many architectures.
+#!/usr/bin/env python
+"""rose's engine against transformers' `generate` on tiny models of many architectures.
 
 Prints one row per architecture (exact / refused / wrong / crash / skipped, per engine mode) and a summary line,
 and writes the table as JSON. Exit status 1 when any architecture is `wrong` or `crash`: rose must serve every model
 exactly or refuse it at construction.
 
-    rose bench coverage                  # every causal-LM type in the installed transformers (~1 min here)
-    rose bench coverage llama gemma2     # just these
-    rose bench coverage --markdown       # the table as markdown (README's "Supported models" comes from it)
+    python3 benchmarks/coverage.py                # every causal-LM type of the installed transformers (~1 min here)
+    python3 benchmarks/coverage.py llama gemma2   # just these
+    python3 benchmarks/coverage.py --markdown     # the table as markdown (docs/models.md's list comes from it)
+
+The tiny models and the check are the tests' (tests/engine/architectures.py, tests/engine/coverage_check.py);
+tests/engine/test_model_coverage.py runs the same sweep.
 """
 
 from __future__ import annotations
@@ -17,11 +21,14 @@ import sys
 import warnings
 from collections import Counter
 from collections.abc import Sequence
+from pathlib import Path
 
-import torch
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run from a checkout without installing
+sys.path.insert(0, str(ROOT / "tests" / "engine"))  # the tiny models and the check live with the tests
 
-from rose.bench.cli_args import parse_device, parse_dtype
-from rose.bench.coverage import (
+import torch  # noqa: E402
+from coverage_check import (  # noqa: E402
     LOW_PRECISION_TIE_TOLERANCE,
     MODES,
     TIE_TOLERANCE,
@@ -29,8 +36,10 @@ from rose.bench.coverage import (
     Verdict,
     check_model,
 )
-from rose.bench.report import markdown_table, print_table, write_json
-from rose.engine.loader import resolve_dtype
+
+from rose.bench.cli_args import parse_device, parse_dtype  # noqa: E402
+from rose.bench.report import markdown_table, print_table, write_json  # noqa: E402
+from rose.engine.loader import resolve_dtype  # noqa: E402
 
 DEFAULT_JSON = "benchmarks/results/coverage.json"
 
@@ -62,7 +71,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
-    from rose.bench.architectures import causal_lm_types, prompt_id_range, tiny_model
+    from architectures import causal_lm_types, prompt_id_range, tiny_model
 
     args = build_parser(prog).parse_args(argv)
     modes = tuple(m for m in args.modes.split(",") if m)
@@ -124,3 +133,7 @@ def _quiet() -> None:
     transformers.logging.set_verbosity_error()
     logging.getLogger("rose").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

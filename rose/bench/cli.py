@@ -1,4 +1,4 @@
-"""Argument parsers and entry points of the benchmarks, shared by `benchmarks/*.py` (and a future `rose bench`)."""
+"""Argument parsers and entry points of `rose bench engine|step|worker`, shared by `benchmarks/bench_*.py`."""
 
 from __future__ import annotations
 

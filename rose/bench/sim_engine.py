@@ -31,6 +31,7 @@ class SimEngine:
         self.steps_per_s = steps_per_s
         self.model_name = "sim"
         self.device = "sim"
+        self.dtype = None
         self.tokenizer = None
         self.max_model_len = 1 << 20
         self._rng = random.Random(seed)
@@ -76,6 +77,11 @@ class SimEngine:
 
     def num_admittable(self) -> int:
         return max(0, self.max_num_seqs - len(self._requests))
+
+    kv_blocks_used = kv_blocks_total = 0  # no paged store
+
+    def get_stats(self) -> dict[str, int]:
+        return {}
 
     def close(self) -> None:
         pass

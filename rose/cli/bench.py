@@ -1,4 +1,4 @@
-"""`rose bench engine|step|worker|coverage|redis|fleet`: the benchmarks in `rose.bench`, as subcommands."""
+"""`rose bench engine|step|worker|redis|fleet`: the benchmarks in `rose.bench`, as subcommands."""
 
 from __future__ import annotations
 
@@ -8,30 +8,29 @@ import argparse
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "bench",
-        help="benchmarks: rose vs transformers (engine), decode-step time (step), end to end (worker), model "
-        "coverage (coverage), what a token costs Redis (redis), how many workers one Redis serves (fleet)",
+        help="benchmarks: rose vs transformers (engine), decode-step time (step), end to end (worker), what a "
+        "token costs Redis (redis), how many workers one Redis serves (fleet)",
         description="Benchmarks that print a table and write JSON. `rose bench KIND --help` lists each one's flags.",
     )
     p.add_argument(
         "kind",
-        choices=["engine", "step", "worker", "coverage", "redis", "fleet"],
+        choices=["engine", "step", "worker", "redis", "fleet"],
         help="engine: rose vs transformers; step: decode-step time; worker: redis + rose-worker vs engine alone; "
-        "coverage: rose's tokens vs transformers' generate on tiny models of many architectures; redis: Redis's "
-        "CPU, commands and memory per generated token; fleet: simulated workers at a GPU's rate on one Redis",
+        "redis: Redis's CPU, commands and memory per generated token; fleet: simulated workers at a GPU's rate on "
+        "one Redis",
     )
     p.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's own flags")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from rose.bench import coverage_cli, redis_cli
+    from rose.bench import redis_cli
     from rose.bench.cli import engine_main, step_main, worker_main
 
     main = {
         "engine": engine_main,
         "step": step_main,
         "worker": worker_main,
-        "coverage": coverage_cli.main,
         "redis": redis_cli.redis_main,
         "fleet": redis_cli.fleet_main,
     }[args.kind]

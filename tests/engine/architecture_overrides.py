@@ -1,5 +1,5 @@
-"""Per-family corrections to the generic shrinking of `rose.bench.architectures`: config-class kwargs that win
-over the generic tiny values, where those do not make a valid model or would switch a family's feature off."""
+"""Per-family corrections to the generic shrinking of `architectures` (this folder): config-class kwargs that
+win over the generic tiny values, where those do not make a valid model or would switch a family's feature off."""
 
 from __future__ import annotations
 
@@ -123,25 +123,5 @@ BUILD_FAILURES: dict[str, str] = {
         ("musicgen", "musicgen_melody"),
         "audio-codebook decoder: the mapped config is the text-to-audio composite, whose decoder sub-config "
         "AutoModelForCausalLM cannot build, and its inputs are per-codebook token streams",
-    ),
-}
-
-# Types that build and generate, but whose cached greedy tokens from transformers' `generate` differ from the
-# argmax of one full forward over the same sequence (benchmarks/architectures_report.py checks every type).
-_DSA = (
-    "sparse (DSA) attention: once the context exceeds index_topk (8 here), cached decoding selects other keys than "
-    "a full forward (with index_topk 64 the two agree)"
-)
-_MASK_TOKEN = (
-    "generation appends a mask token to every step's input, so a plain forward is another computation"
-)
-GENERATE_CAVEATS: dict[str, str] = {
-    **dict.fromkeys(("axk2", "deepseek_v32", "dots3_note", "dots3_note_text", "glm_moe_dsa", "hy_v4"), _DSA),
-    "blt": "dynamic entropy patching: cached decoding disagrees with a full forward; use_cache=False agrees",
-    "xlm": _MASK_TOKEN,
-    "xlnet": _MASK_TOKEN + " (with a permutation mask)",
-    "reformer": "cached decoding disagrees with a full forward (LSH / chunked local attention; not analysed)",
-    **dict.fromkeys(
-        ("cpmant", "moshi", "prophetnet"), "cached decoding disagrees with a full forward (not analysed)"
     ),
 }

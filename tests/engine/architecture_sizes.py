@@ -1,6 +1,7 @@
-"""The generic tables of `rose.bench.architectures`: tiny values by config attribute name, feature switches, and
-the names of layer counts. A value applies wherever a family's config declares the attribute with an int default
-(None stays None: it means "derived" or "feature off", e.g. q_lora_rank=None is MLA without query compression)."""
+"""The generic tables of `architectures` (this folder): tiny values by config attribute name, feature
+switches, and the names of layer counts. A value applies wherever a family's config declares the attribute with an
+int default (None stays None: it means "derived" or "feature off", e.g. q_lora_rank=None is MLA without query
+compression)."""
 
 from __future__ import annotations
 

@@ -16,8 +16,7 @@ Contract (what the parity sweep relies on):
   with `seed` so that greedy decoding has clear winners (the default std-0.02 init gives near-uniform logits full
   of near-ties). The same seed gives the same weights on every call. Nothing is downloaded.
 - `build_failure(model_type)` says why a type cannot be built tiny (`BUILD_FAILURES`); such types stay in
-  `causal_lm_types()`. `GENERATE_CAVEATS` names the types whose cached `generate` disagrees with a full forward.
-- `features(model)` tags what a tiny model exercises (layer kinds, GQA, window, soft-caps, chunks, MLA, MoE, sinks).
+  `causal_lm_types()`.
 """
 
 from __future__ import annotations
@@ -28,18 +27,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from huggingface_hub.errors import StrictDataclassClassValidationError
-from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
-from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-from rose.bench.architecture_overrides import (
-    BUILD_FAILURES,
-    FAMILY_OVERRIDES,
-    GENERATE_CAVEATS,
-    SUBCONFIG_OVERRIDES,
-)
-from rose.bench.architecture_sizes import (
+from architecture_overrides import BUILD_FAILURES, FAMILY_OVERRIDES, SUBCONFIG_OVERRIDES
+from architecture_sizes import (
     BOS_ID,
     DROPOUT,
     EOS_ID,
@@ -56,17 +45,19 @@ from rose.bench.architecture_sizes import (
     SWITCHES,
     VOCAB,
 )
+from huggingface_hub.errors import StrictDataclassClassValidationError
+from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 __all__ = [
     "BOS_ID",
     "BUILD_FAILURES",
     "EOS_ID",
-    "GENERATE_CAVEATS",
     "PAD_ID",
     "VOCAB",
     "build_failure",
     "causal_lm_types",
-    "features",
     "prompt_id_range",
     "redraw_weights",
     "tiny_config",
@@ -295,55 +286,3 @@ def redraw_weights(model: torch.nn.Module, seed: int) -> None:
         elif param.numel() > 0 and bool((param == param.flatten()[0]).all()):
             std = BIAS_STD if name.endswith("bias") else NORM_STD
             param.copy_(param.flatten()[0] + noise * std)
-
-
-# --- description -------------------------------------------------------------------------------------------------
-
-_SOFTCAPS = ("attn_logit_softcapping", "final_logit_softcapping", "logits_soft_cap", "output_logit_soft_cap")
-_WINDOWS = ("sliding_window", "attention_window_size", "sliding_window_size", "window_size")
-
-
-def features(model_or_config: PreTrainedModel | PretrainedConfig) -> list[str]:
-    """Short tags for the distinctive features a tiny model has (what the parity sweep exercises)."""
-    config = getattr(model_or_config, "config", model_or_config)
-    text = config.get_text_config(decoder=True)
-    # to_dict, not getattr: heterogeneous configs refuse getattr of their per-layer attributes
-    v = {**{k: getattr(text, k, None) for k in ("layer_types", "layers_block_type")}, **text.to_dict()}
-    tags: list[str] = []
-    kinds = v.get("layer_types") or v.get("layers_block_type") or v.get("block_types")
-    if isinstance(kinds, list) and len(set(map(str, kinds))) > 1:
-        tags.append("layers=" + ",".join(_short(k) for k in kinds))
-    heads, kv = v.get("num_attention_heads"), v.get("num_key_value_heads")
-    if isinstance(heads, int) and isinstance(kv, int) and kv < heads:
-        tags.append(f"gqa={heads}/{kv}")
-    if v.get("per_layer_config"):
-        tags.append("per-layer-config")
-    tags += [f"window={v[k]}" for k in _WINDOWS if isinstance(v.get(k), int) and _windowed(v)][:1]
-    tags += [f"softcap:{k.split('_')[0]}={v[k]}" for k in _SOFTCAPS if v.get(k)]
-    if v.get("attention_chunk_size"):
-        tags.append(f"chunk={v['attention_chunk_size']}")
-    if isinstance(v.get("kv_lora_rank"), int):
-        tags.append(f"mla(kv_rank={v['kv_lora_rank']})")
-    experts = next((v[k] for k in _MOE_COUNTS if isinstance(v.get(k), int)), None)
-    if experts and experts > 1 and v.get("is_moe") is not False:  # doge declares experts it does not build
-        tags.append(f"moe={experts}")
-    params = model_or_config.named_parameters() if isinstance(model_or_config, torch.nn.Module) else []
-    if any("sinks" in name for name, _ in params):
-        tags.append("sinks")
-    return tags
-
-
-def _windowed(v: dict[str, Any]) -> bool:
-    """Whether the window is used: qwen2-style flags, or some layer of a sliding kind."""
-    if v.get("use_sliding_window") is False:
-        return False
-    kinds = v.get("layer_types")
-    return not isinstance(kinds, list) or any("sliding" in str(k) or "local" in str(k) for k in kinds)
-
-
-_MOE_COUNTS = ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts")
-
-
-def _short(kind: Any) -> str:
-    """'sliding_attention' -> 'sliding', 'linear_attention' -> 'linear', 'mamba' -> 'mamba'."""
-    return str(kind).replace("_attention", "").replace("attention", "attn")

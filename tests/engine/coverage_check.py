@@ -184,7 +184,7 @@ def _run_engine(model, prompts, max_tokens, mode, target: Target) -> tuple[list[
         for out in engine.step():
             if out.finished:
                 outputs[out.request_id] = out.output.token_ids
-    stats = {**engine.get_stats(), "windowed": engine.scheduler.first_needed is not None}
+    stats = {**engine.get_stats(), "windowed": engine.kv_cache_manager.drops_passed_blocks}
     return [outputs[str(i)] for i in range(len(prompts))], stats
 
 

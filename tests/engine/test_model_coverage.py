@@ -1,8 +1,8 @@
-"""Every causal-LM architecture of the installed transformers, built tiny (rose.bench.architectures): rose gives
-exactly `generate`'s greedy tokens in every engine mode (all prompts batched; chunked prefill of two sequences at a
-time with prefix caching; each with either decode backend; a pool so small that sequences are preempted and
+"""Every causal-LM architecture of the installed transformers, built tiny (architectures.py, this folder): rose
+gives exactly `generate`'s greedy tokens in every engine mode (all prompts batched; chunked prefill of two sequences
+at a time with prefix caching; each with either decode backend; a pool so small that sequences are preempted and
 recomputed), or refuses the model at construction with its type and the reason
-(rose.bench.coverage; `rose bench coverage` prints the same sweep as a table).
+(coverage_check.py; `python3 benchmarks/coverage.py` prints the same sweep as a table).
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from architectures import build_failure, causal_lm_types, prompt_id_range, tiny_model
+from coverage_check import LOW_PRECISION_TIE_TOLERANCE, MODES, Target, Verdict, check_model
 
-from rose.bench.architectures import build_failure, causal_lm_types, prompt_id_range, tiny_model
-from rose.bench.coverage import LOW_PRECISION_TIE_TOLERANCE, MODES, Target, Verdict, check_model
 from rose.engine import model_probe
 
 TYPES = causal_lm_types()
@@ -136,10 +136,10 @@ def test_the_sweep_catches_a_feature_the_engine_would_ignore(model_type, strip, 
     assert v.status == "wrong", v.detail
 
 
-def test_the_readme_lists_each_family_under_its_verdict():
-    """README's "Supported models" is the sweep's table: each type under the verdict it gets."""
-    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    section = text.split("### Supported models")[1].split("\n### ")[0]
+def test_the_models_doc_lists_each_family_under_its_verdict():
+    """docs/models.md's "Supported models" is the sweep's table: each type under the verdict it gets."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / "models.md").read_text()
+    section = text.split("\n## Supported models")[1].split("\n## ")[0]
     bullets = section.split("\n- ")[1:]
     listed: dict[str, set[str]] = {"exact": set(), "refused": set(), "skipped": set()}
     for bullet in bullets:

@@ -157,7 +157,7 @@ _MLA = dict(
 
 def test_a_sub_model_that_keeps_its_attention_is_refused(monkeypatch):
     """transformers only warns when a sub-model cannot switch attention: its layers would run without the store."""
-    from rose.bench.architectures import tiny_model
+    from architectures import tiny_model
 
     model = tiny_model("gemma3")  # a multimodal model: vision tower + text model
     text_model = type(model.model.language_model)
