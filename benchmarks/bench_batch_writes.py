@@ -29,10 +29,9 @@ from rose.bench.redis_cost import cpu_split  # noqa: E402
 from rose.engine.outputs import RequestMetrics, RequestOutput  # noqa: E402
 from rose.harness.redis_server import RedisServerProcess  # noqa: E402
 from rose.jobs import keys  # noqa: E402
+from rose.jobs.contract import parse  # noqa: E402
 from rose.worker import resp, rq_start, rq_store  # noqa: E402
 from rose.worker.coalesce import coalesced  # noqa: E402
-from rose.worker.endings import result_dict  # noqa: E402
-from rose.worker.intake import parse  # noqa: E402
 from rose.worker.outbox import Outbox  # noqa: E402
 from rose.worker.publisher import Publisher  # noqa: E402
 from rose.worker.rq_worker import RQWorker  # noqa: E402
@@ -79,7 +78,7 @@ def finish(rq: RQWorker, runs: list[Running]) -> None:
             finish_reason="length",
             metrics=RequestMetrics(arrival_time=time.time(), num_prompt_tokens=4),
         )
-        run.result = result_dict(run, rq.name)
+        run.result = run.build_result(rq.name)
 
 
 def retire(rq: RQWorker, outbox: Outbox, runs: list[Running], sent: bool) -> None:

@@ -9,7 +9,7 @@ import argparse
 import logging
 import signal
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis
 from pydantic import ValidationError
@@ -19,6 +19,9 @@ from rose.config.extras import missing_engine
 from rose.config.parser import Parser
 from rose.jobs import connection
 from rose.worker.logs import setup_logging
+
+if TYPE_CHECKING:
+    from rose.engine.engine import Engine
 
 log = logging.getLogger("rose.worker")
 
@@ -123,25 +126,10 @@ def connect(url: str) -> redis.Redis:
     return conn
 
 
-def build_engine(settings: WorkerSettings) -> Any:
+def build_engine(settings: WorkerSettings) -> Engine:
     from rose.engine.engine import Engine
 
-    engine = Engine(
-        model=settings.model,
-        tokenizer=settings.tokenizer,
-        device=settings.device,
-        dtype=settings.dtype,
-        max_num_seqs=settings.max_num_seqs,
-        max_model_len=settings.max_model_len,
-        max_num_batched_tokens=settings.max_num_batched_tokens,
-        max_kv_cache_bytes=settings.max_kv_cache_bytes,
-        block_size=settings.block_size,
-        enable_prefix_caching=settings.enable_prefix_caching,
-        disable_any_whitespace=settings.disable_any_whitespace,
-        max_json_whitespace=settings.max_json_whitespace or None,
-        structured_outputs_backend=settings.structured_outputs_backend,
-        grammar_compile_timeout=settings.grammar_compile_timeout or None,
-    )
+    engine = Engine(settings.model, settings.tokenizer, settings.engine_config())
     engine.prepare_structured_outputs()  # not on the loop thread when the first constrained job comes
     return engine
 

@@ -9,16 +9,11 @@ them, as each of its callers documents.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from typing import Any
 
-from rq.job import Job
-
-from rose.engine.outputs import RequestOutput
 from rose.jobs.events import CanceledEvent, DoneEvent, ErrorEvent, Usage
-from rose.jobs.schemas import INVALID_STRUCTURED_OUTPUT
 from rose.worker import faults, rq_store, seal
 from rose.worker.logs import job_fields
 from rose.worker.metrics import WorkerMetrics
@@ -37,85 +32,16 @@ class RoseJobTimeout(RoseJobError):
     """The job ran past its RQ job timeout."""
 
 
-def queue_seconds(job: Job) -> float | None:
-    if job.enqueued_at is None or job.started_at is None:
-        return None
-    return max(0.0, (job.started_at - job.enqueued_at).total_seconds())
-
-
-def failure_message(output: RequestOutput) -> str:
-    """A failed job's message for an engine output that finished "error": why it could not run, or what its
-    output broke, with the output's text (nothing is lost: the text is in the message)."""
-    if output.structured_output_error is None:
-        return output.error or "engine error"
-    text = json.dumps(output.text, ensure_ascii=False)
-    return (
-        f"{INVALID_STRUCTURED_OUTPUT}: {output.structured_output_error}; "
-        f"the output ({len(output.text)} characters): {text}"
-    )
-
-
-def result_dict(run: Running, worker_name: str) -> dict[str, Any]:
-    """The job's RQ result (docs/jobs.md), from the engine's final output."""
-    out = run.output
-    m = out.metrics
-    start = m.arrival_time or run.started_wall
-    finished = m.finished_time or time.time()
-    generation_s = max(0.0, finished - start)
-    completion = len(out.token_ids)
-    if "".join(run.text) != out.text:
-        log.error("job %s: streamed text differs from the engine's final text (engine bug?)", run.id)
-    return {
-        "text": out.text,
-        "token_ids": list(out.token_ids),
-        "finish_reason": out.finish_reason,
-        "usage": {"prompt_tokens": len(out.prompt_token_ids), "completion_tokens": completion},
-        "metrics": {
-            "queue_s": queue_seconds(run.job),
-            "ttft_s": (m.first_token_time - start) if m.first_token_time else None,
-            "generation_s": generation_s,
-            "tokens_per_s": completion / generation_s if generation_s > 0 else None,
-        },
-        "worker": worker_name,
-        "metadata": run.request.metadata if run.request is not None else None,
-    }
-
-
 class Endings:
+    """The ends of this worker's jobs (`completed`: how many it stored as finished). What comes before a job's end
+    (taken, first token) is rose.worker.milestones; the result's and the failure message's shapes are the job
+    contract's (rose.jobs.contract)."""
+
     def __init__(self, rq: RQWorker, outbox: Outbox, metrics: WorkerMetrics) -> None:
         self.rq = rq
         self.outbox = outbox
         self.metrics = metrics
         self.completed = 0  # jobs stored as finished by this worker
-
-    # ---- milestones (log lines and metrics of a running job) ------------------------------------------------
-
-    def taken(self, run: Running) -> None:
-        run.queue_s = queue_seconds(run.job)
-        self.metrics.on_started(run.queue_s)
-        if log.isEnabledFor(logging.INFO):  # the fields are built per job, at every level otherwise
-            log.info(
-                "job %s taken from %s (%.2f s on the queue)",
-                run.id,
-                run.queue.name,
-                run.queue_s or 0.0,
-                extra=job_fields(run, "taken", queue_s=run.queue_s, restarted=run.restarted or None),
-            )
-        if run.restarted:
-            self.outbox.reset(run)
-
-    def first_token(self, run: Running, now: float) -> None:
-        run.ttft_s = max(0.0, now - run.started_wall)
-        self.metrics.on_first_token(run.ttft_s)
-        if log.isEnabledFor(logging.INFO):
-            log.info(
-                "job %s first token after %.2f s",
-                run.id,
-                run.ttft_s,
-                extra=job_fields(run, "first_token", queue_s=run.queue_s, ttft_s=run.ttft_s),
-            )
-
-    # ---- ends ---------------------------------------------------------------------------------------------------
 
     def run_success_callback(self, run: Running) -> Exception | None:
         """The job's success callback, before RQ's handler stores it; what it raised, if it did (RQ then fails the
@@ -139,7 +65,7 @@ class Endings:
         `done` event if not written yet, metrics, log line. A job found stored after a lost reply announces itself
         here: written only if its seal marker is there (RQ's handler stored it), a no-op after a retirer batch."""
         faults.point("result_stored")
-        result = run.result or result_dict(run, self.rq.name)
+        result = run.result or run.build_result(self.rq.name)
         if not announced:
             self.outbox.terminal(
                 run,

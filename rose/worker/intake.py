@@ -1,25 +1,22 @@
-"""Taking jobs off the queues and starting them, and the job contract a started job is checked against.
+"""Taking jobs off the queues and starting them.
 
 `Intake.take(room, lengths, block_s)` returns the jobs it started, as `Running` records (phase TAKEN): ids are moved
 into RQ's intermediate list of their queue (rq_start.dequeue), and starting a job removes its id from there in the
 same transaction that records its execution, so a crash at any point leaves the job findable (rose.worker.recovery
 puts it back). A start whose reply was lost (Redis dropped the connection) stays in limbo and is settled by the next
-take: the jobs that did start are carried on, the others started. `parse` then checks a job against the contract of
-`rose.jobs.generate` (docs/jobs.md): the message it returns is the job's failure.
+take: the jobs that did start are carried on, the others started. The job loop then holds each job to the job
+contract (rose.jobs.contract.parse).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 
-from rq.exceptions import DeserializationError
 from rq.job import Job
 from rq.queue import Queue
 
 from rose.jobs import keys
-from rose.jobs.schemas import GenerateRequest, ValidationError, format_validation_error
 from rose.worker import rq_start, rq_store
 from rose.worker.rq_worker import RQWorker
 from rose.worker.running import Running, job_timeout
@@ -27,13 +24,6 @@ from rose.worker.running import Running, job_timeout
 log = logging.getLogger(__name__)
 
 MULTI_QUEUE_BLOCK_S = 0.2  # idle with several queues: how often the lower-priority ones are looked at
-
-PICKLE_MESSAGE = (
-    "the job's payload is not JSON (was it enqueued with RQ's default pickle serializer?). rose-worker never "
-    "unpickles anything, so nothing in this job was run. Enqueue with "
-    "Queue('{queue}', connection=r, serializer=JSONSerializer).enqueue('rose.jobs.generate', "
-    "kwargs={{'prompt': ..., 'max_tokens': ...}}) or use rose.Client."
-)
 
 Taken = list[tuple[str, Queue]]  # dequeued ids, each with its queue
 
@@ -162,62 +152,3 @@ def _running(job: Job, queue: Queue, execution: rq_store.Execution | None) -> Ru
         started_mono=time.monotonic(),
         timeout=job_timeout(job),
     )
-
-
-def may_run_callbacks(job: Job) -> bool:
-    """Whether a failing job's RQ callbacks may be imported and run: only for a rose.jobs.generate job whose payload
-    decodes as JSON. A refused job (pickle, another function such as os.system) is no job of ours: its callbacks
-    are the sender's code, never run here."""
-    try:
-        return job.func_name == keys.FUNC_PATH
-    except Exception:
-        return False
-
-
-def parse(
-    job: Job,
-    queue_name: str,
-    queue_names: list[str],
-    trust_chat_template: bool,
-    structured_outputs_backend: str = "auto",
-) -> GenerateRequest | str:
-    """The job's request, or the message of the failure it must end with (nothing in it is run). A constraint is
-    checked by the front end of the worker's own grammar backend."""
-    try:
-        func_name, args, kwargs = job.func_name, job.args, job.kwargs
-    except DeserializationError as exc:
-        if isinstance(exc.__cause__, RecursionError):
-            return (
-                "the job's payload is JSON nested too deeply to decode (RecursionError); nothing in this job was "
-                "run. rose.jobs.generate kwargs need only a few levels"
-            )
-        if isinstance(exc.__cause__, ValueError | TypeError) and not isinstance(
-            exc.__cause__, UnicodeError | json.JSONDecodeError
-        ):
-            return (
-                "the job's payload is JSON but not RQ's [\"rose.jobs.generate\", null, [], {kwargs}] layout "
-                f"({exc.__cause__}); enqueue with RQ's JSONSerializer or follow docs/jobs.md"
-            )
-        return PICKLE_MESSAGE.format(queue=queue_name)
-    if func_name != keys.FUNC_PATH:
-        return (
-            f"rose-worker only runs {keys.FUNC_PATH} jobs, not {func_name!r}: keep other jobs off the queues "
-            f"it serves ({', '.join(queue_names)})"
-        )
-    if args:
-        return f"{keys.FUNC_PATH} takes keyword arguments only (kwargs={{'prompt': ...}}), got positional {json.dumps(args)[:200]}"
-    try:
-        request = GenerateRequest.model_validate(
-            kwargs, context={"structured_outputs_backend": structured_outputs_backend}
-        )
-    except ValidationError as exc:
-        return format_validation_error(exc)
-    except TypeError as exc:  # e.g. non-string keys
-        return f"invalid {keys.FUNC_PATH} arguments: {exc}"
-    if request.chat_template is not None and not trust_chat_template:
-        return (
-            "this job sets 'chat_template' but the worker does not accept per-job chat templates: start "
-            "rose-worker with --trust-request-chat-template (ROSE_TRUST_REQUEST_CHAT_TEMPLATE=1), or leave "
-            "'chat_template' out to use the model's own"
-        )
-    return request

@@ -26,11 +26,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from rose.config import WorkerSettings
-from rose.worker import faults, intake, probe, rq_store
-from rose.worker.endings import Endings, RoseJobTimeout, failure_message, result_dict
+from rose.jobs import contract
+from rose.worker import faults, probe, rq_store
+from rose.worker.endings import Endings, RoseJobTimeout
+from rose.worker.engine_protocol import WorkerEngine
 from rose.worker.intake import Intake
 from rose.worker.isolate import isolate
 from rose.worker.metrics import WorkerMetrics
+from rose.worker.milestones import Milestones
 from rose.worker.outbox import Outbox
 from rose.worker.redis_guard import REDIS_ERRORS, RedisGuard
 from rose.worker.retirer import Retired, Retirer
@@ -56,7 +59,7 @@ class Iterated:
 class JobLoop:
     def __init__(
         self,
-        engine: Any,
+        engine: WorkerEngine,
         rq: RQWorker,
         settings: WorkerSettings,
         outbox: Outbox,
@@ -74,6 +77,7 @@ class JobLoop:
         self.running: dict[str, Running] = {}
         self._reconcile = False  # set by an iteration that found events refused or lost
         self._next_retire = 0.0  # monotonic time the next retirement batch may go
+        self.milestones = Milestones(outbox, metrics)
         self.intake = Intake(rq)
         self.watch = Watch(probe.target(rq), settings.check_interval)
         self.retirer = Retirer(rq, outbox.done_commands)
@@ -147,15 +151,12 @@ class JobLoop:
     # ---- take ----------------------------------------------------------------------------------------------------
 
     def max_jobs(self) -> int:
-        return int(getattr(self.engine, "max_num_seqs", 1))
+        return int(self.engine.max_num_seqs)
 
     def room(self) -> int:
-        """How many more jobs the engine can take now: what its free KV blocks admit (`Engine.num_admittable`),
-        else its batch cap less what it holds. A worker whose memory is full leaves the jobs to others."""
-        admittable = getattr(self.engine, "num_admittable", None)
-        if admittable is not None:
-            return int(admittable())
-        return self.max_jobs() - int(self.engine.num_running) - int(self.engine.num_waiting)
+        """How many more jobs the engine can take now: what its free KV blocks admit (`num_admittable`). A worker
+        whose memory is full leaves the jobs to others."""
+        return int(self.engine.num_admittable())
 
     def _take(self, block_s: float) -> int:
         lengths = self.watch.queue_lengths()
@@ -169,8 +170,8 @@ class JobLoop:
         stale = self.running.get(run.id)
         if stale is not None:  # requeued behind our back (we were taken for dead) and dequeued by us again
             self._let_go(stale)
-        self.endings.taken(run)
-        request = intake.parse(
+        self.milestones.taken(run)
+        request = contract.parse(
             run.job,
             run.queue.name,
             self.rq.queue_names(),
@@ -178,7 +179,7 @@ class JobLoop:
             self.settings.structured_outputs_backend,
         )
         if isinstance(request, str):
-            self._fail(run, request, retry=False, callbacks=intake.may_run_callbacks(run.job))
+            self._fail(run, request, retry=False, callbacks=contract.may_run_callbacks(run.job))
             return
         run.request = request
         try:
@@ -224,24 +225,23 @@ class JobLoop:
                 if run.token_ids:
                     steady += n
                 elif n:
-                    self.endings.first_token(run, now)
+                    self.milestones.first_token(run, now)
                 run.text.append(out.new_text)
                 run.token_ids.extend(out.new_token_ids)
                 self.outbox.token(run, out.new_text, list(out.new_token_ids), last=out.finished)
             if out.finished:
                 self.outbox.release(run)  # its held tokens go out now, ahead of its result
                 run.phase = Phase.FINISHED  # out of the engine
-                if (
-                    out.finish_reason == "error"
-                ):  # its grammar failed to compile, or its output broke its schema
+                # "error": its grammar failed to compile, or its output broke its schema
+                if out.finish_reason == "error":
                     invalid = out.output.structured_output_error is not None
                     if invalid:
                         self.metrics.structured_output_errors.inc()
                     # a grammar that will not compile fails again under RQ's Retry; resampled, an output may pass
-                    self._fail(run, failure_message(out.output), retry=invalid)
+                    self._fail(run, contract.failure_message(out.output), retry=invalid)
                     continue
                 run.output = out.output
-                run.result = result_dict(run, self.rq.name)
+                run.result = run.build_result(self.rq.name)
         self.metrics.on_step(self.engine, step_s, tokens, steady, now)
 
     def _isolate(self) -> list[Any]:
@@ -361,9 +361,8 @@ class JobLoop:
     def _retired(self, retired: Retired) -> None:
         for run in retired.stored:
             self.endings.stored(run, announced=True)
-        for (
-            run
-        ) in retired.handed_back:  # the loop checks them, then stores what is still ours by RQ's handler
+        # handed back: the loop checks them, then stores what is still ours by RQ's handler
+        for run in retired.handed_back:
             run.phase = Phase.CHECKING
             self.running[run.id] = run
 

@@ -14,12 +14,16 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, make_wsgi_app
 from prometheus_client.core import HistogramMetricFamily, Metric
 from prometheus_client.exposition import ThreadingWSGIServer
+
+if TYPE_CHECKING:
+    from rose.jobs.contract import JobResult
+    from rose.worker.engine_protocol import WorkerEngine
 
 log = logging.getLogger(__name__)
 
@@ -215,7 +219,7 @@ class WorkerMetrics:
 
     # ---- per step -----------------------------------------------------------------------------------------
 
-    def on_step(self, engine: Any, step_s: float, tokens: int, steady: int, now: float) -> None:
+    def on_step(self, engine: WorkerEngine, step_s: float, tokens: int, steady: int, now: float) -> None:
         """One engine step: `tokens` generated in all, `steady` of them by jobs that also got one in the
         previous step (their inter-token interval is the time between the two steps)."""
         self.step_time.observe(step_s)
@@ -230,19 +234,15 @@ class WorkerMetrics:
             self._next_prefix_read = now + PREFIX_STATS_EVERY_S
             self.read_prefix_stats(engine)
 
-    def gauges(self, engine: Any) -> None:
-        self.running.set(int(getattr(engine, "num_running", 0)))
-        self.waiting.set(int(getattr(engine, "num_waiting", 0)))
-        total = getattr(engine, "kv_blocks_total", None)
-        used = getattr(engine, "kv_blocks_used", None)
-        if total:
-            self.kv_usage.set(int(used or 0) / int(total))
+    def gauges(self, engine: WorkerEngine) -> None:
+        self.running.set(int(engine.num_running))
+        self.waiting.set(int(engine.num_waiting))
+        total = int(engine.kv_blocks_total)
+        if total:  # a stand-in without a paged store has none
+            self.kv_usage.set(int(engine.kv_blocks_used) / total)
 
-    def read_prefix_stats(self, engine: Any) -> None:
-        get_stats = getattr(engine, "get_stats", None)
-        if get_stats is None:
-            return
-        stats = get_stats()
+    def read_prefix_stats(self, engine: WorkerEngine) -> None:
+        stats = engine.get_stats()
         preempted = int(stats.get("num_preemptions", 0))
         if preempted > self._preemptions_seen:
             self.preemptions.inc(preempted - self._preemptions_seen)
@@ -275,7 +275,7 @@ class WorkerMetrics:
     def on_first_token(self, ttft_s: float) -> None:
         self.ttft.observe(max(0.0, ttft_s))
 
-    def on_success(self, result: dict[str, Any]) -> None:
+    def on_success(self, result: JobResult) -> None:
         self._success_child(str(result.get("finish_reason") or "stop")).inc()
         self.prompt_tokens.inc(int(result["usage"]["prompt_tokens"]))
         m = result["metrics"]
@@ -328,19 +328,20 @@ def for_worker(worker: Any) -> WorkerMetrics:
     """The metrics of a RoseWorker, labelled from its engine and settings."""
     from rose import __version__
 
-    e = worker.engine
+    engine = worker.engine
     return WorkerMetrics(
         name=worker.name,
-        model=str(getattr(e, "model_name", "")),
-        device=str(getattr(e, "device", "")),
-        dtype=dtype_name(e),
+        model=str(engine.model_name),
+        device=str(engine.device),
+        dtype=dtype_name(engine),
         queues=worker.queue_names(),
         version=__version__,
     )
 
 
-def dtype_name(engine: Any) -> str:
-    return str(getattr(engine, "dtype", "") or "").removeprefix("torch.")
+def dtype_name(engine: WorkerEngine) -> str:
+    """The engine's dtype as written in the info hash and /metrics ("bfloat16"; "" for a stand-in's None)."""
+    return str(engine.dtype or "").removeprefix("torch.")
 
 
 def health(worker: Any) -> tuple[bool, dict[str, Any]]:

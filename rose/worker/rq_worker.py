@@ -54,6 +54,7 @@ class RQWorker(BaseWorker):
     ) -> None:
         self._on_command = on_command
         self._socket_timeout = socket_timeout
+        self.suspended = False  # `rq suspend` held at the last `check_suspended`
         super().__init__(queues, connection=connection, serializer=JSONSerializer, **kwargs)
         # Every connection of this process carries the worker's name, so a restart can tell a live holder of
         # the name (connections open) from a killed one (connections closed by the kernel).
@@ -168,10 +169,11 @@ class RQWorker(BaseWorker):
         self._shutdown_requested_date = self._shutdown_requested_date or now()
 
     def check_suspended(self) -> bool:
-        """Whether `rq suspend` holds; the registered state follows it."""
+        """Whether `rq suspend` holds, kept in `suspended`; the registered state follows it."""
         suspended = bool(is_suspended(self.connection, self))
         if suspended != (self.get_state() == WorkerStatus.SUSPENDED):
             self.set_state(WorkerStatus.SUSPENDED if suspended else WorkerStatus.IDLE)
+        self.suspended = suspended
         return suspended
 
     def sync_state(self, busy: bool, pipe: Any = None) -> None:

@@ -22,14 +22,21 @@ too late), and a success callback never runs twice. Only the job loop (rose.work
 from __future__ import annotations
 
 import enum
+import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from rq.executions import Execution
 from rq.job import Job
 from rq.queue import Queue
 
+from rose.jobs.contract import JobResult, job_result
 from rose.jobs.schemas import GenerateRequest
+
+log = logging.getLogger("rose.worker.endings")  # the job log (docs/operations.md)
+
+if TYPE_CHECKING:
+    from rose.engine.outputs import RequestOutput
 
 DEFAULT_JOB_TIMEOUT = Queue.DEFAULT_TIMEOUT  # what RQ applies when neither job nor queue sets one
 # Registry entries outlive a dead worker by this much: long enough for a rose-worker to requeue its jobs
@@ -81,8 +88,8 @@ class Running:
     seq: int = 0  # next event seq in the current attempt
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
-    output: Any = None  # the engine's RequestOutput once FINISHED
-    result: dict[str, Any] | None = None  # the job's result, built once it is FINISHED
+    output: RequestOutput | None = None  # the engine's final output, once FINISHED
+    result: JobResult | None = None  # the job's RQ result, built from `output` once it is FINISHED
     stream_ttl_due: float = 0.0  # monotonic time at which the next event (re)sets the stream's expiry
     events_batch: int = 0  # the publisher batch carrying the job's latest events (rose.worker.outbox)
     refusals: int = 0  # times Redis refused the job's events (its stream is started over once, not forever)
@@ -116,6 +123,17 @@ class Running:
             self.timeout is not None
             and self.phase in (Phase.TAKEN, Phase.GENERATING)
             and now_mono - self.started_mono > self.timeout
+        )
+
+    def build_result(self, worker: str) -> JobResult:
+        """The job's RQ result (rose.jobs.contract.job_result) from the engine's final output; `worker`: its name."""
+        if self.output is None:
+            raise RuntimeError(f"job {self.id} has no final output")
+        if "".join(self.text) != self.output.text:
+            log.error("job %s: streamed text differs from the engine's final text (engine bug?)", self.id)
+        metadata = self.request.metadata if self.request is not None else None
+        return job_result(
+            self.output, self.job, started_wall=self.started_wall, worker=worker, metadata=metadata
         )
 
     def next_seq(self) -> int:

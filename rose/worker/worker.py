@@ -3,9 +3,9 @@ loop (rose.worker.loop), and runs the loop until a signal, with heartbeats, orph
 and RQ's maintenance on timers, and a drain at the end: jobs that finish in time are stored, the others requeued at
 the front of their queues.
 
-Ownership: the job loop owns the running jobs; this class owns the lifecycle (started, draining, suspended,
-stopped), the timers and the Redis guard every Redis-touching stage runs through; the RQ worker owns RQ's state of
-the worker (registration, executions, scheduler).
+Ownership: the job loop owns the running jobs; this class owns the lifecycle (rose.worker.lifecycle: one
+`WorkerState`), the timers and the Redis guard every Redis-touching stage runs through; the RQ worker owns RQ's state
+of the worker (registration, suspended / busy / idle, executions, scheduler).
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ from rose.config import WorkerSettings
 from rose.jobs import keys
 from rose.worker import metrics, recovery, rq_store, seal
 from rose.worker.endings import Endings
+from rose.worker.engine_protocol import WorkerEngine
+from rose.worker.lifecycle import Lifecycle, WorkerState
 from rose.worker.loop import JobLoop
 from rose.worker.outbox import Outbox
 from rose.worker.publisher import Publisher
@@ -51,7 +53,7 @@ class RoseWorker:
         self,
         queues: Any,
         *,
-        engine: Any,
+        engine: WorkerEngine,
         connection: redis.Redis,
         settings: WorkerSettings | None = None,
         name: str | None = None,
@@ -82,17 +84,13 @@ class RoseWorker:
         )
         self._intermediate = recovery.IntermediateWatch()
         self._seals = seal.SealWatch()
-        self._drain_deadline: float | None = None
-        self._force_stop = False
-        self._suspended = False
+        self.lifecycle = Lifecycle()
         self._next_heartbeat = 0.0
         self._next_recovery = 0.0
         self._reconciled_outages = 0  # the guard's outage count at the last reconciliation
         self.started_at = time.time()
         self.metrics_server: metrics.HealthServer | None = None
         self.loop_beat = time.monotonic()  # each loop iteration: /health's liveness
-        self.started = False  # registered and serving (the loop runs)
-        self.stopped = False
 
     # ---- what the worker is ------------------------------------------------------------------------------------
 
@@ -117,8 +115,22 @@ class RoseWorker:
         return self.endings.completed
 
     @property
+    def state(self) -> WorkerState:
+        return self.lifecycle.state
+
+    @property
+    def started(self) -> bool:
+        """The start-up is done: registered and serving (or draining since)."""
+        return self.lifecycle.started
+
+    @property
     def draining(self) -> bool:
-        return self._drain_deadline is not None
+        """Taking no new jobs, for good: a stop request came."""
+        return self.lifecycle.draining
+
+    @property
+    def stopped(self) -> bool:
+        return self.lifecycle.state is WorkerState.STOPPED
 
     @property
     def redis_ok(self) -> bool:
@@ -175,9 +187,9 @@ class RoseWorker:
         return self.completed > 0
 
     def request_stop(self, signum: int, frame: Any) -> None:
-        """First signal: stop taking jobs and drain; second: stop waiting. Never raises (unlike RQ's)."""
-        if self._drain_deadline is None:
-            self._drain_deadline = time.monotonic() + self.settings.drain_timeout
+        """First signal: stop taking jobs and drain (DRAINING); second: stop waiting (STOPPING). Never raises
+        (unlike RQ's)."""
+        if self.lifecycle.request_stop(self.settings.drain_timeout):
             self.rq.shutdown_requested()
             log.warning(
                 "signal %s: draining %d running jobs (up to %.0f s); signal again to stop now",
@@ -186,7 +198,6 @@ class RoseWorker:
                 self.settings.drain_timeout,
             )
         else:
-            self._force_stop = True
             log.warning("signal %s again: requeueing running jobs and stopping now", signum)
 
     def _command(self, command: Command) -> None:
@@ -209,20 +220,17 @@ class RoseWorker:
             "worker %s: serving %s with %s (max %d jobs at once)",
             self.name,
             ", ".join(self.queue_names()),
-            getattr(self.engine, "model_name", type(self.engine).__name__),
+            self.engine.model_name,
             self.jobs.max_jobs(),
         )
-        self.started = True
+        self.lifecycle.advance(WorkerState.RUNNING)  # a stop request meanwhile keeps it DRAINING
 
     def _should_exit(self) -> bool:
-        if self._drain_deadline is None:
-            return False
-        if self._force_stop or time.monotonic() >= self._drain_deadline:
-            return True
-        return not self.jobs.busy
+        return self.lifecycle.should_exit(busy=self.jobs.busy)
 
     def _shutdown(self) -> None:
         """Store what finished, requeue what still runs at the front of its queue (start order kept), unregister."""
+        self.lifecycle.advance(WorkerState.STOPPING)
         try:
             left = self.jobs.wind_down()
             if left:
@@ -232,7 +240,7 @@ class RoseWorker:
             with contextlib.suppress(*REDIS_ERRORS):  # it lapses on its own
                 self.connection.delete(keys.worker_info_key(self.name))
             self.rq.stop()
-            self.stopped = True
+            self.lifecycle.advance(WorkerState.STOPPED)
             if self.metrics_server is not None:
                 self.metrics_server.close()
             log.info("worker %s: stopped (%d jobs completed)", self.name, self.completed)
@@ -260,10 +268,10 @@ class RoseWorker:
         if not self.running and not self.draining:
             # Idle: `rq suspend` / `rq resume` are noticed within a second (busy: at each heartbeat).
             self.guard.run("suspension", self._check_suspension)
-        if self._suspended and not self.running:
+        if self.rq.suspended and not self.running:
             time.sleep(IDLE_BLOCK_S)
         done = self.jobs.iterate(
-            taking=not self.draining and not self._suspended, block_s=IDLE_BLOCK_S if block else 0.0
+            taking=not self.draining and not self.rq.suspended, block_s=IDLE_BLOCK_S if block else 0.0
         )
         if done.reconcile or (self.guard.ok and self.guard.outages != self._reconciled_outages):
             self._reconcile()
@@ -319,18 +327,18 @@ class RoseWorker:
         self.endings.fail_orphan(poison.run, poison.owner, poison.requeues)
 
     def _check_suspension(self) -> None:
+        was = self.rq.suspended
         suspended = self.rq.check_suspended()
-        if suspended != self._suspended:
+        if suspended != was:
             log.warning(
                 "worker %s: %s",
                 self.name,
                 "suspended (rq suspend): taking no new jobs" if suspended else "resumed",
             )
-        self._suspended = suspended
 
     def _heartbeat(self) -> bool:
         busy = WorkerStatus.BUSY if self.jobs.busy else WorkerStatus.IDLE
-        state = WorkerStatus.SUSPENDED if self._suspended else busy
+        state = WorkerStatus.SUSPENDED if self.rq.suspended else busy
         with self.connection.pipeline(transaction=False) as pipe:
             rq_store.heartbeat(pipe, self.rq, self.running.values(), state)  # reply 1: the key had lapsed
             pipe.hset(keys.worker_info_key(self.name), mapping=self._info())
@@ -347,13 +355,18 @@ class RoseWorker:
 
     def _info(self) -> dict[str, Any]:
         """The worker's `rose:worker:<name>` hash (`rose status`)."""
-        e = self.engine
-        self.metrics.gauges(e)  # also when no step ran since the last jobs ended (e.g. canceled)
-        info = {
-            "model": str(getattr(e, "model_name", "")),
-            "device": str(getattr(e, "device", "")),
-            "dtype": metrics.dtype_name(e),
+        engine = self.engine
+        self.metrics.gauges(engine)  # also when no step ran since the last jobs ended (e.g. canceled)
+        return {
+            "model": str(engine.model_name),
+            "device": str(engine.device),
+            "dtype": metrics.dtype_name(engine),
             "max_num_seqs": self.jobs.max_jobs(),
+            "max_model_len": int(engine.max_model_len),
+            "num_running": int(engine.num_running),
+            "num_waiting": int(engine.num_waiting),
+            "kv_blocks_used": int(engine.kv_blocks_used),
+            "kv_blocks_total": int(engine.kv_blocks_total),
             "running_jobs": len(self.running),
             "updated_at": time.time(),
             "started_at": self.started_at,
@@ -361,8 +374,3 @@ class RoseWorker:
             "queues": ",".join(self.queue_names()),
             "version": __version__,
         }
-        for attr in ("max_model_len", "num_running", "num_waiting", "kv_blocks_used", "kv_blocks_total"):
-            value = getattr(e, attr, None)
-            if value is not None:
-                info[attr] = int(value)
-        return info

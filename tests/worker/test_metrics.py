@@ -150,7 +150,7 @@ def test_health_is_503_when_the_loop_stalls_or_redis_is_down():
 
 
 def test_prefix_cache_and_preemption_counters_follow_engine_stats():
-    class Engine:
+    class Engine(FakeEngine):
         num_running, num_waiting, kv_blocks_used, kv_blocks_total = 3, 1, 3, 4
         stats = {"prefix_cache_query_tokens": 100, "prefix_cache_hit_tokens": 40, "num_preemptions": 2}
 

@@ -18,7 +18,7 @@ from worker_helpers import probe_target, registered_rq_worker, start_jobs, strea
 from rose.engine.outputs import RequestMetrics, RequestOutput
 from rose.jobs.client import Client
 from rose.worker import rq_store
-from rose.worker.endings import Endings, result_dict
+from rose.worker.endings import Endings
 from rose.worker.metrics import WorkerMetrics
 from rose.worker.outbox import Outbox
 from rose.worker.publisher import Publisher
@@ -95,7 +95,7 @@ def finish(parts, runs):
             finish_reason="length",
             metrics=RequestMetrics(arrival_time=time.time(), num_prompt_tokens=2),
         )
-        run.result = result_dict(run, parts.rq.name)
+        run.result = run.build_result(parts.rq.name)
         run.phase = Phase.FINISHED
     return runs
 

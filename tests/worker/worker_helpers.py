@@ -11,8 +11,9 @@ from rose.engine.sampling_params import SamplingParams
 from rose.harness import worker_process
 from rose.harness.job_audit import last_attempt, stream_events
 from rose.harness.worker_process import wait_for
+from rose.jobs.contract import parse
 from rose.worker import RoseWorker, probe
-from rose.worker.intake import Intake, parse
+from rose.worker.intake import Intake
 from rose.worker.probe import Target
 from rose.worker.rq_worker import RQWorker
 from rose.worker.running import Running
@@ -133,7 +134,11 @@ class WorkerThread:
 
 
 class FakeEngine:
-    """Each step gives every running request one token: id k, text f"w{k} " for the k-th generated token."""
+    """Each step gives every running request one token: id k, text f"w{k} " for the k-th generated token. A
+    rose.worker.engine_protocol.WorkerEngine, with no paged store (no KV blocks) and no dtype."""
+
+    dtype = None
+    kv_blocks_used = kv_blocks_total = 0
 
     def __init__(self, max_num_seqs: int = 4, max_model_len: int = 64, step_delay: float = 0.0):
         self.max_num_seqs = max_num_seqs
@@ -206,6 +211,12 @@ class FakeEngine:
     @property
     def num_waiting(self):
         return max(0, len(self.requests) - self.max_num_seqs)
+
+    def num_admittable(self):
+        return max(0, self.max_num_seqs - len(self.requests))
+
+    def get_stats(self):
+        return {}
 
     def step(self):
         self.steps += 1
