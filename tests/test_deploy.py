@@ -256,6 +256,11 @@ def test_dashboard_points_at_the_compose_redis_and_reads_json_jobs(services: dic
     # (RQ_DASHBOARD_JSON_SERIALIZER) must both be told, or job pages fail to unpickle them (HTTP 500)
     assert env["RQ_DASHBOARD_JSON"].lower() == "true"
     assert env["RQ_DASHBOARD_JSON_SERIALIZER"].lower() == "true"
+    # its workers list ignores both (HTTP 500 while a worker is busy): the settings file that fixes it is mounted
+    # where RQ_DASHBOARD_SETTINGS points (tests/worker/test_rq_dashboard.py checks what it does)
+    mounts = [str(v).split(":") for v in services["dashboard"]["volumes"]]
+    (src,) = [src for src, dst, *_ in mounts if dst == env["RQ_DASHBOARD_SETTINGS"]]
+    assert (ROOT / src).resolve() == ROOT / "deploy" / "rq_dashboard_settings.py"
 
 
 def test_each_gpu_worker_service_has_its_own_gpu(services: dict[str, Any]) -> None:
