@@ -5,8 +5,10 @@ base install, and the engine's commands there say what to install instead of fai
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import time
 import tomllib
 from importlib import metadata
 from pathlib import Path
@@ -100,8 +102,9 @@ def test_what_a_producer_imports_comes_with_the_base_install():
     assert not engine & base
 
 
-def run_without_engine(argv: list[str]) -> subprocess.CompletedProcess:
-    """`argv` (a rose or rose-worker command line) in a process where the engine's modules cannot be imported."""
+def without_engine(argv: list[str]) -> list[str]:
+    """The command line that runs `argv` (a rose or rose-worker command line) in a process where the engine's
+    modules cannot be imported."""
     code = (
         "import sys\n"
         f"for name in {sorted(ENGINE_MODULES)!r}:\n"
@@ -113,9 +116,11 @@ def run_without_engine(argv: list[str]) -> subprocess.CompletedProcess:
         "    from rose.cli import main\n"
         "sys.exit(main(argv[1:]))\n"
     )
-    return subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
-    )
+    return [sys.executable, "-c", code]
+
+
+def run_without_engine(argv: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(without_engine(argv), capture_output=True, text=True, timeout=120, check=False)
 
 
 def test_engine_commands_say_what_to_install(redis_server):
@@ -140,3 +145,42 @@ def test_only_a_missing_engine_package_is_reported_as_one():
     assert "pip install 'rose-worker[engine]'" in missing_engine(ModuleNotFoundError(name="torch"))
     assert missing_engine(ModuleNotFoundError(name="torch.nope")) is None  # torch is here: a real error
     assert missing_engine(ModuleNotFoundError(name="no_such_module")) is None
+
+
+def test_producer_commands_run_against_redis_without_the_engine(redis_server, tmp_path):
+    """Not only their --help: a job is enqueued, and the queue reported, in a process that cannot import torch."""
+    url = redis_server.url
+    ran = run_without_engine(
+        ["rose", "submit", "--redis-url", url, "--queue", "producer", "--timeout", "0.5", "Hi"]
+    )
+    assert ran.returncode == 124, ran.stderr  # no worker serves the queue: it gives up waiting, the job stays
+    assert "no worker" in ran.stderr and "Traceback" not in ran.stderr, ran.stderr
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "a"}\n{"prompt": "b"}\n')
+    out = tmp_path / "out.jsonl"
+    argv = [
+        "rose",
+        "batch",
+        str(prompts),
+        "-o",
+        str(out),
+        "--redis-url",
+        url,
+        "--queue",
+        "producer",
+        "--no-progress",
+    ]
+    batch = subprocess.Popen(without_engine(argv), stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while redis_server.client().llen("rq:queue:producer") < 3 and batch.poll() is None:
+            assert time.monotonic() < deadline, "rose batch enqueued nothing in 60 s"
+            time.sleep(0.05)
+        assert batch.poll() is None  # enqueued both lines; waits for their results
+        batch.send_signal(signal.SIGINT)  # Ctrl-C: it stops waiting, resumable
+        _, stderr = batch.communicate(timeout=60)
+    finally:
+        batch.kill()
+    assert batch.returncode == 130 and "Traceback" not in stderr, stderr
+    ran = run_without_engine(["rose", "status", "--redis-url", url])
+    assert ran.returncode == 0 and "producer" in ran.stdout, (ran.stdout, ran.stderr)
