@@ -2,7 +2,7 @@
 
 Input line: {"custom_id": "...", "method": "POST", "url": "/v1/chat/completions" | "/v1/completions", "body": {...}},
 the body being a Chat Completions / Completions request. Each body field maps to a rose.jobs.generate job field;
-a field rose cannot honour (tools, logit_bias, n > 1, logprobs, ...) makes that line a 400 error line rather
+a field rose cannot honour (tools, n > 1, logprobs, ...) makes that line a 400 error line rather
 than being ignored. `stream` becomes the job field of that name (true: the workers publish the job's tokens on
 Redis for whoever watches it; false: only its end); the output line is the non-streaming response either way.
 Output line (OpenAI's BatchRequestOutput): {"id": "batch_req_...", "custom_id",
@@ -24,7 +24,16 @@ COMPLETIONS_URL = "/v1/completions"
 _LINE_FIELDS = {"custom_id", "method", "url", "body"}
 
 # body fields taken as the job field of the same name (the sampling ones mean the same in OpenAI's API and vLLM's)
-_SAME = ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "stop", "response_format")
+_SAME = (
+    "temperature",
+    "top_p",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "stop",
+    "response_format",
+    "logit_bias",
+)
 # vLLM's extra request parameters (its OpenAI server's "extra_body"), also job fields of the same name
 _VLLM_EXTRAS = (
     "top_k",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from rose.cli.request_args import json_arg
 from rose.engine.sampling_params import SamplingParams
 
 _HELP = {
@@ -25,6 +26,7 @@ _HELP = {
     "skip_special_tokens": "leave special tokens out of the text",
     "logprobs": "return the log-probability of each token and the top-N alternatives",
     "detokenize": "return text (--no-detokenize: token ids only)",
+    "logit_bias": "add to token logits: JSON such as '{\"50256\": -100}' (token id -> bias in [-100, 100]), or @FILE",
 }
 _TYPES: dict[str, Any] = {
     "max_tokens": int,
@@ -38,6 +40,7 @@ _TYPES: dict[str, Any] = {
     "repetition_penalty": float,
     "presence_penalty": float,
     "frequency_penalty": float,
+    "logit_bias": json_arg,
 }
 
 

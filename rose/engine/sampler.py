@@ -101,8 +101,10 @@ class Sampler:
         logits = logits[:, : self.vocab_size].float()
         raw = logits
         params = [s.params for s in seqs]
+        if any(p.logit_bias for p in params):  # before the penalties, as vLLM V1
+            logits = apply_logit_bias(logits.clone(), params)
         if any(p.uses_penalties for p in params):
-            logits = self._apply_penalties(logits.clone(), seqs)
+            logits = self._apply_penalties(logits if logits is not raw else logits.clone(), seqs)
         banned = self._min_tokens_bans(seqs)
         if banned:
             if logits is raw:
@@ -259,3 +261,16 @@ def apply_min_p(logits: torch.Tensor, min_p: list[float]) -> torch.Tensor:
     threshold = torch.tensor(min_p, device=logits.device, dtype=probs.dtype)[:, None]
     threshold = threshold * probs.max(dim=-1, keepdim=True).values
     return logits.masked_fill(probs < threshold, _NEG_INF)
+
+
+def apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Add each row's `logit_bias` to its logits in place (one scatter for the whole batch); returns `logits`."""
+    rows, cols, values = [], [], []
+    for i, p in enumerate(params):
+        if p.logit_bias:
+            rows += [i] * len(p.logit_bias)
+            cols += p.logit_bias.keys()
+            values += p.logit_bias.values()
+    device = logits.device
+    index = (torch.tensor(rows, device=device), torch.tensor(cols, device=device))
+    return logits.index_put_(index, torch.tensor(values, dtype=logits.dtype, device=device), accumulate=True)

@@ -26,6 +26,9 @@ class SamplingParams:
     `max_tokens=None` means "until the context limit". `top_k` of 0 or -1 disables top-k.
     `logprobs=N` returns, for each generated token, its log-probability and the top-N alternatives.
     `detokenize=False` returns token ids only (empty text): no incremental detokenization, so no stop strings.
+    `logit_bias` (OpenAI's and vLLM's): token id -> a number in [-100, 100] added to that token's logit before the
+    penalties and the temperature (-100 bans a token in practice, 100 all but forces it); ids may come as JSON's
+    strings ("50256") and are kept as ints.
     `structured_outputs` constrains the output to a JSON schema, regex, choice or grammar (a dict such as
     `{"json": schema}` is accepted); EOS is then allowed only where the grammar can end, and the request ends when
     the grammar does (min_tokens and ignore_eos do not reopen a finished grammar).
@@ -48,6 +51,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logprobs: int | None = None
     detokenize: bool = True
+    logit_bias: dict[int, float] | None = None
     structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
@@ -62,6 +66,7 @@ class SamplingParams:
             setattr(self, name, list(value or []))
         if self.top_k == -1:
             self.top_k = 0
+        self.logit_bias = _token_biases(self.logit_bias)
         self._validate()
 
     def _validate(self) -> None:
@@ -125,6 +130,25 @@ class SamplingParams:
         if self.structured_outputs is not None:
             out["structured_outputs"] = self.structured_outputs.to_dict()
         return out
+
+
+def _token_biases(value: Any) -> dict[int, float] | None:
+    """`logit_bias` with int ids (JSON's object keys are strings); None when empty. ValueError naming what is wrong."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ValueError(f"SamplingParams.logit_bias must be a dict of token id -> bias, got {value!r}")
+    biases = {}
+    for key, bias in value.items():
+        token = int(key) if isinstance(key, str) and key.isascii() and key.isdecimal() else key
+        if not _is_int(token) or not 0 <= token <= INT64_MAX:
+            raise ValueError(f"SamplingParams.logit_bias: {key!r} is no token id (a non-negative integer)")
+        if not _is_num(bias) or not -100 <= bias <= 100:
+            raise ValueError(
+                f"SamplingParams.logit_bias[{token}] must be a number in [-100, 100], got {bias!r}"
+            )
+        biases[token] = float(bias)
+    return biases or None
 
 
 def _is_int(value: Any) -> bool:

@@ -83,6 +83,8 @@ class GenerateRequest(BaseModel):
     skip_special_tokens: bool = True
     logprobs: int | None = None
     detokenize: bool = True
+    # OpenAI's form: token ids as JSON object keys (strings); Python callers may give ints
+    logit_bias: dict[str, float] | dict[int, float] | None = None
 
     @model_validator(mode="after")
     def _check(self, info: ValidationInfo) -> GenerateRequest:

@@ -52,3 +52,18 @@ def test_generate_rejects_bad_sampling_flag_with_its_name() -> None:
     res = rose("generate", "--top-p", "2", "Hello")
     assert res.returncode == 2
     assert "top_p" in res.stderr and "(0, 1]" in res.stderr
+
+
+def test_generate_takes_logit_bias_as_json() -> None:
+    llm = LLM("tiny-llama", device="cpu", max_num_seqs=2)
+    forced = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logit_bias={"42": 100})
+    out = llm.generate("Hello", forced)[0]
+    assert out.token_ids == [42] * 4
+    res = rose(
+        *"generate --device cpu --temperature 0 --max-tokens 4 --ignore-eos".split(),
+        "--logit-bias",
+        '{"42": 100}',
+        "Hello",
+    )
+    assert res.returncode == 0, res.stderr
+    assert "'Hello' -> length, 4 tokens\n" + out.text + "\n" in res.stdout

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import json
+import re
 import typing
 from pathlib import Path
 from typing import Any
@@ -80,6 +81,7 @@ def test_every_supported_chat_field_maps_to_its_job_field() -> None:
             chat_template_kwargs={"x": 1},  # vLLM's extras
             top_k=5,
             ignore_eos=True,
+            logit_bias={"50256": -100, "11": 2.5},
         )
     )
     assert model == "tiny"
@@ -97,6 +99,7 @@ def test_every_supported_chat_field_maps_to_its_job_field() -> None:
         "chat_template_kwargs": {"x": 1},
         "top_k": 5,
         "ignore_eos": True,
+        "logit_bias": {"50256": -100, "11": 2.5},
         "stream": False,
     }
 
@@ -140,7 +143,6 @@ def test_max_tokens_and_max_completion_tokens() -> None:
         (chat(tool_choice="auto"), "tool_choice"),
         (chat(functions=[{"name": "f"}]), "functions"),
         (chat(function_call="auto"), "function_call"),
-        (chat(logit_bias={"1": 5}), "logit_bias"),
         (chat(audio={"voice": "alloy", "format": "mp3"}), "audio"),
         (chat(modalities=["text", "audio"]), "modalities"),
         (chat(reasoning_effort="low"), "reasoning_effort"),
@@ -201,6 +203,7 @@ ACCEPTED = {
     "echo": False,
     "best_of": 1,
     "parallel_tool_calls": False,
+    "logit_bias": {"7": -100},
 }
 
 
@@ -305,6 +308,18 @@ def test_a_bad_value_is_a_400_line_naming_the_field() -> None:
     assert out["response"]["status_code"] == 400
     error = out["response"]["body"]["error"]
     assert error["type"] == "invalid_request_error" and error["message"] == entry.error
+
+
+@pytest.mark.parametrize(
+    ("bias", "why"),
+    [
+        ({"1": 500}, r"logit_bias\[1\] must be a number in \[-100, 100\]"),
+        ({"one": 5}, "'one' is no token id"),
+    ],
+)
+def test_a_bad_logit_bias_is_a_400_line_naming_it(bias: dict[str, Any], why: str) -> None:
+    entry = OpenAIFormat().parse(1, json.dumps(chat(logit_bias=bias)), {})
+    assert entry.request is None and re.search(why, entry.error), entry.error
 
 
 def test_output_lines_parse_with_openais_types() -> None:

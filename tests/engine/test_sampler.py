@@ -458,3 +458,45 @@ def test_rows_that_need_their_mask_before_the_draw():
     assert not checks_after(SamplingParams(temperature=0.8, top_k=40))
     assert not checks_after(SamplingParams(temperature=0.8, min_p=0.05))
     assert not checks_after(SamplingParams(temperature=0.0, logprobs=0))
+
+
+# ----------------------------------------------------------------------------------------------- logit_bias
+
+
+def test_logit_bias_is_added_per_row_before_the_penalties_and_raw_logprobs_ignore_it():
+    logits = torch.tensor([[3.0, 2.5, 0.0, -4.0, 1.0]] * 3)
+    sampler = Sampler(5, torch.device("cpu"), eos_token_ids=set())
+    seqs = [
+        fake_seq(SamplingParams(temperature=0.0, logit_bias={"1": 0.6}, logprobs=1)),  # 3.1 > 3.0
+        fake_seq(SamplingParams(temperature=0.0)),  # no bias: its batchmates' do not reach it
+        # vLLM V1: bias, then penalties: (2.5 + 2.5) / 2 = 2.5 < 3.0, where penalty-then-bias gives 3.75
+        fake_seq(SamplingParams(temperature=0.0, logit_bias={1: 2.5}, repetition_penalty=2.0), prompt=[1]),
+    ]
+    out = sampler(logits, seqs)
+    assert out.token_ids == [1, 0, 0]
+    assert out.logprobs[0].logprob == pytest.approx(torch.log_softmax(logits[0], -1)[1].item())
+
+
+def test_a_bias_of_minus_100_bans_a_token_from_sampled_rows_and_100_forces_one():
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn((64, 10), generator=gen)
+    sampler = Sampler(10, torch.device("cpu"), eos_token_ids=set(), seed=1)
+    banned = SamplingParams(temperature=1.5, logit_bias={t: -100 for t in range(9)})
+    forced = SamplingParams(temperature=1.0, logit_bias={"3": 100})
+    out = sampler(logits, [fake_seq(banned)] * 32 + [fake_seq(forced)] * 32)
+    assert out.token_ids == [9] * 32 + [3] * 32
+
+
+@pytest.mark.parametrize(
+    ("bias", "message"),
+    [
+        ({"x": 1}, "'x' is no token id"),
+        ({-1: 1}, "-1 is no token id"),
+        ({"1": 101}, r"logit_bias\[1\] must be a number in \[-100, 100\]"),
+        ({"1": float("nan")}, r"logit_bias\[1\]"),
+        ([1, 2], "must be a dict"),
+    ],
+)
+def test_bad_logit_bias_is_refused_naming_it(bias, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(logit_bias=bias)

@@ -180,3 +180,16 @@ def test_bad_engine_config(kwargs):
     kwargs.setdefault("max_model_len", 16)
     with pytest.raises(ValueError):
         Engine(model, tok, device="cpu", **kwargs)
+
+
+def test_logit_bias_outside_the_vocabulary_is_refused_and_inside_it_steers_the_output():
+    engine = make_engine("tiny-gpt2", max_num_seqs=2, max_model_len=64)
+    with pytest.raises(ValueError, match=r"logit_bias: token ids must be in \[0, \d+\).*\[99999\]"):
+        engine.add_request("bad", [5, 6], SamplingParams(max_tokens=2, logit_bias={99999: 1}))
+    assert not engine.has_unfinished()
+    plain = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    engine.add_request("plain", [5, 6], plain)
+    engine.add_request("forced", [5, 6], SamplingParams(**{**plain.to_dict(), "logit_bias": {"42": 100}}))
+    run = drain(engine)
+    assert run.outputs["forced"].token_ids == [42] * 6
+    assert run.outputs["plain"].token_ids != [42] * 6
