@@ -46,6 +46,7 @@ _VLLM_EXTRAS = (
     "skip_special_tokens",
     "structured_outputs",
     "priority",
+    "allowed_token_ids",
 )
 _VLLM_CHAT_EXTRAS = (
     "add_generation_prompt",

@@ -26,6 +26,7 @@ _HELP = {
     "skip_special_tokens": "leave special tokens out of the text",
     "logprobs": "return the log-probability of each token and the top-N alternatives",
     "detokenize": "return text (--no-detokenize: token ids only)",
+    "allowed_token_ids": "only these token ids may be sampled (repeatable)",
     "logit_bias": "add to token logits: JSON such as '{\"50256\": -100}' (token id -> bias in [-100, 100]), or @FILE",
 }
 _TYPES: dict[str, Any] = {
@@ -56,11 +57,11 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("sampling (vLLM SamplingParams; unset flags keep their defaults)")
     for name in _flag_fields():
         flag = "--" + name.replace("_", "-")
-        if name in ("stop", "stop_token_ids"):
+        if name in ("stop", "stop_token_ids", "allowed_token_ids"):
             group.add_argument(
                 flag,
                 action="append",
-                type=int if name == "stop_token_ids" else str,
+                type=str if name == "stop" else int,
                 dest=name,
                 default=None,
                 help=_HELP[name],

@@ -162,12 +162,13 @@ class Engine:
                 f"SamplingParams.stop_token_ids must be in [0, {self.vocab_size}) (the model's vocabulary), "
                 f"got {bad_stops[:5]}"
             )
-        bad_bias = [t for t in params.logit_bias or () if t >= self.vocab_size]
-        if bad_bias:
-            raise ValueError(
-                f"SamplingParams.logit_bias: token ids must be in [0, {self.vocab_size}) (the model's vocabulary), "
-                f"got {bad_bias[:5]}"
-            )
+        for name, ids in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids)):
+            outside = [t for t in ids or () if t >= self.vocab_size]
+            if outside:
+                raise ValueError(
+                    f"SamplingParams.{name}: token ids must be in [0, {self.vocab_size}) (the model's vocabulary), "
+                    f"got {outside[:5]}"
+                )
         text, ids = tokenize_prompt(prompt, self.tokenizer, self.vocab_size)
         if ids and params.max_tokens is None and len(ids) >= self.max_model_len:
             raise ValueError(

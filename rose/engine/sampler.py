@@ -101,8 +101,10 @@ class Sampler:
         logits = logits[:, : self.vocab_size].float()
         raw = logits
         params = [s.params for s in seqs]
-        if any(p.logit_bias for p in params):  # before the penalties, as vLLM V1
-            logits = apply_logit_bias(logits.clone(), params)
+        if any(p.allowed_token_ids for p in params):  # vLLM V1's order: allowed ids, logit_bias, penalties
+            logits = apply_allowed_token_ids(logits.clone(), params)
+        if any(p.logit_bias for p in params):
+            logits = apply_logit_bias(logits if logits is not raw else logits.clone(), params)
         if any(p.uses_penalties for p in params):
             logits = self._apply_penalties(logits if logits is not raw else logits.clone(), seqs)
         banned = self._min_tokens_bans(seqs)
@@ -274,3 +276,14 @@ def apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> torc
     device = logits.device
     index = (torch.tensor(rows, device=device), torch.tensor(cols, device=device))
     return logits.index_put_(index, torch.tensor(values, dtype=logits.dtype, device=device), accumulate=True)
+
+
+def apply_allowed_token_ids(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Set every token outside a row's `allowed_token_ids` to -inf, in place; returns `logits`."""
+    rows = [i for i, p in enumerate(params) if p.allowed_token_ids]
+    banned = torch.ones((len(rows), logits.shape[1]), dtype=torch.bool, device=logits.device)
+    for j, i in enumerate(rows):
+        banned[j, params[i].allowed_token_ids] = False
+    index = torch.tensor(rows, device=logits.device)
+    logits[index] = logits[index].masked_fill(banned, _NEG_INF)
+    return logits

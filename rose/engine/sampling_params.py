@@ -28,7 +28,7 @@ class SamplingParams:
     `detokenize=False` returns token ids only (empty text): no incremental detokenization, so no stop strings.
     `logit_bias` (OpenAI's and vLLM's): token id -> a number in [-100, 100] added to that token's logit before the
     penalties and the temperature (-100 bans a token in practice, 100 all but forces it); ids may come as JSON's
-    strings ("50256") and are kept as ints.
+    strings ("50256") and are kept as ints. `allowed_token_ids` (vLLM's): only these tokens may be sampled.
     `structured_outputs` constrains the output to a JSON schema, regex, choice or grammar (a dict such as
     `{"json": schema}` is accepted); EOS is then allowed only where the grammar can end, and the request ends when
     the grammar does (min_tokens and ignore_eos do not reopen a finished grammar).
@@ -52,6 +52,7 @@ class SamplingParams:
     logprobs: int | None = None
     detokenize: bool = True
     logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
     structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
@@ -67,6 +68,8 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         self.logit_bias = _token_biases(self.logit_bias)
+        if isinstance(self.allowed_token_ids, tuple):
+            self.allowed_token_ids = list(self.allowed_token_ids)
         self._validate()
 
     def _validate(self) -> None:
@@ -110,6 +113,13 @@ class SamplingParams:
             )
         if not all(_is_int(t) and 0 <= t <= INT64_MAX for t in self.stop_token_ids):
             raise bad("stop_token_ids", "a list of integers in [0, 2**63)")
+        allowed = self.allowed_token_ids
+        if allowed is not None and (
+            not isinstance(allowed, list | tuple)
+            or not allowed
+            or not all(_is_int(t) and t >= 0 for t in allowed)
+        ):
+            raise bad("allowed_token_ids", "a non-empty list of token ids (non-negative integers), or None")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= INT64_MAX):
             raise bad("logprobs", "an integer in [0, 2**63) or None")
 

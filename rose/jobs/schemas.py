@@ -85,6 +85,7 @@ class GenerateRequest(BaseModel):
     detokenize: bool = True
     # OpenAI's form: token ids as JSON object keys (strings); Python callers may give ints
     logit_bias: dict[str, float] | dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
 
     @model_validator(mode="after")
     def _check(self, info: ValidationInfo) -> GenerateRequest:

@@ -82,6 +82,7 @@ def test_every_supported_chat_field_maps_to_its_job_field() -> None:
             top_k=5,
             ignore_eos=True,
             logit_bias={"50256": -100, "11": 2.5},
+            allowed_token_ids=[11, 12],
         )
     )
     assert model == "tiny"
@@ -100,6 +101,7 @@ def test_every_supported_chat_field_maps_to_its_job_field() -> None:
         "top_k": 5,
         "ignore_eos": True,
         "logit_bias": {"50256": -100, "11": 2.5},
+        "allowed_token_ids": [11, 12],
         "stream": False,
     }
 

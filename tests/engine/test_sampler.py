@@ -500,3 +500,21 @@ def test_a_bias_of_minus_100_bans_a_token_from_sampled_rows_and_100_forces_one()
 def test_bad_logit_bias_is_refused_naming_it(bias, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(logit_bias=bias)
+
+
+def test_allowed_token_ids_restrict_their_rows_alone_before_the_bias():
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn((48, 10), generator=gen)
+    sampler = Sampler(10, torch.device("cpu"), eos_token_ids=set(), seed=3)
+    allowed = SamplingParams(temperature=2.0, allowed_token_ids=[2, 7])
+    # the bias cannot reopen a token outside the allowed ones (vLLM V1: allowed ids first, then logit_bias)
+    biased = SamplingParams(temperature=0.0, allowed_token_ids=[4], logit_bias={5: 100})
+    plain = SamplingParams(temperature=0.0)
+    out = sampler(logits, [fake_seq(allowed)] * 32 + [fake_seq(biased)] * 8 + [fake_seq(plain)] * 8)
+    assert set(out.token_ids[:32]) == {2, 7}  # both drawn at this temperature over 32 rows
+    assert out.token_ids[32:40] == [4] * 8
+    assert out.token_ids[40:] == logits[40:].argmax(-1).tolist()
+    with pytest.raises(ValueError, match="allowed_token_ids must be a non-empty list"):
+        SamplingParams(allowed_token_ids=[])
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        SamplingParams(allowed_token_ids=[1, -2])

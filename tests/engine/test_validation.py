@@ -193,3 +193,5 @@ def test_logit_bias_outside_the_vocabulary_is_refused_and_inside_it_steers_the_o
     run = drain(engine)
     assert run.outputs["forced"].token_ids == [42] * 6
     assert run.outputs["plain"].token_ids != [42] * 6
+    with pytest.raises(ValueError, match=r"allowed_token_ids: token ids must be in \[0, \d+\)"):
+        engine.add_request("bad", [5, 6], SamplingParams(allowed_token_ids=[3, 10**6]))
