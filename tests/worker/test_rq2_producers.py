@@ -104,8 +104,14 @@ class RQ2Producer:
         return seen
 
     def wait_status(self, job_id: str, want: str, timeout: float = 10) -> dict:
+        """Until both reads show `want`: the HGETALL comes before the HGET, so a job that ends between them would
+        show its new status with the hash it had before (no ended_at yet)."""
         return wait_for(
-            lambda: (seen := self.read_back(job_id))["status"] == want and seen,
+            lambda: (
+                (seen := self.read_back(job_id))["status"] == want
+                and seen["hash"].get(b"status") == want.encode()
+                and seen
+            ),
             timeout,
             what=f"{job_id} {want}",
         )
