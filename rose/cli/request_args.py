@@ -49,7 +49,7 @@ def json_arg(value: str) -> Any:
         raise argparse.ArgumentTypeError(f"{where} is not valid JSON: {exc}") from None
 
 
-def _json_object_arg(value: str) -> dict[str, Any]:
+def json_object_arg(value: str) -> dict[str, Any]:
     obj = json_arg(value)
     if not isinstance(obj, dict):
         raise argparse.ArgumentTypeError("must be a JSON object, e.g. '{\"enable_thinking\": false}'")
@@ -69,7 +69,7 @@ def add_chat_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--chat-template-kwargs",
-        type=_json_object_arg,
+        type=json_object_arg,
         default=None,
         metavar="JSON|@FILE",
         help="extra variables for the chat template, e.g. '{\"enable_thinking\": false}'",

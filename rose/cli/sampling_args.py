@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from rose.cli.request_args import json_arg
+from rose.cli.request_args import json_object_arg
 from rose.engine.sampling_params import SamplingParams
 
 _HELP = {
@@ -41,7 +41,7 @@ _TYPES: dict[str, Any] = {
     "repetition_penalty": float,
     "presence_penalty": float,
     "frequency_penalty": float,
-    "logit_bias": json_arg,
+    "logit_bias": json_object_arg,
 }
 
 

@@ -1,7 +1,7 @@
 """Batched sampling with per-row parameters, following vLLM V1's semantics (vLLM >= 0.10.1; its V0 differs).
 
 Order of operations, as in vLLM V1's sampler: a structured-output grammar's mask (by the engine, or after the draw:
-below), penalties and min_tokens masking on the logits; greedy rows take the argmax; the others are divided by
+below), `allowed_token_ids`, `logit_bias`, penalties and min_tokens masking on the logits; greedy rows take the argmax; the others are divided by
 their temperature, then min-p drops the tokens less likely than min_p times the most likely one (an argmax-invariant
 logits processor in V1, so it comes before top-k / top-p, unlike V0), then top-k and top-p (on what min-p kept,
 renormalized), then an exponential-race draw: the token maximizing p / q with q ~ Exp(1), computed as the argmax of
@@ -279,11 +279,13 @@ def apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> torc
 
 
 def apply_allowed_token_ids(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Set every token outside a row's `allowed_token_ids` to -inf, in place; returns `logits`."""
+    """Set every token outside a row's `allowed_token_ids` to -inf, in place (one mask built with one scatter, then
+    one fill); returns `logits`."""
     rows = [i for i, p in enumerate(params) if p.allowed_token_ids]
-    banned = torch.ones((len(rows), logits.shape[1]), dtype=torch.bool, device=logits.device)
-    for j, i in enumerate(rows):
-        banned[j, params[i].allowed_token_ids] = False
-    index = torch.tensor(rows, device=logits.device)
-    logits[index] = logits[index].masked_fill(banned, _NEG_INF)
-    return logits
+    flat_rows = [i for i in rows for _ in params[i].allowed_token_ids]
+    flat_cols = [t for i in rows for t in params[i].allowed_token_ids]
+    device = logits.device
+    banned = torch.zeros(logits.shape, dtype=torch.bool, device=device)
+    banned[torch.tensor(rows, device=device)] = True
+    banned[torch.tensor(flat_rows, device=device), torch.tensor(flat_cols, device=device)] = False
+    return logits.masked_fill_(banned, _NEG_INF)

@@ -68,7 +68,7 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         self.logit_bias = _token_biases(self.logit_bias)
-        if isinstance(self.allowed_token_ids, tuple):
+        if isinstance(self.allowed_token_ids, list | tuple):  # a copy: the caller's list may change later
             self.allowed_token_ids = list(self.allowed_token_ids)
         self._validate()
 
@@ -115,11 +115,11 @@ class SamplingParams:
             raise bad("stop_token_ids", "a list of integers in [0, 2**63)")
         allowed = self.allowed_token_ids
         if allowed is not None and (
-            not isinstance(allowed, list | tuple)
+            not isinstance(allowed, list)
             or not allowed
-            or not all(_is_int(t) and t >= 0 for t in allowed)
+            or not all(_is_int(t) and 0 <= t <= INT64_MAX for t in allowed)
         ):
-            raise bad("allowed_token_ids", "a non-empty list of token ids (non-negative integers), or None")
+            raise bad("allowed_token_ids", "a non-empty list of token ids (integers in [0, 2**63)), or None")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= INT64_MAX):
             raise bad("logprobs", "an integer in [0, 2**63) or None")
 

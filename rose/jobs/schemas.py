@@ -84,7 +84,7 @@ class GenerateRequest(BaseModel):
     logprobs: int | None = None
     detokenize: bool = True
     # OpenAI's form: token ids as JSON object keys (strings); Python callers may give ints
-    logit_bias: dict[str, float] | dict[int, float] | None = None
+    logit_bias: dict[int | str, float] | None = None
     allowed_token_ids: list[int] | None = None
 
     @model_validator(mode="after")

@@ -193,3 +193,16 @@ def test_async_client_passes_stream_false(fake_r):
         return [client._sync.job(job.id).rq_job.kwargs for job in (one, chat, *many)]
 
     assert [kwargs["stream"] for kwargs in asyncio.run(go())] == [False] * 4
+
+
+def test_logit_bias_keys_come_as_ints_or_json_strings_and_survive_rq_json():
+    from rose.jobs.schemas import GenerateRequest
+
+    sent = {"prompt": "x", "logit_bias": {5: -100, "7": 2}, "allowed_token_ids": [5, 7, 9]}
+    through_rq = JSONSerializer.loads(JSONSerializer.dumps(sent))  # int keys become strings, as in Redis
+    for kwargs in (sent, through_rq):
+        params = GenerateRequest(**kwargs).to_sampling_params()
+        assert params.logit_bias == {5: -100.0, 7: 2.0} and params.allowed_token_ids == [5, 7, 9]
+    with pytest.raises(ValidationError) as exc:
+        GenerateRequest(prompt="x", logit_bias={"1": "x"})
+    assert len(exc.value.errors()) == 1 and exc.value.errors()[0]["loc"] == ("logit_bias", "1")
