@@ -26,7 +26,7 @@ from rq.serializers import JSONSerializer  # noqa: E402
 
 from rose.bench import redis_meter  # noqa: E402
 from rose.bench.redis_cost import cpu_split  # noqa: E402
-from rose.engine.outputs import RequestMetrics, RequestOutput  # noqa: E402
+from rose.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput  # noqa: E402
 from rose.harness.redis_server import RedisServerProcess  # noqa: E402
 from rose.jobs import keys  # noqa: E402
 from rose.jobs.contract import parse  # noqa: E402
@@ -35,7 +35,7 @@ from rose.worker.coalesce import coalesced  # noqa: E402
 from rose.worker.outbox import Outbox  # noqa: E402
 from rose.worker.publisher import Publisher  # noqa: E402
 from rose.worker.rq_worker import RQWorker  # noqa: E402
-from rose.worker.running import Running, job_timeout  # noqa: E402
+from rose.worker.running import Choice, Running, job_timeout  # noqa: E402
 
 VARIANTS = ("raw", "sent")
 CHUNK = 8  # batches per variant before switching (fewer where the jobs would not make two chunks a variant)
@@ -68,14 +68,12 @@ def finish(rq: RQWorker, runs: list[Running]) -> None:
     tokens = list(range(5, 133))
     for run in runs:
         run.request = parse(run.job, run.queue.name, rq.queue_names(), trust_chat_template=False)
-        run.text, run.token_ids = ["a"] * len(tokens), tokens
+        run.choices = [Choice(["a"] * len(tokens), tokens)]
         run.output = RequestOutput(
             request_id=run.id,
             prompt=None,
             prompt_token_ids=[1, 2, 3, 4],
-            text="a" * len(tokens),
-            token_ids=tokens,
-            finish_reason="length",
+            outputs=[CompletionOutput(0, "a" * len(tokens), tokens, "length")],
             metrics=RequestMetrics(arrival_time=time.time(), num_prompt_tokens=4),
         )
         run.result = run.build_result(rq.name)

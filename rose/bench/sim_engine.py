@@ -14,7 +14,7 @@ import random
 import time
 from typing import Any
 
-from rose.engine.outputs import RequestMetrics, RequestOutput, StepOutput
+from rose.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, StepOutput
 
 LATENCY_PROMPT = "latency probe"
 _WORDS = ("the", " model", " writes", " a", " token", ",", " then", " another", ".", " and")
@@ -115,9 +115,7 @@ class SimEngine:
                     request_id=rid,
                     prompt=None,
                     prompt_token_ids=req["prompt_ids"],
-                    text="".join(req["texts"]),
-                    token_ids=list(req["ids"]),
-                    finish_reason="length",
+                    outputs=[CompletionOutput(0, "".join(req["texts"]), list(req["ids"]), "length")],
                     metrics=metrics,
                 )
                 del self._requests[rid]

@@ -71,7 +71,8 @@ class LineFormat(Protocol):
 
 class PlainFormat:
     """rose's own lines: {id?, prompt | prompt_token_ids | messages, job fields...} in; {id, job_id, text,
-    finish_reason, usage[, metadata]} or {id[, job_id], error} out. The id defaults to the line number."""
+    finish_reason, usage[, metadata, logprobs, tool_calls, content, choices]} or {id[, job_id], error} out. The id defaults
+    to the line number."""
 
     unique_ids = False  # a repeated id is reported and its later lines skipped, the rest runs
 
@@ -109,8 +110,11 @@ class PlainFormat:
     def result_line(self, entry: Entry, job_id: str, result: dict[str, Any]) -> dict[str, Any]:
         line = {"id": entry.id, "job_id": job_id}
         line.update({k: result.get(k) for k in ("text", "finish_reason", "usage")})
-        if result.get("metadata") is not None:
-            line["metadata"] = result["metadata"]
+        for name in ("metadata", "logprobs", "choices"):  # choices: n > 1
+            if result.get(name) is not None:
+                line[name] = result[name]
+        if result.get("tool_calls") is not None:  # a job with tools: its calls, and the text outside them
+            line["tool_calls"], line["content"] = result["tool_calls"], result.get("content")
         return line
 
     def failed_line(self, entry: Entry, job_id: str, message: str, code: str) -> dict[str, Any]:
@@ -136,6 +140,10 @@ def _named_field(message: str) -> str | None:
     constraint = re.match(r"(response_format(?:\.json_schema\.schema)?|structured_outputs\.\w+)\b", message)
     if constraint:  # a constraint's checks name the field as the user sent it
         return constraint.group(1)
+    # rose.engine.tool_calls.check_tools, the tools' schemas
+    tools = re.match(r"'?(tools|tool_choice)\b", message)
+    if tools:
+        return tools.group(1)
     named = re.search(r"\bSamplingParams\.(\w+)", message)  # SamplingParams' range checks name the field
     return named.group(1) if named else None
 

@@ -65,6 +65,8 @@ def run(args: argparse.Namespace) -> int:
         given += ["--no-add-generation-prompt"] if chat.get("add_generation_prompt") is False else []
         raise ValueError(f"{', '.join(given)}: needs --chat (chat options apply to chat messages only)")
     params = SamplingParams(**sampling_kwargs(args), **constraint_kwargs(args))
+    if args.stream and params.n > 1:
+        raise ValueError("--stream prints one text per prompt: --n > 1 needs the printing of whole choices")
     options = ChatOptions(**chat) if args.chat else None  # checked before the model loads
     llm = LLM(
         args.model,
@@ -91,7 +93,10 @@ def run(args: argparse.Namespace) -> int:
             out.write("\n")
         return 0
     for i, (shown, res) in enumerate(zip(args.prompts, llm.generate(prompts, params), strict=True)):
-        if i:
-            out.write("\n")
-        out.write(f"[{i}] {shown!r} -> {res.finish_reason}, {len(res.token_ids)} tokens\n{res.text}\n")
+        for choice in res.outputs:
+            if i or choice.index:
+                out.write("\n")
+            label = f"[{i}]" if len(res.outputs) == 1 else f"[{i}.{choice.index}]"
+            tokens = len(choice.token_ids)
+            out.write(f"{label} {shown!r} -> {choice.finish_reason}, {tokens} tokens\n{choice.text}\n")
     return 0

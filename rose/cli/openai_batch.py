@@ -2,9 +2,11 @@
 
 Input line: {"custom_id": "...", "method": "POST", "url": "/v1/chat/completions" | "/v1/completions", "body": {...}},
 the body being a Chat Completions / Completions request. Each body field maps to a rose.jobs.generate job field;
-a field rose cannot honour (tools, n > 1, logprobs, ...) makes that line a 400 error line rather
-than being ignored. `stream` becomes the job field of that name (true: the workers publish the job's tokens on
-Redis for whoever watches it; false: only its end); the output line is the non-streaming response either way.
+a field rose cannot honour (echo, best_of, the legacy functions, ...) makes that line a 400 error line rather
+than being ignored. Chat lines may carry `tools` / `tool_choice` (rose.jobs.tools): the output's message has the
+calls as `tool_calls`, and `content` the text outside them. `stream` becomes the job field of that name (true: the
+workers publish the job's tokens on Redis for whoever watches it; false: only its end); the output line is the
+non-streaming response either way.
 Output line (OpenAI's BatchRequestOutput): {"id": "batch_req_...", "custom_id",
 "response": {"status_code", "request_id", "body"} | null, "error": {"code", "message"} | null}.
 """
@@ -18,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from rose.cli.batch_files import Entry, LineFormat, PlainFormat, key_of, validate
+from rose.cli.openai_choices import openai_choice
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
@@ -33,6 +36,7 @@ _SAME = (
     "stop",
     "response_format",
     "logit_bias",
+    "n",
 )
 # vLLM's extra request parameters (its OpenAI server's "extra_body"), also job fields of the same name
 _VLLM_EXTRAS = (
@@ -47,6 +51,7 @@ _VLLM_EXTRAS = (
     "structured_outputs",
     "priority",
     "allowed_token_ids",
+    "bad_words",
 )
 _VLLM_CHAT_EXTRAS = (
     "add_generation_prompt",
@@ -57,20 +62,27 @@ _VLLM_CHAT_EXTRAS = (
 # accepted and without effect on the output: identifiers, and storing (rose stores nothing but the result)
 _NO_EFFECT = ("user", "safety_identifier", "prompt_cache_key", "store")
 # accepted only with these values (the default); anything else is a feature rose does not have.
-# parallel_tool_calls (chat) is accepted as it is: it does nothing without tools, and tools are refused.
+# parallel_tool_calls (chat) is accepted as it is, as vLLM does: the model writes as many calls as it writes.
 _ONLY = {
-    "n": (1,),
-    "logprobs": (False,),  # the job result carries no logprobs
     "echo": (False,),
     "best_of": (1,),
 }
-_WHY = {"logprobs": "rose's job result carries no logprobs", "n": "one choice per line"}
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound on chat's top_logprobs, and vLLM's default max_logprobs
 _STREAM_OPTIONS = ("include_usage", "include_obfuscation")  # OpenAI's; what rose does with each: see _stream
 _ENDPOINT_FIELDS = {
-    CHAT_URL: {"messages", "max_completion_tokens", "metadata", "logprobs", "parallel_tool_calls"},
+    CHAT_URL: {
+        "messages",
+        "max_completion_tokens",
+        "metadata",
+        "logprobs",
+        "top_logprobs",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+    },
     COMPLETIONS_URL: {"prompt", "echo", "best_of", "logprobs"},
 }
-_COMMON = {"model", "max_tokens", "n", "stream", "stream_options", *_SAME, *_VLLM_EXTRAS, *_NO_EFFECT}
+_COMMON = {"model", "max_tokens", "stream", "stream_options", *_SAME, *_VLLM_EXTRAS, *_NO_EFFECT}
 
 
 class RequestError(ValueError):
@@ -144,7 +156,7 @@ def to_job_fields(line: dict[str, Any], defaults: dict[str, Any] | None = None) 
     for name, allowed in _ONLY.items():
         # by type too: False == 0 and True == 1, but logprobs=0 asks for logprobs and n=true is no count
         if name in body and not any(type(body[name]) is type(a) and body[name] == a for a in allowed):
-            why = _WHY.get(name, f"only {json.dumps(allowed[0])}")
+            why = f"only {json.dumps(allowed[0])}"
             raise RequestError(
                 f"{name}={json.dumps(body[name])} is not supported by rose ({why})", name, "unsupported_value"
             )
@@ -160,10 +172,14 @@ def to_job_fields(line: dict[str, Any], defaults: dict[str, Any] | None = None) 
         if "messages" not in body:
             raise RequestError("'messages' is required", "messages", "missing_required_parameter")
         fields["messages"] = body["messages"]
-        if "metadata" in body:
-            fields["metadata"] = body["metadata"]
+        for name in ("metadata", "tools", "tool_choice"):
+            if name in body:
+                fields[name] = body[name]
     else:
         fields.update(_prompt(body))
+    logprobs = _logprobs(body, url)
+    if logprobs is not None:
+        fields["logprobs"] = logprobs
     max_tokens = _max_tokens(body)
     if max_tokens is not None:
         fields["max_tokens"] = max_tokens
@@ -219,6 +235,34 @@ def _stream(body: dict[str, Any]) -> bool | None:
                 "unsupported_value",
             )
     return stream
+
+
+def _logprobs(body: dict[str, Any], url: str) -> int | None:
+    """The job's `logprobs` (how many alternatives per token; None: none asked). Chat: `logprobs` (a bool) with
+    `top_logprobs` (0-20, only with logprobs true); completions: `logprobs` (0-20)."""
+
+    def count(name: str) -> int:
+        value = body[name]
+        if type(value) is not int or not 0 <= value <= MAX_TOP_LOGPROBS:
+            raise RequestError(
+                f"'{name}' must be an integer in [0, {MAX_TOP_LOGPROBS}], got {json.dumps(value)}",
+                name,
+                "invalid_value",
+            )
+        return value
+
+    if url != CHAT_URL:  # false: none (what a chat-shaped habit sends)
+        return count("logprobs") if body.get("logprobs", False) is not False else None
+    asked = body.get("logprobs", False)
+    if type(asked) is not bool:
+        raise RequestError(
+            f"'logprobs' must be true or false, got {json.dumps(asked)}", "logprobs", "invalid_type"
+        )
+    if "top_logprobs" in body:
+        if not asked:
+            raise RequestError("'top_logprobs' needs 'logprobs': true", "top_logprobs", "invalid_value")
+        return count("top_logprobs")
+    return 0 if asked else None
 
 
 def _vllm_chat_extras(url: str) -> tuple[str, ...]:
@@ -325,9 +369,6 @@ class OpenAIFormat:
             int(usage.get("prompt_tokens", 0)),
             int(usage.get("completion_tokens", 0)),
         )
-        # OpenAI knows stop / length (and tool or filter reasons rose never has)
-        finish_reason = "length" if result.get("finish_reason") == "length" else "stop"
-        text = result.get("text") or ""
         chat = entry.context["url"] == CHAT_URL
         body: dict[str, Any] = {
             "id": f"{'chatcmpl' if chat else 'cmpl'}-{job_id}",
@@ -335,13 +376,9 @@ class OpenAIFormat:
             "created": int(time.time()),
             "model": entry.context["model"],
         }
-        if chat:
-            message = {"role": "assistant", "content": text, "refusal": None}
-            body["choices"] = [
-                {"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": None}
-            ]
-        else:
-            body["choices"] = [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}]
+        # n > 1: every choice; otherwise the result is its one choice
+        choices = result.get("choices") or [{**result, "index": 0}]
+        body["choices"] = [openai_choice(choice, chat) for choice in choices]
         body["usage"] = {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion_tokens,

@@ -4,9 +4,9 @@ Shared by the subcommands that make single requests (`rose generate`, `rose subm
 these fields itself):
 `add_chat_args` / `chat_kwargs` (vLLM's and OpenAI's chat options), `add_constraint_args` / `constraint_kwargs`
 (the `structured_outputs` field: --json-schema, --regex, --choice, --grammar, --json-object), and `add_request_args`
-/ `request_kwargs` for both. Each `*_kwargs` function returns only the fields the user set, under the job's field
-names, so the result can be merged into a job as it is. Values that are JSON can
-also be given as `@path` (read from that file).
+/ `request_kwargs` for both; `add_tool_args` / `tool_kwargs` (OpenAI's `tools` / `tool_choice`: `rose submit`).
+Each `*_kwargs` function returns only the fields the user set, under the job's field names, so the result can be
+merged into a job as it is. Values that are JSON can also be given as `@path` (read from that file).
 """
 
 from __future__ import annotations
@@ -20,11 +20,13 @@ __all__ = [
     "add_chat_args",
     "add_constraint_args",
     "add_request_args",
+    "add_tool_args",
     "chat_kwargs",
     "constraint_kwargs",
     "json_arg",
     "request_kwargs",
     "text_arg",
+    "tool_kwargs",
 ]
 
 
@@ -54,6 +56,23 @@ def json_object_arg(value: str) -> dict[str, Any]:
     if not isinstance(obj, dict):
         raise argparse.ArgumentTypeError("must be a JSON object, e.g. '{\"enable_thinking\": false}'")
     return obj
+
+
+def json_list_arg(value: str) -> list[Any]:
+    obj = json_arg(value)
+    if not isinstance(obj, list):
+        raise argparse.ArgumentTypeError('must be a JSON list, e.g. \'[{"type": "function", ...}]\'')
+    return obj
+
+
+def tool_choice_arg(value: str) -> str | dict[str, Any]:
+    """none, auto, required, a function's name (OpenAI's {"type": "function", "function": {"name": ...}}), or
+    that object as JSON (or @FILE)."""
+    if value in ("none", "auto", "required"):
+        return value
+    if value.startswith(("{", "@")):
+        return json_object_arg(value)
+    return {"type": "function", "function": {"name": value}}
 
 
 def add_chat_args(parser: argparse.ArgumentParser) -> None:
@@ -102,6 +121,34 @@ def chat_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     if out.get("continue_final_message"):
         out.setdefault("add_generation_prompt", False)
     return out
+
+
+def add_tool_args(parser: argparse.ArgumentParser) -> None:
+    """OpenAI's tool calling (chat messages only): the result has `tool_calls` and `content` (docs/jobs.md)."""
+    group = parser.add_argument_group("tool calling (with chat messages only)")
+    group.add_argument(
+        "--tools",
+        type=json_list_arg,
+        default=None,
+        metavar="JSON|@FILE",
+        help='OpenAI-format tools: \'[{"type": "function", "function": {"name": "get_weather", "parameters": '
+        "{...}}}]'",
+    )
+    group.add_argument(
+        "--tool-choice",
+        type=tool_choice_arg,
+        default=None,
+        metavar="CHOICE",
+        help="auto (the default with --tools: the worker's parser reads the calls the model writes), none, "
+        "required (at least one call, decoded under the tools' schemas), or a function's NAME (a call of that "
+        "function); also OpenAI's JSON object",
+    )
+
+
+def tool_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The tool fields the user set (job field names); valid on `messages` jobs only."""
+    names = ("tools", "tool_choice")
+    return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
 
 
 def add_constraint_args(parser: argparse.ArgumentParser) -> None:

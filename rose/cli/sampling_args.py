@@ -9,6 +9,7 @@ from rose.cli.request_args import json_object_arg
 from rose.engine.sampling_params import SamplingParams
 
 _HELP = {
+    "n": "choices to sample from each prompt (the result's `choices`; seeded: choice i uses seed + i)",
     "max_tokens": "most tokens to generate (default 16)",
     "min_tokens": "generate at least this many tokens before EOS / stop may end the request",
     "temperature": "sampling temperature; 0 = greedy",
@@ -27,9 +28,11 @@ _HELP = {
     "logprobs": "return the log-probability of each token and the top-N alternatives",
     "detokenize": "return text (--no-detokenize: token ids only)",
     "allowed_token_ids": "only these token ids may be sampled (repeatable)",
+    "bad_words": "a word never to generate (repeatable; vLLM's bad_words)",
     "logit_bias": "add to token logits: JSON such as '{\"50256\": -100}' (token id -> bias in [-100, 100]), or @FILE",
 }
 _TYPES: dict[str, Any] = {
+    "n": int,
     "max_tokens": int,
     "min_tokens": int,
     "top_k": int,
@@ -57,11 +60,11 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("sampling (vLLM SamplingParams; unset flags keep their defaults)")
     for name in _flag_fields():
         flag = "--" + name.replace("_", "-")
-        if name in ("stop", "stop_token_ids", "allowed_token_ids"):
+        if name in ("stop", "stop_token_ids", "allowed_token_ids", "bad_words"):
             group.add_argument(
                 flag,
                 action="append",
-                type=str if name == "stop" else int,
+                type=str if name in ("stop", "bad_words") else int,
                 dest=name,
                 default=None,
                 help=_HELP[name],

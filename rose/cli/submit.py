@@ -16,7 +16,7 @@ from rose.cli.common import (
     usage_line,
     workers_serving,
 )
-from rose.cli.request_args import add_request_args, json_arg, request_kwargs
+from rose.cli.request_args import add_request_args, add_tool_args, json_arg, request_kwargs, tool_kwargs
 from rose.cli.sampling_args import add_sampling_args, sampling_kwargs
 
 if TYPE_CHECKING:
@@ -30,8 +30,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description=(
             "Enqueue one rose.jobs.generate job: a PROMPT, or chat messages (--messages) that the worker renders "
             "with its model's chat template. Prints the job id, then the text (live with --stream), then "
-            "the finish reason and token usage. --no-token-events: the worker publishes only the job's end, "
-            "no tokens (the text comes with the result). Exit code: 0 done, 1 failed or canceled (message on "
+            "its tool calls (with --tools), the finish reason and token usage. --no-token-events: the worker "
+            "publishes only the job's end, no tokens (the text comes with the result). Exit code: 0 done, 1 failed or canceled (message on "
             "stderr), "
             "124 --timeout passed (the job goes on: `rose result JOB_ID --wait S`), 130 Ctrl-C."
         ),
@@ -68,6 +68,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--result-ttl", type=int, default=None, metavar="S", help="RQ result_ttl (default 500)")
     add_sampling_args(p)
     add_request_args(p)
+    add_tool_args(p)
     p.set_defaults(func=run)
 
 
@@ -84,7 +85,12 @@ def run(args: argparse.Namespace) -> int:
             "error: --stream prints the token events that --no-token-events turns off: give one of the two",
         )
         return 2
-    fields: dict[str, Any] = {**sampling_kwargs(args), **request_kwargs(args)}
+    fields: dict[str, Any] = {**sampling_kwargs(args), **request_kwargs(args), **tool_kwargs(args)}
+    if args.stream and fields.get("n", 1) > 1:
+        error(
+            args, "error: --stream prints one text as it comes; with --n > 1 the choices print when they end"
+        )
+        return 2
     if args.messages is not None:
         fields["messages"] = args.messages
     else:
@@ -117,6 +123,8 @@ def run(args: argparse.Namespace) -> int:
         )
     try:
         result = _stream(job, args.timeout) if args.stream else job.result(timeout=args.timeout)
+        if args.stream and "tools" in fields:  # the calls come with the stored result, not the events
+            result = job.result(timeout=args.timeout)
     except (JobFailed, JobCanceled) as exc:
         return ended_badly(args, job.id, exc)
     except TimeoutError as exc:
@@ -128,8 +136,17 @@ def run(args: argparse.Namespace) -> int:
             f"interrupted; job {job.id} goes on: {later(args, job.id)}",
         )
         return 130
-    if not args.stream:
-        out.write(result.get("text", "") + "\n")
+    choices = result.get("choices") or [result]  # n > 1: each choice under a [choice i] line
+    for i, choice in enumerate(choices):
+        if len(choices) > 1:
+            out.write(f"[choice {i}]\n")
+        if not args.stream:
+            out.write(choice.get("text", "") + "\n")
+        for call in choice.get("tool_calls") or ():
+            function = call["function"]
+            out.write(
+                f"[tool_call id={call['id']} name={function['name']} arguments={function['arguments']}]\n"
+            )
     out.write(usage_line(result) + "\n")
     out.flush()
     return 0

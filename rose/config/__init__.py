@@ -8,6 +8,7 @@ from pydantic import ByteSize, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from rose.engine.config import DEFAULTS, EngineConfig
+from rose.engine.tool_calls import TOOL_PARSERS
 from rose.jobs.connection import check_scheme, is_sentinel_url, parse_sentinel_url, redact_url
 
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
@@ -100,6 +101,13 @@ class WorkerSettings(BaseSettings):
         description="Seconds a job waits for its structured-outputs grammar to compile; a grammar still compiling "
         "then fails its jobs alone, with the reason (the compile runs on and is cached). 0: no limit.",
     )
+    tool_call_parser: str | None = Field(
+        None,
+        description="How the calls of chat jobs with tools and tool_choice 'auto' are read from the model's output "
+        f"(vLLM's --tool-call-parser names: {', '.join(TOOL_PARSERS)}; none: no parser, such jobs fail). "
+        "Default: the format the model's chat template shows (logged at start-up), else none. tool_choice "
+        "'required' or a named function needs no parser.",
+    )
     with_scheduler: bool = Field(
         False,
         description="Also run RQ's scheduler for these queues (as `rq worker --with-scheduler`): needed for "
@@ -179,6 +187,15 @@ class WorkerSettings(BaseSettings):
     @classmethod
     def _lower(cls, value: object) -> object:
         return value.lower() if isinstance(value, str) else value
+
+    @field_validator("tool_call_parser")
+    @classmethod
+    def _check_parser(cls, value: str | None) -> str | None:
+        if value is not None and value not in (*TOOL_PARSERS, "none"):
+            raise ValueError(
+                f"unknown tool-call parser {value!r}: use one of {', '.join(TOOL_PARSERS)}, none"
+            )
+        return value
 
     @field_validator("redis_url")
     @classmethod

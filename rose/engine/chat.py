@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from rose.engine.tool_calls import check_tools, messages_for_template
+
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -27,6 +29,7 @@ class ChatOptions:
     continue_final_message: bool = False
     chat_template: str | None = None  # a Jinja template that replaces the tokenizer's own
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # e.g. {"enable_thinking": False}
+    tools: list[dict[str, Any]] | None = None  # OpenAI-format tools: the template's `tools`
 
     def __post_init__(self) -> None:
         if self.add_generation_prompt and self.continue_final_message:
@@ -35,12 +38,17 @@ class ChatOptions:
             )
         reserved = set(self.chat_template_kwargs) & {
             "conversation", "messages", "tokenize", "add_generation_prompt", "continue_final_message",
-            "chat_template", "return_dict",
+            "chat_template", "return_dict", "tools", "tool_choice",
         }  # fmt: skip
         if reserved:
             raise ChatTemplateError(
                 f"chat_template_kwargs may not set {sorted(reserved)}: they are fields of their own"
             )
+        if self.tools is not None:
+            try:
+                check_tools(self.tools)
+            except ValueError as exc:
+                raise ChatTemplateError(str(exc)) from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,7 +98,9 @@ def normalize_messages(messages: Any) -> list[dict[str, Any]]:
 
 
 def render_chat(tokenizer: Any, messages: Any, options: ChatOptions | None = None) -> ChatPrompt:
-    """The prompt `messages` make under the tokenizer's chat template (or `options.chat_template`)."""
+    """The prompt `messages` make under the tokenizer's chat template (or `options.chat_template`), with
+    `options.tools` as the template's `tools`. Past calls' `function.arguments` reach the template as objects
+    (rose.engine.tool_calls.messages_for_template): templates write them with `| tojson`."""
     options = options or ChatOptions()
     if tokenizer is None:
         raise ChatTemplateError("chat messages need a tokenizer; this engine has none")
@@ -102,7 +112,8 @@ def render_chat(tokenizer: Any, messages: Any, options: ChatOptions | None = Non
         )
     try:
         text = tokenizer.apply_chat_template(
-            msgs,
+            messages_for_template(msgs),
+            tools=options.tools,
             chat_template=options.chat_template,
             add_generation_prompt=options.add_generation_prompt,
             continue_final_message=options.continue_final_message,

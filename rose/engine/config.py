@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from rose.engine.sampling_params import MAX_LOGPROBS
 from rose.engine.structured_outputs import DEFAULT_MAX_JSON_WHITESPACE, GRAMMAR_COMPILE_TIMEOUT_S
 
 
@@ -41,7 +42,7 @@ class EngineConfig:
     num_gpu_blocks_override: int | None = None
     block_size: int | None = None
     seed: int = 0
-    max_logprobs: int = 20
+    max_logprobs: int = MAX_LOGPROBS
     enable_prefix_caching: bool = False
     trust_remote_code: bool = False
     disable_any_whitespace: bool = False

@@ -13,6 +13,7 @@ import torch
 from transformers import PreTrainedModel
 
 from rose.engine import loader, model_probe
+from rose.engine.bad_words import bad_words_token_ids
 from rose.engine.block_pool import BlockPool
 from rose.engine.config import EngineConfig
 from rose.engine.detokenizer import IncrementalDetokenizer
@@ -23,11 +24,12 @@ from rose.engine.kv_cache_manager import KVCacheManager
 from rose.engine.layer_spec import first_needed
 from rose.engine.model_runner import ModelRunner, model_context
 from rose.engine.outputs import RequestMetrics, RequestOutput, StepOutput
+from rose.engine.parallel_sampling import ParallelSampling, child_id, child_params
 from rose.engine.prompts import tokenize_prompt
 from rose.engine.sampler import Sampler, SamplerOutput, checks_after
 from rose.engine.sampling_params import SamplingParams
 from rose.engine.scheduler import ScheduledBatch, Scheduler
-from rose.engine.sequence import Sequence
+from rose.engine.sequence import PromptShare, Sequence
 from rose.engine.stopping import eos_token_ids, request_output
 from rose.engine.structured_outputs import resolve_backend
 
@@ -128,6 +130,7 @@ class Engine:
         self._num_steps = 0  # forwards run
         self._undelivered: list[StepOutput] = []  # finished by a step that then raised (see step)
         self._structured: StructuredOutputManager | None = None  # built for the first constrained request
+        self.parallel = ParallelSampling()  # requests of n > 1 choices
 
     # ----------------------------------------------------------------- requests
 
@@ -146,29 +149,19 @@ class Engine:
         `{"prompt_token_ids": [...], "prompt": text}` (ids used as they are; the text, e.g. a rendered chat, is
         only echoed in the output).
         """
-        if request_id in self.scheduler.requests:
+        if request_id in self.scheduler.requests or request_id in self.parallel:
             raise ValueError(f"request id {request_id!r} is already in the engine")
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
-        if params.logprobs is not None and params.logprobs > self.max_logprobs:
-            raise ValueError(
-                f"SamplingParams.logprobs must be <= {self.max_logprobs} (the engine's max_logprobs), "
-                f"got {params.logprobs}"
-            )
-        bad_stops = [t for t in params.stop_token_ids if t >= self.vocab_size]
-        if bad_stops:
-            raise ValueError(
-                f"SamplingParams.stop_token_ids must be in [0, {self.vocab_size}) (the model's vocabulary), "
-                f"got {bad_stops[:5]}"
-            )
-        for name, ids in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids)):
-            outside = [t for t in ids or () if t >= self.vocab_size]
-            if outside:
+        params.verify(self.vocab_size, self.max_logprobs)
+        bad_words = None
+        if params.bad_words:  # tokenized once per request (vLLM: SamplingParams.update_from_tokenizer)
+            if self.tokenizer is None:
                 raise ValueError(
-                    f"SamplingParams.{name}: token ids must be in [0, {self.vocab_size}) (the model's vocabulary), "
-                    f"got {outside[:5]}"
+                    "SamplingParams.bad_words needs a tokenizer to turn the words into tokens; this engine has none"
                 )
+            bad_words = bad_words_token_ids(params.bad_words, self.tokenizer, self.vocab_size)
         text, ids = tokenize_prompt(prompt, self.tokenizer, self.vocab_size)
         if ids and params.max_tokens is None and len(ids) >= self.max_model_len:
             raise ValueError(
@@ -181,6 +174,39 @@ class Engine:
                 f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) = {len(ids) + max_tokens} exceeds "
                 f"max_model_len {self.max_model_len}: shorten the prompt or lower max_tokens"
             )
+        arrival = time.time() if arrival_time is None else arrival_time
+        if params.n == 1:
+            self.scheduler.add(
+                self._sequence(request_id, text, ids, params, max_tokens, priority, arrival, bad_words)
+            )
+            return
+        children = [child_id(request_id, i) for i in range(params.n)]
+        taken = [c for c in children if c in self.scheduler.requests]
+        if taken:
+            raise ValueError(f"request id {taken[0]!r} (a choice of {request_id!r}) is already in the engine")
+        seqs = [
+            self._sequence(c, text, ids, child_params(params, i), max_tokens, priority, arrival, bad_words)
+            for i, c in enumerate(children)
+        ]  # all built before any is added: one that raises adds none
+        share = PromptShare(pending=set(children))
+        for seq in seqs:
+            seq.prompt_share = share
+        self.parallel.add(request_id, params.n)
+        for seq in seqs:
+            self.scheduler.add(seq)
+
+    def _sequence(
+        self,
+        request_id: str,
+        text: str | None,
+        ids: list[int],
+        params: SamplingParams,
+        max_tokens: int,
+        priority: int,
+        arrival: float,
+        bad_words: list[list[int]] | None,
+    ) -> Sequence:
+        """A sequence of the request (one choice of it), with its own grammar, generator and detokenizer."""
         structured = None
         if params.structured_outputs is not None:  # parsed here (invalid: ValueError), compiled on a thread
             structured = self.structured_outputs.make_request(params.structured_outputs)
@@ -197,25 +223,38 @@ class Engine:
                 stop=params.stop,
                 include_stop_str_in_output=params.include_stop_str_in_output,
             )
-        seq = Sequence(
+        return Sequence(
             request_id=request_id,
             prompt=text,
-            prompt_token_ids=ids,
+            prompt_token_ids=list(ids),
             params=params,
             max_tokens=max_tokens,
-            metrics=RequestMetrics(
-                arrival_time=time.time() if arrival_time is None else arrival_time, num_prompt_tokens=len(ids)
-            ),
+            metrics=RequestMetrics(arrival_time=arrival, num_prompt_tokens=len(ids)),
             detokenizer=detok,
             priority=priority,
             generator=generator,
             logprobs=[] if params.logprobs is not None else None,
             structured=structured,
+            bad_words_token_ids=bad_words,
         )
-        self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> RequestOutput | None:
-        """Stop a request now and free its blocks. Returns its final output (finish_reason "abort")."""
+        """Stop a request now (every choice of it) and free its blocks. Returns its final output (finish_reason
+        "abort" for what had not finished)."""
+        # outputs a failed step left for the next one: the request is gone, they must not reach a request added
+        # again under its id (a choice finished there still counts as finished)
+        ids = {request_id, *self.parallel.children(request_id)}
+        stale = [o for o in self._undelivered if o.request_id in ids]
+        if stale:
+            self._undelivered = [o for o in self._undelivered if o.request_id not in ids]
+            done = [o.output for o in self.parallel.step_outputs(stale) if o.finished]
+            if done:
+                return done[-1]
+        if request_id in self.parallel:
+            return self.parallel.abort(request_id, self._abort_one)
+        return self._abort_one(request_id)
+
+    def _abort_one(self, request_id: str) -> RequestOutput | None:
         seq = self.scheduler.finish_request(request_id, "abort")
         return request_output(seq) if seq is not None else None
 
@@ -276,7 +315,7 @@ class Engine:
         except BaseException:
             self._undelivered = outputs
             raise
-        return outputs
+        return self.parallel.step_outputs(outputs)
 
     def _schedule(self) -> ScheduledBatch:
         batch = self.scheduler.schedule()
@@ -306,8 +345,7 @@ class Engine:
         steps = []
         for seq in self._structured.take_failed(self.scheduler.waiting_for_grammar()):
             error = seq.structured.error
-            out = request_output(self.scheduler.finish_request(seq.request_id, "error"))
-            out.error = error
+            out = request_output(self.scheduler.finish_request(seq.request_id, "error"), error)
             steps.append(StepOutput(out.request_id, [], "", True, "error", output=out))
         return steps
 
@@ -346,6 +384,7 @@ class Engine:
             "num_running": self.num_running,
             "num_waiting": self.num_waiting,
             "num_preemptions": self.scheduler.num_preemptions,
+            "num_prefill_tokens": self.scheduler.num_prefill_tokens,
             "kv_tokens_used": sum(kv.num_tokens_held(s) for s in self.scheduler.running),
         }
 

@@ -5,10 +5,14 @@ The scheduler decides which sequences run; this manager decides whether their bl
 `num_dropped_blocks`, `block_hashes`) are written by this manager and its prefix cache, nowhere else:
 
 - `allocate_prefill` at admission: the cached blocks of the sequence's prefix (prefix caching: shared, a reference
-  each, nothing copied) then new blocks for the rest of its prefill, if the pool has them above the watermark.
+  each, nothing copied), or those of its prompt that another choice of its request computed (`prompt_share`: n > 1,
+  with or without prefix caching), then new blocks for the rest of its prefill, if the pool has them above the
+  watermark.
 - `allocate_slots` as it decodes: blocks for its next positions, if free (else the scheduler preempts).
-- `cache_blocks` once a step has computed its positions: full blocks indexed for prefix hits, and the leading
-  blocks that every layer's window has passed given back (only where every layer is windowed or chunked).
+- `cache_blocks` once a step has computed its positions: full blocks indexed for prefix hits, a shared prompt's
+  blocks held for the choices still to come, and the leading blocks that every layer's window has passed given
+  back (only where every layer is windowed or chunked).
+- `leave` when a sequence leaves the engine: the choices of a shared prompt it was still owed stop waiting on it.
 - `free` when it finishes or is preempted: its blocks back to the pool (cached ones stay findable until evicted).
 """
 
@@ -69,8 +73,38 @@ class KVCacheManager:
 
     def should_defer(self, seq: Sequence, prefilling: list[Sequence]) -> bool:
         """Hold `seq` back a step: a sequence still prefilling will soon hold more of its prefix than the cache does
-        now (rose.engine.prefix_cache.PrefixCache.pending_overlap)."""
+        now (rose.engine.prefix_cache.PrefixCache.pending_overlap), or the choice whose prompt it shares is."""
+        share = seq.prompt_share
+        if share is not None and not share.blocks and any(s.prompt_share is share for s in prefilling):
+            return True
         return self.prefix_cache is not None and self.prefix_cache.pending_overlap(seq, prefilling)
+
+    def _prompt_blocks(self, seq: Sequence) -> int:
+        """Full blocks of `seq`'s prompt a choice may share: all but the prompt's last token, as a prefix hit."""
+        return max(0, (len(seq.prompt_token_ids) - 1) // self.pool.block_size)
+
+    def _hold_prompt(self, seq: Sequence) -> None:
+        """`seq` has computed its prompt: hold its full blocks for the choices still to come."""
+        share, usable = seq.prompt_share, self._prompt_blocks(seq)
+        if share is None or share.blocks or not share.pending or not usable or seq.num_dropped_blocks:
+            return
+        if seq.num_computed_tokens >= usable * self.pool.block_size:
+            share.blocks = seq.block_ids[:usable]
+            self.pool.share(share.blocks)
+
+    def _admitted_or_gone(self, seq: Sequence) -> None:
+        """`seq` no longer waits for its shared prompt; the last one lets the held blocks go."""
+        share = seq.prompt_share
+        if share is None or seq.request_id not in share.pending:
+            return
+        share.pending.discard(seq.request_id)
+        if not share.pending and share.blocks:
+            self.pool.free(share.blocks)
+            share.blocks = []
+
+    def leave(self, seq: Sequence) -> None:
+        """`seq` leaves the engine (finished or aborted; its blocks, if any, are freed separately)."""
+        self._admitted_or_gone(seq)
 
     def allocate_prefill(self, seq: Sequence, *, watermark: bool) -> int | None:
         """Give `seq` the blocks of its whole prefill, its cached prefix shared, if the pool has them (above the
@@ -78,14 +112,22 @@ class KVCacheManager:
         taken) when the blocks are short."""
         pool = self.pool
         hits = self.prefix_cache.lookup(seq) if self.prefix_cache is not None else []
-        new = pool.blocks_for(seq.num_prefill_tokens) - len(hits)
-        available = pool.num_free - sum(1 for b in hits if pool.refs(b) == 0)  # free cached blocks taken back
+        share = seq.prompt_share
+        shared = share.blocks[: self._prompt_blocks(seq)] if share is not None else []
+        if len(shared) <= len(hits):
+            shared = []
+        held = shared or hits
+        new = pool.blocks_for(seq.num_prefill_tokens) - len(held)
+        available = pool.num_free - sum(1 for b in held if pool.refs(b) == 0)  # free cached blocks taken back
         if new > available - (self.watermark_blocks if watermark else 0):
             return None
         if self.prefix_cache is not None:
-            self.prefix_cache.take(seq, hits)
-        seq.block_ids = hits + pool.allocate(new)
-        return len(hits) * pool.block_size
+            self.prefix_cache.take(seq, [] if shared else hits)
+        if shared:
+            pool.share(shared)
+        seq.block_ids = held + pool.allocate(new)
+        self._admitted_or_gone(seq)
+        return len(held) * pool.block_size
 
     def allocate_slots(self, seq: Sequence, num_tokens: int) -> bool:
         """Make `seq` hold blocks for `num_tokens` positions; False (nothing taken) when too few are free."""
@@ -103,6 +145,7 @@ class KVCacheManager:
         pool, so that they stay findable in its free queue), then give back the blocks no query will read again."""
         if self.prefix_cache is not None:
             self.prefix_cache.register(seq)
+        self._hold_prompt(seq)  # before a window's passed blocks go back
         if self.first_needed is None:
             return
         passed = self.first_needed(seq.num_computed_tokens) // self.pool.block_size

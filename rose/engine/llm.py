@@ -84,6 +84,7 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
         """vLLM's `LLM.chat`: render each conversation with the tokenizer's chat template (or `chat_template`) and
         generate for all of them at once; outputs come back in input order, each with the rendered text as its
@@ -93,6 +94,9 @@ class LLM:
         Every conversation is rendered before any is queued, so a bad one (malformed message, no chat template,
         a template that raises) raises `rose.engine.chat.ChatTemplateError` (a ValueError) naming the
         conversation and runs nothing.
+
+        `tools` (OpenAI-format, as vLLM's): rendered into every prompt by the chat template; reading calls out of
+        the outputs is up to the caller (rose.engine.tool_calls: `get_tool_parser(...).parse(out.text)`).
         """
         conversations = _normalize_conversations(messages)
         options = ChatOptions(
@@ -100,6 +104,7 @@ class LLM:
             continue_final_message=continue_final_message,
             chat_template=chat_template,
             chat_template_kwargs=dict(chat_template_kwargs or {}),
+            tools=tools,
         )
         per_request = not (sampling_params is None or isinstance(sampling_params, SamplingParams))
         if per_request and len(sampling_params) != len(conversations):  # type: ignore[arg-type]
@@ -166,9 +171,14 @@ class LLM:
 
         Other requests of this LLM (other streams, a generate call) advance in the same steps; none loses output.
         """
+        params = sampling_params or SamplingParams()
+        if params.n > 1:
+            raise ValueError(
+                "stream() yields one text: give SamplingParams.n = 1 (generate() returns n choices)"
+            )
         rid = str(next(self._ids))
         (normalized,) = _normalize_prompts([prompt])
-        self._add(rid, normalized, sampling_params or SamplingParams())
+        self._add(rid, normalized, params)
         try:
             while True:
                 inbox = self._inbox[rid]

@@ -40,32 +40,69 @@ class RequestMetrics:
 
 
 @dataclass
-class RequestOutput:
-    """The whole result of one request (vLLM's RequestOutput, flattened to one completion)."""
+class CompletionOutput:
+    """One choice of a request (vLLM's CompletionOutput): a request has `SamplingParams.n` of them."""
 
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
+    index: int
     text: str
     token_ids: list[int]
     finish_reason: FinishReason | None
-    metrics: RequestMetrics
     logprobs: list[TokenLogprob] | None = None
     error: str | None = None  # finish_reason "error": why the request could not run, or what its output broke
     # a JSON constraint's output that is not strict JSON valid under its schema: what breaks it ("$.a: ...")
     structured_output_error: str | None = None
 
+
+@dataclass
+class RequestOutput:
+    """The whole result of one request (vLLM's RequestOutput): its prompt, its `outputs` (one per choice, in index
+    order) and its metrics (for n > 1: the first token of any choice, the last finish, every choice's tokens).
+
+    `text`, `token_ids`, `finish_reason`, `logprobs`, `error` and `structured_output_error` are the first choice's:
+    the only one unless n > 1."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    metrics: RequestMetrics
+
     @property
     def finished(self) -> bool:
-        return self.finish_reason is not None
+        return all(o.finish_reason is not None for o in self.outputs)
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return self.outputs[0].finish_reason
+
+    @property
+    def logprobs(self) -> list[TokenLogprob] | None:
+        return self.outputs[0].logprobs
+
+    @property
+    def error(self) -> str | None:
+        return self.outputs[0].error
+
+    @property
+    def structured_output_error(self) -> str | None:
+        return self.outputs[0].structured_output_error
 
 
 @dataclass
 class StepOutput:
     """What one engine step did for one request.
 
-    `new_text` is the detokenized delta; concatenating every delta of a request gives its final text exactly.
-    `output` is set once the request finishes.
+    `new_text` is the detokenized delta; concatenating every delta of a choice gives its final text exactly.
+    `index`: the choice the tokens belong to (0 unless n > 1); `finish_reason`: set once that choice has finished.
+    `finished` and `output` (the final RequestOutput): set once the whole request has, every choice.
     """
 
     request_id: str
@@ -75,3 +112,4 @@ class StepOutput:
     finish_reason: FinishReason | None = None
     new_logprobs: list[TokenLogprob] | None = None
     output: RequestOutput | None = None
+    index: int = 0

@@ -70,11 +70,36 @@ def _tokenizer_json(vocab_size: int = VOCAB_SIZE) -> str:
 
 # A small chat template in the usual shape (BOS once, a header per turn, EOS after each finished turn), so demos and
 # tests render chat messages for real. It writes plain-text headers: the presets' vocabulary has no role tokens.
+# With `tools` it writes them in a system turn first, Hermes / Qwen2.5 style (the model is told to answer with
+# <tool_call> blocks, which rose.engine.tool_calls' "hermes" parser reads; a system message joins that turn); an
+# assistant message's tool_calls are written as such blocks (arguments as an object or as OpenAI's JSON text), and
+# tool results are `tool` turns. Messages without tools or tool_calls render exactly as before.
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
+    "{% if tools %}"
+    "{{ '<|system|>\n' }}"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\n\n' }}{% endif %}"
+    "{{ '# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>' }}"
+    "{% for tool in tools %}{{ '\n' + (tool | tojson) }}{% endfor %}"
+    "{{ '\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
+    '<tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": '
+    "<args-json-object>}\n</tool_call>' + eos_token + '\n' }}"
+    "{% endif %}"
     "{% for message in messages %}"
-    "{{ '<|' + message['role'] + '|>\n' + message['content'] }}"
+    "{% if not (tools and loop.first and message['role'] == 'system') %}"
+    "{{ '<|' + message['role'] + '|>\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}{% endif %}"
+    "{% if message['tool_calls'] %}{% for tool_call in message['tool_calls'] %}"
+    "{% set call = tool_call['function'] if tool_call['function'] is defined else tool_call %}"
+    "{% if message['content'] or not loop.first %}{{ '\n' }}{% endif %}"
+    "{{ '<tool_call>\n{\"name\": ' + (call['name'] | tojson) + ', \"arguments\": ' }}"
+    "{% if call['arguments'] is string %}{{ call['arguments'] }}"
+    "{% else %}{{ (call['arguments'] if call['arguments'] is defined else {}) | tojson }}{% endif %}"
+    "{{ '}\n</tool_call>' }}"
+    "{% endfor %}{% endif %}"
     "{% if not (loop.last and continue_final_message) %}{{ eos_token + '\n' }}{% endif %}"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
 )

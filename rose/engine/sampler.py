@@ -1,13 +1,14 @@
 """Batched sampling with per-row parameters, following vLLM V1's semantics (vLLM >= 0.10.1; its V0 differs).
 
 Order of operations, as in vLLM V1's sampler: a structured-output grammar's mask (by the engine, or after the draw:
-below), `allowed_token_ids`, `logit_bias`, penalties and min_tokens masking on the logits; greedy rows take the argmax; the others are divided by
-their temperature, then min-p drops the tokens less likely than min_p times the most likely one (an argmax-invariant
-logits processor in V1, so it comes before top-k / top-p, unlike V0), then top-k and top-p (on what min-p kept,
-renormalized), then an exponential-race draw: the token maximizing p / q with q ~ Exp(1), computed as the argmax of
-logits / temperature - log q (the same winner, vLLM's distribution; each score depends on its own token only, so no
-softmax is needed and no probability underflows to a tie). Seeded rows draw q from their own generator, so they
-yield the same tokens alone or in any batch.
+below), `allowed_token_ids`, `bad_words` (-inf for the last token of each banned word whose other tokens end the
+generated ones), `logit_bias`, penalties and min_tokens masking on the logits; greedy rows take the argmax; the
+others are divided by their temperature, then min-p drops the tokens less likely than min_p times the most likely one
+(an argmax-invariant logits processor in V1, so it comes before top-k / top-p, unlike V0), then top-k and top-p (on
+what min-p kept, renormalized), then an exponential-race draw: the token maximizing p / q with q ~ Exp(1), computed
+as the argmax of logits / temperature - log q (the same winner, vLLM's distribution; each score depends on its own
+token only, so no softmax is needed and no probability underflows to a tie). Seeded rows draw q from their own
+generator, so they yield the same tokens alone or in any batch.
 
 A grammar's mask may also come after the draw, for the rows where that cannot change the outcome (`checks_after`:
 greedy rows and plain temperature draws, without logprobs): a token's score does not depend on the others, so the
@@ -101,8 +102,11 @@ class Sampler:
         logits = logits[:, : self.vocab_size].float()
         raw = logits
         params = [s.params for s in seqs]
-        if any(p.allowed_token_ids for p in params):  # vLLM V1's order: allowed ids, logit_bias, penalties
+        # vLLM V1's order: allowed ids, bad words, logit_bias, penalties
+        if any(p.allowed_token_ids for p in params):
             logits = apply_allowed_token_ids(logits.clone(), params)
+        if any(s.bad_words_token_ids for s in seqs):
+            logits = apply_bad_words(logits if logits is not raw else logits.clone(), seqs)
         if any(p.logit_bias for p in params):
             logits = apply_logit_bias(logits if logits is not raw else logits.clone(), params)
         if any(p.uses_penalties for p in params):
@@ -220,12 +224,35 @@ class Sampler:
                 banned.extend((i, t) for t in stops if t < self.vocab_size)
         return banned
 
+    # log-softmax elements held at once on CPU (8 MiB of float32): see _logprobs
+    _LOGPROBS_CHUNK = 1 << 21
+
     def _logprobs(self, raw, tokens, params, wanted, out):
-        logp = raw[wanted].log_softmax(dim=-1)
-        chosen = torch.tensor([tokens[i] for i in wanted], device=raw.device)
-        chosen_lp = logp.gather(1, chosen[:, None])[:, 0].tolist()
-        k = min(max(params[i].logprobs for i in wanted), logp.shape[-1])
-        top_vals, top_ids = logp.topk(k, dim=-1) if k else (None, None)
+        """Each wanted row's chosen token and top-k from the log-softmax of its raw logits.
+
+        On CPU the log-softmax is taken a few rows at a time (the same kernel per row: the same values bit for bit):
+        64 rows x 151k columns at once is a 39 MB tensor, above glibc's 32 MiB mmap threshold, so every step faulted
+        in fresh pages and read it back from memory; a chunk is reused from malloc and stays in cache for the
+        gather and the top-k (`_top_k`). A row picked out of `raw` is copied a chunk at a time too, never when every
+        row asked. 64 rows x 151,665 columns on 2 cores, k=5: 75 -> 19 ms (benchmarks/logprobs.py)."""
+        vocab = raw.shape[-1]
+        k = min(max(params[i].logprobs for i in wanted), vocab)
+        chosen = torch.tensor([tokens[i] for i in wanted], device=raw.device)[:, None]
+        every = len(wanted) == raw.shape[0]  # wanted is sorted and distinct: every row, in order
+        step = len(wanted)
+        if raw.device.type == "cpu":
+            step = max(torch.get_num_threads(), self._LOGPROBS_CHUNK // vocab)
+        parts_lp, parts_vals, parts_ids = [], [], []
+        for a in range(0, len(wanted), step):
+            b = min(a + step, len(wanted))
+            logp = (raw[a:b] if every else raw[wanted[a:b]]).log_softmax(dim=-1)
+            parts_lp.append(logp.gather(1, chosen[a:b])[:, 0])
+            if k:
+                vals, ids = self._top_k(logp, k)
+                parts_vals.append(vals)
+                parts_ids.append(ids)
+        chosen_lp = torch.cat(parts_lp).tolist()
+        top_vals, top_ids = (torch.cat(parts_vals), torch.cat(parts_ids)) if k else (None, None)
         for j, i in enumerate(wanted):
             n = min(params[i].logprobs, k)
             top = {}
@@ -238,6 +265,35 @@ class Sampler:
                 }
             out[i] = TokenLogprob(token_id=tokens[i], logprob=chosen_lp[j], top=top)
         return out
+
+    @staticmethod
+    def _top_k(logp: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """torch.topk(logp, k, dim=-1) (k >= 1), cheaper on wide CPU rows (151k columns: 12-25 -> ~5 ms at 64 rows).
+
+        The k+1 largest values of a row lie in the k+1 blocks of 128 columns with the largest maxima (the maxima of
+        those blocks are k+1 values at least as large as anything in a block left out), so the top-k+1 of those
+        blocks and the tail has torch.topk's values. Without a tie among them the order is unique, hence
+        torch.topk's; a row whose k+1 best hold a tie (other than -inf, never reported) or a NaN, where only
+        torch.topk's own order is the answer, is given torch.topk over the whole row."""
+        rows, vocab = logp.shape
+        block = 128
+        n = vocab // block
+        if logp.device.type != "cpu" or n < 4 * (k + 1):
+            return logp.topk(k, dim=-1)
+        body = n * block
+        best = logp[:, :body].view(rows, n, block).amax(dim=-1).topk(k + 1, dim=-1).indices
+        cols = (best[:, :, None] * block + torch.arange(block)).flatten(1)
+        if body < vocab:
+            cols = torch.cat([cols, torch.arange(body, vocab).expand(rows, -1)], dim=1)
+        vals, pos = logp.gather(1, cols).topk(k + 1, dim=-1)
+        ids = cols.gather(1, pos)
+        tied = (vals[:, :-1] == vals[:, 1:]) & (vals[:, :-1] != _NEG_INF)
+        tied = tied.any(dim=1) | vals.isnan().any(dim=1)
+        vals, ids = vals[:, :k], ids[:, :k]
+        if tied.any():
+            again = tied.nonzero()[:, 0]
+            vals[again], ids[again] = logp[again].topk(k, dim=-1)
+        return vals, ids
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
@@ -289,3 +345,24 @@ def apply_allowed_token_ids(logits: torch.Tensor, params: list[SamplingParams]) 
     banned[torch.tensor(rows, device=device)] = True
     banned[torch.tensor(flat_rows, device=device), torch.tensor(flat_cols, device=device)] = False
     return logits.masked_fill_(banned, _NEG_INF)
+
+
+def apply_bad_words(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """vLLM V1's bad words, in place (one index_put for the whole batch); returns `logits`. For each of a row's
+    `bad_words_token_ids`, its last token gets -inf when the row's generated tokens (not the prompt) end with the
+    tokens before it; a one-token word's always does."""
+    rows, cols = [], []
+    for i, s in enumerate(seqs):
+        if not s.bad_words_token_ids:
+            continue
+        out = s.output_token_ids
+        for ids in s.bad_words_token_ids:
+            n = len(ids) - 1
+            if n == 0 or (n <= len(out) and out[-n:] == ids[:-1]):
+                rows.append(i)
+                cols.append(ids[-1])
+    if rows:
+        device = logits.device
+        index = (torch.tensor(rows, device=device), torch.tensor(cols, device=device))
+        logits.index_put_(index, torch.tensor(_NEG_INF, dtype=logits.dtype, device=device))
+    return logits

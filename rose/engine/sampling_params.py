@@ -13,6 +13,10 @@ _GREEDY_EPS = 1e-5  # vLLM treats temperatures below this as greedy
 # Integers reach torch as int64: a larger one (top_k=2**63) passed validation and made the engine step raise for
 # the whole batch. Bounded here, where the message can name the field.
 INT64_MAX = 2**63 - 1
+MAX_N = 128  # choices per request: OpenAI's bound on `n`
+MAX_LOGPROBS = (
+    20  # vLLM's default max_logprobs, OpenAI's bound on top_logprobs: an engine's default, a job's bound
+)
 
 
 @dataclass
@@ -23,17 +27,21 @@ class SamplingParams:
     `min_tokens` (V0 already checked stop strings in the `min_tokens`-th). `min_p` applies right after the temperature,
     before `top_k` / `top_p` (see rose.engine.sampler).
 
-    `max_tokens=None` means "until the context limit". `top_k` of 0 or -1 disables top-k.
+    `n`: choices sampled from the prompt, each its own sequence (its prompt computed once: rose.engine.parallel_sampling);
+    seeded, choice i draws with seed + i. `max_tokens=None` means "until the context limit". `top_k` of 0 or -1 disables top-k.
     `logprobs=N` returns, for each generated token, its log-probability and the top-N alternatives.
     `detokenize=False` returns token ids only (empty text): no incremental detokenization, so no stop strings.
     `logit_bias` (OpenAI's and vLLM's): token id -> a number in [-100, 100] added to that token's logit before the
     penalties and the temperature (-100 bans a token in practice, 100 all but forces it); ids may come as JSON's
     strings ("50256") and are kept as ints. `allowed_token_ids` (vLLM's): only these tokens may be sampled.
+    `bad_words` (vLLM's): words never to generate (duplicates dropped); the engine tokenizes each as it stands and
+    after a space, and bans the last token of a word whenever the generated tokens end with the rest of it.
     `structured_outputs` constrains the output to a JSON schema, regex, choice or grammar (a dict such as
     `{"json": schema}` is accepted); EOS is then allowed only where the grammar can end, and the request ends when
     the grammar does (min_tokens and ignore_eos do not reopen a finished grammar).
     """
 
+    n: int = 1
     max_tokens: int | None = 16
     min_tokens: int = 0
     temperature: float = 1.0
@@ -53,6 +61,7 @@ class SamplingParams:
     detokenize: bool = True
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
@@ -70,12 +79,19 @@ class SamplingParams:
         self.logit_bias = _token_biases(self.logit_bias)
         if isinstance(self.allowed_token_ids, list | tuple):  # a copy: the caller's list may change later
             self.allowed_token_ids = list(self.allowed_token_ids)
+        if isinstance(self.bad_words, list | tuple):  # a copy: the caller's list may change later
+            words = list(self.bad_words)
+            if all(isinstance(w, str) for w in words):  # duplicates dropped in order, as vLLM; [] is None
+                words = list(dict.fromkeys(words)) or None
+            self.bad_words = words
         self._validate()
 
     def _validate(self) -> None:
         def bad(name: str, allowed: str) -> ValueError:
             return ValueError(f"SamplingParams.{name} must be {allowed}, got {getattr(self, name)!r}")
 
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise bad("n", f"an integer in [1, {MAX_N}]")
         if self.max_tokens is not None and (
             not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= INT64_MAX
         ):
@@ -120,8 +136,32 @@ class SamplingParams:
             or not all(_is_int(t) and 0 <= t <= INT64_MAX for t in allowed)
         ):
             raise bad("allowed_token_ids", "a non-empty list of token ids (integers in [0, 2**63)), or None")
+        words = self.bad_words
+        if words is not None and (
+            not isinstance(words, list) or not all(isinstance(w, str) and w for w in words)
+        ):  # a str alone is refused: vLLM's server refuses it too (its engine would split it into characters)
+            raise bad("bad_words", "a list of non-empty strings, or None")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= INT64_MAX):
             raise bad("logprobs", "an integer in [0, 2**63) or None")
+
+    def verify(self, vocab_size: int, max_logprobs: int) -> None:
+        """What only an engine knows: token ids inside its vocabulary, logprobs within its max_logprobs. ValueError
+        naming the field."""
+        if self.logprobs is not None and self.logprobs > max_logprobs:
+            raise ValueError(
+                f"SamplingParams.logprobs must be <= {max_logprobs} (the engine's max_logprobs), got {self.logprobs}"
+            )
+        for name, ids in (
+            ("stop_token_ids", self.stop_token_ids),
+            ("logit_bias", self.logit_bias),
+            ("allowed_token_ids", self.allowed_token_ids),
+        ):
+            outside = [t for t in ids or () if t >= vocab_size]
+            if outside:
+                raise ValueError(
+                    f"SamplingParams.{name}: token ids must be in [0, {vocab_size}) (the model's vocabulary), "
+                    f"got {outside[:5]}"
+                )
 
     @property
     def greedy(self) -> bool:

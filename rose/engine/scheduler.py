@@ -104,6 +104,7 @@ class Scheduler:
         self._num_waiting = 0
         self._counter = itertools.count()
         self.num_preemptions = 0
+        self.num_prefill_tokens = 0  # prompt (and recomputed) positions computed, over the engine's life
         self.num_constrained = 0  # requests with a grammar: the engine skips the grammar machinery while 0
         self._num_added = 0  # requests added and their prompt tokens: num_admittable's default request size
         self._prompt_tokens_added = 0
@@ -271,11 +272,17 @@ class Scheduler:
         for seq in batch.decode:
             seq.num_computed_tokens += 1
         for chunk in batch.prefill:
+            self.num_prefill_tokens += chunk.length
             chunk.seq.num_computed_tokens += chunk.length
             if chunk.completes_prefill:
                 self._prefilling.remove(chunk.seq)
-        if self.kv.caches_blocks:
-            for seq in [*batch.decode, *(chunk.seq for chunk in batch.prefill)]:
+        sharing = [
+            c.seq for c in batch.prefill if c.seq.prompt_share is not None
+        ]  # n > 1: the prompt is held
+        if self.kv.caches_blocks or sharing:
+            for seq in (
+                [*batch.decode, *(chunk.seq for chunk in batch.prefill)] if self.kv.caches_blocks else sharing
+            ):
                 self.kv.cache_blocks(seq)
         if sampled is None:
             return []
@@ -304,6 +311,7 @@ class Scheduler:
     def _remove(self, seq: Sequence) -> None:
         """Take `seq` out (finished or aborted): its blocks back to the pool, its grammar state freed."""
         del self.requests[seq.request_id]
+        self.kv.leave(seq)
         if seq.structured is not None:
             seq.structured = None  # frees the matcher
             self.num_constrained -= 1

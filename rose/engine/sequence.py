@@ -32,6 +32,16 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
+@dataclass(eq=False, slots=True)
+class PromptShare:
+    """The prompt of a request's n choices, computed once (rose.engine.parallel_sampling). Written by the KV cache
+    manager alone: the first choice admitted computes the prompt; its full blocks are then held here (one
+    reference each) until every other choice has been admitted with them or has left."""
+
+    pending: set[str]  # the choices not admitted yet (and not gone)
+    blocks: list[int] = field(default_factory=list)  # the prompt's computed full blocks, while held
+
+
 @dataclass(eq=False)
 class Sequence:
     request_id: str
@@ -64,6 +74,10 @@ class Sequence:
     structured: StructuredOutputRequest | None = (
         None  # a constrained request's grammar state (freed when done)
     )
+    # SamplingParams.bad_words as token id sequences (rose.engine.bad_words), tokenized once by the engine
+    bad_words_token_ids: list[list[int]] | None = None
+    # the prompt this choice shares with the other choices of its request (rose.engine.parallel_sampling)
+    prompt_share: PromptShare | None = None
 
     def __post_init__(self) -> None:
         if not self.num_prefill_tokens:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from rose.engine import structured_check
-from rose.engine.outputs import RequestOutput, StepOutput, TokenLogprob
+from rose.engine.outputs import CompletionOutput, RequestOutput, StepOutput, TokenLogprob
 from rose.engine.sequence import Sequence
 
 
@@ -70,8 +70,7 @@ def append_token(
             reason, error = "error", f"structured_outputs: the output breaks its constraint: {invalid}"
     seq.finish_reason = reason
     metrics.finished_time = now
-    output = request_output(seq)
-    output.error, output.structured_output_error = error, invalid
+    output = request_output(seq, error, invalid)
     return StepOutput(seq.request_id, [token], delta, True, reason, new_logprobs=new_logprobs, output=output)
 
 
@@ -88,15 +87,10 @@ def eos_token_ids(model: Any, tokenizer: Any) -> set[int]:
     return ids
 
 
-def request_output(seq: Sequence) -> RequestOutput:
-    """The request's whole result so far (its final one once it has finished)."""
-    return RequestOutput(
-        request_id=seq.request_id,
-        prompt=seq.prompt,
-        prompt_token_ids=seq.prompt_token_ids,
-        text=seq.text,
-        token_ids=list(seq.output_token_ids),
-        finish_reason=seq.finish_reason,
-        metrics=seq.metrics,
-        logprobs=seq.logprobs,
+def request_output(seq: Sequence, error: str | None = None, invalid: str | None = None) -> RequestOutput:
+    """The request's whole result so far (its final one once it has finished); `error` / `invalid`: why it finished
+    "error" (CompletionOutput's `error` / `structured_output_error`)."""
+    choice = CompletionOutput(
+        0, seq.text, list(seq.output_token_ids), seq.finish_reason, seq.logprobs, error, invalid
     )
+    return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, [choice], seq.metrics)

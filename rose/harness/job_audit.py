@@ -53,10 +53,16 @@ def audit(r: Any, job_id: str, failed: bool = False) -> list[str]:
         if tokens:
             problems.append(f"{job_id}: not streamed, yet {len(tokens)} token events")
         return problems
-    text = "".join(e["text"] for e in tokens)
-    ids = [i for e in tokens for i in e["token_ids"]]
-    if text != value.get("text") or ids != value.get("token_ids"):
-        problems.append(f"{job_id}: streamed {len(ids)} tokens {text!r}, stored {value.get('text')!r}")
+    choices = value.get("choices") or [value]  # n > 1: each choice's events (their `index`) make that choice
+    for index, choice in enumerate(choices):
+        mine = [e for e in tokens if e.get("index", 0) == index]
+        text = "".join(e["text"] for e in mine)
+        ids = [i for e in mine for i in e["token_ids"]]
+        if text != choice.get("text") or ids != choice.get("token_ids"):
+            where = f" choice {index}" if len(choices) > 1 else ""
+            problems.append(
+                f"{job_id}:{where} streamed {len(ids)} tokens {text!r}, stored {choice.get('text')!r}"
+            )
     return problems
 
 

@@ -59,7 +59,7 @@ class AsyncJob:
     async def stream(self, timeout: float | None = None) -> AsyncIterator[str]:
         text: list[str] = []
         async for event in self.events(timeout=timeout):
-            if event.type == "token":
+            if event.type == "token" and not event.index:  # the first choice's (n > 1: events() has them all)
                 text.append(event.text)
                 yield event.text
             elif event.type == "reset":

@@ -150,13 +150,14 @@ class Job:
             raise JobCanceled(self.id, str(status.value))
 
     def stream(self, timeout: float | None = None) -> Iterator[str]:
-        """Text deltas as they are generated; their concatenation equals the result's text.
+        """Text deltas as they are generated; their concatenation equals the result's text (a job of n > 1
+        choices: the first choice's; `events()` has every choice's, each token event with its `index`).
 
         Raises JobFailed / JobCanceled if the job ends that way, StreamReset if it restarts mid-stream.
         """
         text: list[str] = []
         for event in self.events(timeout=timeout):
-            if event.type == "token":
+            if event.type == "token" and not event.index:  # the first choice's (n > 1: events() has them all)
                 text.append(event.text)
                 yield event.text
             elif event.type == "reset":
@@ -219,9 +220,10 @@ class Client:
     def chat(self, messages: list[dict[str, Any]], **options: Any) -> Job:
         """Enqueue one chat job: `submit(messages=messages, **options)`. `messages` are OpenAI-format dicts, rendered
         by the worker with its model's chat template; `options` add the chat fields (add_generation_prompt,
-        continue_final_message, chat_template_kwargs, chat_template where the worker trusts it), sampling fields,
-        `structured_outputs` / `response_format`, and RQ's enqueue options. Malformed messages raise
-        InvalidRequest here, before anything is enqueued."""
+        continue_final_message, chat_template_kwargs, chat_template where the worker trusts it), `tools` /
+        `tool_choice` (OpenAI's: the result's `tool_calls` and `content`), sampling fields, `structured_outputs` /
+        `response_format`, and RQ's enqueue options. Malformed messages or tools raise InvalidRequest here, before
+        anything is enqueued."""
         return self.submit(messages=messages, **options)
 
     def submit_many(

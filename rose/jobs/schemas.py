@@ -9,9 +9,10 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, model_validator
 
 from rose.engine.chat import ChatOptions, normalize_messages, render_chat
-from rose.engine.sampling_params import SamplingParams
+from rose.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from rose.engine.structured_check import check_constraint
 from rose.engine.structured_outputs import StructuredOutputsParams
+from rose.engine.tool_calls import check_tools, constraint_for
 
 __all__ = [
     "INVALID_STRUCTURED_OUTPUT",
@@ -49,6 +50,15 @@ class GenerateRequest(BaseModel):
         None, description="A Jinja chat template (only where the worker allows it)."
     )
     chat_template_kwargs: dict[str, Any] | None = Field(None, description="Extra template variables.")
+    # tool calling (OpenAI's; only with `messages`): rose.engine.tool_calls, rose.jobs.tools
+    tools: list[dict[str, Any]] | None = Field(
+        None, description="OpenAI-format tools [{'type': 'function', 'function': {name, parameters, ...}}]."
+    )
+    tool_choice: str | dict[str, Any] | None = Field(
+        None,
+        description="'auto' (the default with tools: the worker's tool-call parser reads the calls), 'none', "
+        "'required' or {'type': 'function', 'function': {'name': ...}} (decoded under the tools' JSON schema).",
+    )
     # output constraint (at most one of the two)
     structured_outputs: dict[str, Any] | None = Field(
         None, description="vLLM's constraint: {json | regex | choice | grammar | json_object: ...}."
@@ -66,6 +76,7 @@ class GenerateRequest(BaseModel):
     )
 
     # SamplingParams (same names, defaults and checks)
+    n: int = Field(1, description="Choices sampled from the prompt (the result's `choices` when > 1).")
     max_tokens: int | None = 16
     min_tokens: int = 0
     temperature: float = 1.0
@@ -86,10 +97,13 @@ class GenerateRequest(BaseModel):
     # OpenAI's form: token ids as JSON object keys (strings); Python callers may give ints
     logit_bias: dict[int | str, float] | None = None
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
 
     @model_validator(mode="after")
     def _check(self, info: ValidationInfo) -> GenerateRequest:
-        for name in ("prompt", "messages", "stop", "chat_template", "chat_template_kwargs"):
+        for name in (
+            "prompt", "messages", "stop", "bad_words", "chat_template", "chat_template_kwargs", "tools",
+        ):  # fmt: skip
             where = _lone_surrogate(getattr(self, name), name)
             if where is not None:  # the tokenizer would raise a TypeError deep down, on every retry alike
                 raise ValueError(
@@ -111,6 +125,7 @@ class GenerateRequest(BaseModel):
                 raise ValueError("'prompt_token_ids' must hold non-negative integers")
         if self.messages is not None:
             normalize_messages(self.messages)
+            check_tools(self.tools, self.tool_choice)
             self.chat_options()
         else:
             chat_set = [n for n in _CHAT_FIELDS if n in self.model_fields_set]
@@ -118,10 +133,29 @@ class GenerateRequest(BaseModel):
                 raise ValueError(f"{', '.join(chat_set)} only apply to 'messages' jobs")
         if self.structured_outputs is not None and self.response_format is not None:
             raise ValueError("give at most one of 'structured_outputs' and 'response_format'")
+        forced = self.forces_tool_calls
+        if forced and (self.structured_outputs is not None or self.response_format is not None):
+            other = "structured_outputs" if self.structured_outputs is not None else "response_format"
+            raise ValueError(
+                f"tool_choice {self.tool_choice!r} constrains the output to tool calls (a JSON schema made of the "
+                f"tools): it cannot be combined with {other!r}; use tool_choice 'auto' or 'none', or leave "
+                f"{other!r} out"
+            )
+        backend = (info.context or {}).get("structured_outputs_backend", "auto")  # a worker's own
+        if forced:  # each tool's schema checked alone first: the one that fails is named
+            for i, tool in enumerate(self.tools or ()):
+                name = tool["function"]["name"]
+                if self.tool_choice == "required" or self.tool_choice["function"]["name"] == name:
+                    schema = constraint_for(self.tools, {"type": "function", "function": {"name": name}})
+                    where = f"tools[{i}].function.parameters"
+                    check_constraint(StructuredOutputsParams(json=schema), where, backend)
         constraint = self.constraint()
         if constraint is not None:  # what the worker's grammar engine would refuse, named as the user sent it
-            backend = (info.context or {}).get("structured_outputs_backend", "auto")  # a worker's own
             check_constraint(constraint, self._constraint_field(constraint.kind), backend)
+        if self.logprobs is not None and self.logprobs > MAX_LOGPROBS:  # what a worker's engine allows
+            raise ValueError(
+                f"logprobs must be <= {MAX_LOGPROBS} (the workers' max_logprobs), got {self.logprobs}"
+            )
         # SamplingParams owns the range checks; its ValueError names the field.
         self.to_sampling_params(constraint)
         return self
@@ -130,7 +164,22 @@ class GenerateRequest(BaseModel):
     def sampling_field_names(cls) -> list[str]:
         return SamplingParams.field_names()
 
+    @property
+    def effective_tool_choice(self) -> str | dict[str, Any]:
+        """The job's tool_choice: as given, else "auto" with tools (OpenAI's default) and "none" without."""
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools is not None else "none"
+
+    @property
+    def forces_tool_calls(self) -> bool:
+        """tool_choice is "required" or names a function: the output is decoded under the tools' JSON schema
+        (rose.engine.tool_calls.constraint_for) and read with parse_forced."""
+        return self.tools is not None and self.effective_tool_choice not in ("auto", "none")
+
     def constraint(self) -> StructuredOutputsParams | None:
+        if self.forces_tool_calls:
+            return StructuredOutputsParams(json=constraint_for(self.tools, self.tool_choice))
         if self.response_format is not None:
             return StructuredOutputsParams.from_response_format(self.response_format)
         if self.structured_outputs is not None:
@@ -138,6 +187,11 @@ class GenerateRequest(BaseModel):
         return None
 
     def _constraint_field(self, kind: str) -> str:
+        if self.forces_tool_calls:
+            if self.tool_choice == "required":
+                return "tools (tool_choice 'required': an array of calls of any of them)"
+            names = [tool["function"]["name"] for tool in self.tools or ()]
+            return f"tools[{names.index(self.tool_choice['function']['name'])}].function.parameters"
         if self.response_format is None:
             return f"structured_outputs.{kind}"
         return "response_format.json_schema.schema" if kind == "json" else "response_format"
@@ -154,6 +208,7 @@ class GenerateRequest(BaseModel):
             continue_final_message=self.continue_final_message,
             chat_template=self.chat_template,
             chat_template_kwargs=dict(self.chat_template_kwargs or {}),
+            tools=self.tools,
         )
 
     def engine_prompt(self, tokenizer: Any = None) -> str | list[int] | dict[str, Any]:
@@ -165,7 +220,14 @@ class GenerateRequest(BaseModel):
         return self.prompt if self.prompt is not None else list(self.prompt_token_ids or [])
 
 
-_CHAT_FIELDS = ("add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs")
+_CHAT_FIELDS = (
+    "add_generation_prompt",
+    "continue_final_message",
+    "chat_template",
+    "chat_template_kwargs",
+    "tools",
+    "tool_choice",
+)
 
 
 def _lone_surrogate(value: Any, where: str) -> str | None:

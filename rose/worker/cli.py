@@ -17,6 +17,7 @@ from pydantic import ValidationError
 from rose.config import WorkerSettings, redact_url
 from rose.config.extras import missing_engine
 from rose.config.parser import Parser
+from rose.engine.tool_calls import TOOL_PARSERS
 from rose.jobs import connection
 from rose.worker.logs import setup_logging
 
@@ -50,6 +51,7 @@ _FLAGS: list[tuple[str, str, dict[str, Any]]] = [
         {"choices": ["auto", "xgrammar", "guidance"]},
     ),
     ("--disable-any-whitespace", "disable_any_whitespace", {"action": "store_const", "const": True}),
+    ("--tool-call-parser", "tool_call_parser", {"choices": [*TOOL_PARSERS, "none"]}),
     ("--max-json-whitespace", "max_json_whitespace", {"type": int, "metavar": "CHARS"}),
     ("--grammar-compile-timeout", "grammar_compile_timeout", {"type": float, "metavar": "SECONDS"}),
     ("--name", "name", {}),

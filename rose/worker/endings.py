@@ -174,7 +174,7 @@ class Endings:
         return job_fields(
             run,
             event,
-            completion_tokens=len(run.token_ids),
+            completion_tokens=run.num_tokens,
             queue_s=run.queue_s,
             ttft_s=run.ttft_s,
             generation_s=max(0.0, time.monotonic() - run.started_mono),

@@ -26,7 +26,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from rose.config import WorkerSettings
-from rose.jobs import contract
+from rose.engine.token_bytes import TokenBytes
+from rose.jobs import contract, tools
+from rose.jobs.logprobs import logprob_entries
 from rose.worker import faults, probe, rq_store
 from rose.worker.endings import Endings, RoseJobTimeout
 from rose.worker.engine_protocol import WorkerEngine
@@ -38,7 +40,7 @@ from rose.worker.outbox import Outbox
 from rose.worker.redis_guard import REDIS_ERRORS, RedisGuard
 from rose.worker.retirer import Retired, Retirer
 from rose.worker.rq_worker import RQWorker
-from rose.worker.running import CHECKED_PHASE, STORE_RETRY_PHASE, Phase, Running
+from rose.worker.running import CHECKED_PHASE, STORE_RETRY_PHASE, Choice, Phase, Running
 from rose.worker.watch import Finding, Verdict, Watch, owed
 
 log = logging.getLogger(__name__)
@@ -81,6 +83,14 @@ class JobLoop:
         self.intake = Intake(rq)
         self.watch = Watch(probe.target(rq), settings.check_interval)
         self.retirer = Retirer(rq, outbox.done_commands)
+        # reads the calls of jobs with tools and tool_choice "auto" (rose.jobs.tools); None: such jobs fail
+        chat_template = getattr(engine.tokenizer, "chat_template", None)
+        self.tool_parser = tools.resolve_parser(settings.tool_call_parser, chat_template)
+
+    @functools.cached_property
+    def _token_bytes(self) -> TokenBytes | None:
+        """The bytes of a token, for logprobs (read once a job asks for them)."""
+        return TokenBytes(self.engine.tokenizer) if self.engine.tokenizer is not None else None
 
     @property
     def busy(self) -> bool:
@@ -177,11 +187,15 @@ class JobLoop:
             self.rq.queue_names(),
             self.settings.trust_request_chat_template,
             self.settings.structured_outputs_backend,
+            self.tool_parser,
         )
         if isinstance(request, str):
             self._fail(run, request, retry=False, callbacks=contract.may_run_callbacks(run.job))
             return
         run.request = request
+        run.choices = [
+            Choice(logprobs=[] if request.logprobs is not None else None) for _ in range(request.n)
+        ]
         try:
             self._add_to_engine(run)
         except ValueError as exc:  # prompt too long for the context, text prompt without tokenizer, ...
@@ -200,7 +214,7 @@ class JobLoop:
         self.engine.add_request(
             run.id,
             request.engine_prompt(self.engine.tokenizer),
-            request.to_sampling_params(),
+            tools.sampling_params(request, self.tool_parser),
             priority=request.priority,
         )
 
@@ -222,33 +236,40 @@ class JobLoop:
             if out.new_token_ids or out.new_text:
                 n = len(out.new_token_ids)
                 tokens += n
-                if run.token_ids:
+                if run.num_tokens:
                     steady += n
                 elif n:
                     self.milestones.first_token(run, now)
-                run.text.append(out.new_text)
-                run.token_ids.extend(out.new_token_ids)
-                self.outbox.token(run, out.new_text, list(out.new_token_ids), last=out.finished)
+                choice = run.choices[out.index]
+                choice.text.append(out.new_text)
+                choice.token_ids.extend(out.new_token_ids)
+                logprobs = None
+                if choice.logprobs is not None:
+                    logprobs = logprob_entries(out.new_logprobs or [], self._token_bytes)
+                    choice.logprobs.extend(logprobs)
+                ids, last = list(out.new_token_ids), out.finish_reason is not None
+                self.outbox.token(run, out.new_text, ids, logprobs, index=out.index, last=last)
             if out.finished:
                 self.outbox.release(run)  # its held tokens go out now, ahead of its result
                 run.phase = Phase.FINISHED  # out of the engine
-                # "error": its grammar failed to compile, or its output broke its schema
-                if out.finish_reason == "error":
-                    invalid = out.output.structured_output_error is not None
+                # "error": its grammar failed to compile, or its output broke its schema (any choice's)
+                error = next((c for c in out.output.outputs if c.finish_reason == "error"), None)
+                if error is not None:
+                    invalid = error.structured_output_error is not None
                     if invalid:
                         self.metrics.structured_output_errors.inc()
                     # a grammar that will not compile fails again under RQ's Retry; resampled, an output may pass
-                    self._fail(run, contract.failure_message(out.output), retry=invalid)
+                    self._fail(run, contract.failure_message(error), retry=invalid)
                     continue
                 run.output = out.output
-                run.result = run.build_result(self.rq.name)
+                run.result = run.build_result(self.rq.name, self.tool_parser)
         self.metrics.on_step(self.engine, step_s, tokens, steady, now)
 
     def _isolate(self) -> list[Any]:
         """Fail only the jobs whose presence makes the step raise (rose.worker.isolate); RQ Retry applies."""
         in_engine = [run for run in self.running.values() if run.phase is Phase.GENERATING]
         # newest first: a fresh admission is the likeliest culprit; jobs with tokens passed earlier steps
-        fresh = [run.id for run in reversed(in_engine) if not run.token_ids]
+        fresh = [run.id for run in reversed(in_engine) if not run.num_tokens]
         found = isolate(
             self.engine.step, fresh, self.engine.abort, lambda rid: self._add_to_engine(self.running[rid])
         )

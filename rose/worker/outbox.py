@@ -24,6 +24,7 @@ from rq.job import Job
 
 from rose.jobs import keys
 from rose.jobs.events import DoneEvent, ResetEvent, Usage, token_event_json
+from rose.jobs.logprobs import LogprobEntry
 from rose.worker.publisher import KEEP_TTL, NO_EXPIRY, Outgoing, Publisher
 from rose.worker.running import Running
 
@@ -47,11 +48,13 @@ def stream_ttl(default_result_ttl: int, job: Job, run: Running | None = None) ->
 
 @dataclass(slots=True)
 class _Held:
-    """A streamed job's tokens not in an event yet."""
+    """A streamed job's tokens (of one choice) not in an event yet."""
 
     run: Running
+    index: int
     texts: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
+    logprobs: list[LogprobEntry] | None = None  # a job with `logprobs`: their entries
 
 
 class Outbox:
@@ -63,33 +66,52 @@ class Outbox:
         self.stream_interval = stream_interval
         self._events: list[Outgoing] = []
         self._runs: list[Running] = []  # the jobs of `_events`, for their `events_batch`
-        self._held: dict[str, _Held] = {}
+        self._held: dict[str, dict[int, _Held]] = {}  # job id -> choice index -> its held tokens
         self._release_at = 0.0  # monotonic time of the next release of held tokens
 
     # ---- a job's events ----------------------------------------------------------------------------------------
 
-    def token(self, run: Running, text: str, token_ids: list[int], *, last: bool = False) -> None:
-        """New tokens of the job (`last`: it finished with them). Nothing for a job that is not streamed."""
+    def token(
+        self,
+        run: Running,
+        text: str,
+        token_ids: list[int],
+        logprobs: list[LogprobEntry] | None = None,
+        *,
+        index: int = 0,
+        last: bool = False,
+    ) -> None:
+        """New tokens of the job's choice `index` (`logprobs`: their entries, for a job that asked; `last`: the
+        choice finished with them). Nothing for a job that is not streamed."""
         if not run.streamed:
             return
-        held = self._held.get(run.id)
+        choices = self._held.get(run.id)
+        held = choices.get(index) if choices is not None else None
         if held is None:
             if run.seq == 0 or last or self.stream_interval <= 0:  # the first event goes out at once
-                self._token_event(run, text, token_ids)
+                self._token_event(run, text, token_ids, logprobs, index)
                 return
             if not self._held:  # the clock starts with the first tokens held
                 self._release_at = time.monotonic() + self.stream_interval
-            held = self._held[run.id] = _Held(run)
+            held = _Held(run, index, logprobs=[] if logprobs is not None else None)
+            self._held.setdefault(run.id, {})[index] = held
         held.texts.append(text)
         held.token_ids.extend(token_ids)
+        if held.logprobs is not None:
+            held.logprobs.extend(logprobs or [])
         if last:
-            self.release(run)
+            del self._held[run.id][index]
+            if not self._held[run.id]:
+                del self._held[run.id]
+            self._token_event(run, "".join(held.texts), held.token_ids, held.logprobs, index)
 
     def release(self, run: Running) -> None:
-        """The job's held tokens, now, as one event."""
-        held = self._held.pop(run.id, None)
-        if held is not None:
-            self._token_event(run, "".join(held.texts), held.token_ids)
+        """The job's held tokens, now, as one event per choice."""
+        self._release(run.id)
+
+    def _release(self, job_id: str) -> None:
+        for held in self._held.pop(job_id, {}).values():
+            self._token_event(held.run, "".join(held.texts), held.token_ids, held.logprobs, held.index)
 
     def reset(self, run: Running, reason: str = "restart") -> None:
         """The job starts over (an earlier attempt's events are in its stream): subscribers drop what they had."""
@@ -103,8 +125,12 @@ class Outbox:
         """Redis may have lost some of the job's events (a failover, a refused batch): start its stream over with a
         reset and every token generated so far in one event, so that its stream after the last reset is whole."""
         self.reset(run, reason)
-        if run.streamed and run.token_ids:
-            self._token_event(run, "".join(run.text), list(run.token_ids))
+        if not run.streamed:
+            return
+        for index, choice in enumerate(run.choices):
+            if choice.token_ids:
+                logprobs = list(choice.logprobs) if choice.logprobs is not None else None
+                self._token_event(run, "".join(choice.text), list(choice.token_ids), logprobs, index)
 
     def terminal(self, run: Running, kind: Any, **fields: Any) -> None:
         """The job's last event (`kind`: DoneEvent, ErrorEvent, CanceledEvent, with its `fields`), after its held
@@ -159,8 +185,8 @@ class Outbox:
         outage), with the held tokens if their release is due (`release`: now)."""
         now = time.monotonic()
         if self._held and (release or now >= self._release_at):
-            for held in list(self._held.values()):
-                self.release(held.run)
+            for job_id in list(self._held):
+                self._release(job_id)
             self._release_at = now + self.stream_interval
         if self._events:
             number = self.publisher.send(self._events)
@@ -172,8 +198,18 @@ class Outbox:
 
     # ---- internals -----------------------------------------------------------------------------------------------
 
-    def _token_event(self, run: Running, text: str, token_ids: list[int]) -> None:
-        data = token_event_json(run.id, run.next_seq(), text, token_ids)
+    def _token_event(
+        self,
+        run: Running,
+        text: str,
+        token_ids: list[int],
+        logprobs: list[LogprobEntry] | None = None,
+        index: int = 0,
+    ) -> None:
+        """One token event; it names its choice only for a job of several (n > 1)."""
+        data = token_event_json(
+            run.id, run.next_seq(), text, token_ids, logprobs, index if len(run.choices) > 1 else None
+        )
         self._append(run, Outgoing(run.id, data, self._running_ttl(run)))
 
     def _append(self, run: Running, event: Outgoing) -> None:

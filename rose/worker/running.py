@@ -31,12 +31,14 @@ from rq.job import Job
 from rq.queue import Queue
 
 from rose.jobs.contract import JobResult, job_result
+from rose.jobs.logprobs import LogprobEntry
 from rose.jobs.schemas import GenerateRequest
 
 log = logging.getLogger("rose.worker.endings")  # the job log (docs/operations.md)
 
 if TYPE_CHECKING:
     from rose.engine.outputs import RequestOutput
+    from rose.engine.tool_calls import ToolParser
 
 DEFAULT_JOB_TIMEOUT = Queue.DEFAULT_TIMEOUT  # what RQ applies when neither job nor queue sets one
 # Registry entries outlive a dead worker by this much: long enough for a rose-worker to requeue its jobs
@@ -70,6 +72,15 @@ def job_timeout(job: Job) -> int | None:
     return None if timeout is None or int(timeout) < 0 else int(timeout)
 
 
+@dataclass(slots=True)
+class Choice:
+    """What one choice of a job has generated so far (a job has `n`; most have one)."""
+
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[LogprobEntry] | None = None  # one per token, for a job with `logprobs`
+
+
 @dataclass(slots=True, eq=False)
 class Running:
     """A job this worker has started (it may still be waiting in the engine)."""
@@ -86,8 +97,8 @@ class Running:
         False  # an earlier attempt left events in the job's stream: this one begins with a reset
     )
     seq: int = 0  # next event seq in the current attempt
-    text: list[str] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
+    # what each choice has generated so far: one, or the job's `n` (set when it is parsed)
+    choices: list[Choice] = field(default_factory=lambda: [Choice()])
     output: RequestOutput | None = None  # the engine's final output, once FINISHED
     result: JobResult | None = None  # the job's RQ result, built from `output` once it is FINISHED
     stream_ttl_due: float = 0.0  # monotonic time at which the next event (re)sets the stream's expiry
@@ -125,16 +136,32 @@ class Running:
             and now_mono - self.started_mono > self.timeout
         )
 
-    def build_result(self, worker: str) -> JobResult:
-        """The job's RQ result (rose.jobs.contract.job_result) from the engine's final output; `worker`: its name."""
+    def build_result(self, worker: str, tool_parser: ToolParser | None = None) -> JobResult:
+        """The job's RQ result (rose.jobs.contract.job_result) from the engine's final output; `worker`: its name;
+        `tool_parser`: the worker's, which reads the calls of a job with tools."""
         if self.output is None:
             raise RuntimeError(f"job {self.id} has no final output")
-        if "".join(self.text) != self.output.text:
+        finals = self.output.outputs
+        if len(finals) != len(self.choices) or any(
+            "".join(c.text) != final.text for c, final in zip(self.choices, finals, strict=False)
+        ):
             log.error("job %s: streamed text differs from the engine's final text (engine bug?)", self.id)
         metadata = self.request.metadata if self.request is not None else None
         return job_result(
-            self.output, self.job, started_wall=self.started_wall, worker=worker, metadata=metadata
+            self.output,
+            self.job,
+            started_wall=self.started_wall,
+            worker=worker,
+            metadata=metadata,
+            logprobs=[c.logprobs for c in self.choices],
+            request=self.request,
+            tool_parser=tool_parser,
         )
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens generated so far, every choice's."""
+        return sum(len(c.token_ids) for c in self.choices)
 
     def next_seq(self) -> int:
         self.seq += 1

@@ -158,8 +158,8 @@ def repair(conn: redis.Redis, rq: RQWorker, job_id: str, owner: str = "") -> boo
             tail = _missing_tokens(attempt, value)
     seq = len(attempt)
     if end.status == rq_store.FINISHED and value is not None:
-        if tail is not None and (tail[0] or tail[1]):
-            events.append(token_event_json(job_id, seq, *tail))
+        for index, text, ids, logprobs in tail or []:
+            events.append(token_event_json(job_id, seq, text, ids, logprobs, index))
             seq += 1
         usage = (
             Usage(**value["usage"])
@@ -197,15 +197,30 @@ def repair(conn: redis.Redis, rq: RQWorker, job_id: str, owner: str = "") -> boo
     return True
 
 
-def _missing_tokens(attempt: list[dict], value: dict) -> tuple[str, list[int]] | None:
-    """(text, token ids) the stream lacks to equal the stored result (both empty: nothing), None if they disagree."""
-    tokens = [e for e in attempt if e.get("type") == "token"]
-    streamed_text = "".join(e.get("text", "") for e in tokens)
-    streamed_ids = [i for e in tokens for i in e.get("token_ids", [])]
-    text, ids = value.get("text") or "", list(value.get("token_ids") or [])
-    if not text.startswith(streamed_text) or ids[: len(streamed_ids)] != streamed_ids:
-        return None
-    return text[len(streamed_text) :], ids[len(streamed_ids) :]
+def _missing_tokens(
+    attempt: list[dict], value: dict
+) -> list[tuple[int | None, str, list[int], list | None]] | None:
+    """The token events the stream lacks to equal the stored result, one per choice that lacks tokens: (its index,
+    None for a job of one choice; text; token ids; their logprobs entries, None for a job without). None if the
+    stream disagrees with the result."""
+    choices = value.get("choices") if isinstance(value.get("choices"), list) else None
+    wanted = (
+        [(None, value)] if choices is None else [(i, c) for i, c in enumerate(choices) if isinstance(c, dict)]
+    )
+    tails = []
+    for index, choice in wanted:
+        tokens = [e for e in attempt if e.get("type") == "token" and e.get("index") == index]
+        streamed_text = "".join(e.get("text", "") for e in tokens)
+        streamed_ids = [i for e in tokens for i in e.get("token_ids", [])]
+        text, ids = choice.get("text") or "", list(choice.get("token_ids") or [])
+        if not text.startswith(streamed_text) or ids[: len(streamed_ids)] != streamed_ids:
+            return None
+        if text == streamed_text and len(ids) == len(streamed_ids):
+            continue
+        logprobs = choice.get("logprobs")
+        tail_logprobs = logprobs[len(streamed_ids) :] if isinstance(logprobs, list) else None
+        tails.append((index, text[len(streamed_text) :], ids[len(streamed_ids) :], tail_logprobs))
+    return tails
 
 
 def _message(exc_string: str | None) -> str:

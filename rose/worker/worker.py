@@ -223,6 +223,15 @@ class RoseWorker:
             self.engine.model_name,
             self.jobs.max_jobs(),
         )
+        parser = self.jobs.tool_parser  # rose.jobs.tools.resolve_parser
+        how = (
+            "no parser: such jobs fail (--tool-call-parser)"
+            if parser is None
+            else f"the {parser.name} parser"
+        )
+        if parser is not None and self.settings.tool_call_parser is None:
+            how += " (the chat template's format)"
+        log.info("worker %s: tool calls (tool_choice 'auto') read by %s", self.name, how)
         self.lifecycle.advance(WorkerState.RUNNING)  # a stop request meanwhile keeps it DRAINING
 
     def _should_exit(self) -> bool:

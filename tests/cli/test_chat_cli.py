@@ -11,11 +11,17 @@ from rq.serializers import JSONSerializer
 
 from rose import LLM, SamplingParams
 from rose.cli import build_parser
-from rose.cli.request_args import chat_kwargs, constraint_kwargs, request_kwargs
+from rose.cli.request_args import chat_kwargs, constraint_kwargs, request_kwargs, tool_kwargs
 
 pytestmark = pytest.mark.timeout(300)
 
 GREEDY = ("--temperature", "0", "--max-tokens", "6", "--ignore-eos")
+CITY = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "enum": ["Paris", "Lyon"]}},
+    "required": ["city"],
+}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": CITY}}]
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +86,19 @@ def test_submit_messages_runs_a_chat_job(rose, cli_worker, llm, tmp_path) -> Non
         (("--chat-template-kwargs", "{}", "Hello"), "chat_template_kwargs only apply to 'messages' jobs"),
         (("--choice", "a", "--regex", "b", "Hello"), "not allowed with argument"),
         (("--json-schema", "[1]", "Hello"), "--json-schema: structured_outputs.json must be a JSON schema"),
+        (("--tools", "{}", "Hello"), "argument --tools: must be a JSON list"),
+        (("--tools", json.dumps(TOOLS), "Hello"), "tools only apply to 'messages' jobs"),
+        (
+            (
+                "--messages",
+                '[{"role": "user", "content": "x"}]',
+                "--tools",
+                json.dumps(TOOLS),
+                "--tool-choice",
+                "f",
+            ),
+            "tool_choice names an unknown tool 'f': tools are get_weather",
+        ),
     ],
 )
 def test_submit_usage_errors_enqueue_nothing(rose, args, message) -> None:
@@ -107,6 +126,32 @@ def test_submit_constraint_and_chat_flags_become_job_fields(rose, cli_redis, tmp
         "chat_template_kwargs": {"enable_thinking": False},
         "structured_outputs": {"json": schema},
     }
+
+
+def test_submit_tools_prints_the_calls(rose, cli_worker, tmp_path) -> None:
+    """--tools / --tool-choice (a function's name): the calls are printed after the text, also with --stream."""
+    (tmp_path / "tools.json").write_text(json.dumps(TOOLS))
+    messages = json.dumps([{"role": "user", "content": "Weather in Paris?"}])
+    args = ("--messages", messages, "--tools", f"@{tmp_path / 'tools.json'}", "--tool-choice", "get_weather")
+    for extra in ((), ("--stream",)):
+        res = rose("submit", *args, "--temperature", "0", "--max-tokens", "32", *extra)
+        assert res.returncode == 0, res.stderr
+        job_id, text, call, usage = res.stdout.rstrip("\n").split("\n")
+        assert call.startswith("[tool_call id=call_") and f"name=get_weather arguments={text}]" in call
+        assert json.loads(text)["city"] in ("Paris", "Lyon") and "finish_reason=stop" in usage
+
+
+def test_tool_flags_map_to_tool_fields() -> None:
+    def tool_fields(*argv: str) -> dict:
+        return tool_kwargs(build_parser().parse_args(["submit", *argv, "Hello"]))
+
+    assert tool_fields() == {}
+    assert tool_fields("--tools", json.dumps(TOOLS)) == {"tools": TOOLS}
+    for choice in ("auto", "none", "required"):
+        assert tool_fields("--tool-choice", choice) == {"tool_choice": choice}
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    assert tool_fields("--tool-choice", "get_weather") == {"tool_choice": named}
+    assert tool_fields("--tool-choice", json.dumps(named)) == {"tool_choice": named}
 
 
 def parse(*argv: str):

@@ -67,3 +67,19 @@ def test_generate_takes_logit_bias_as_json() -> None:
     )
     assert res.returncode == 0, res.stderr
     assert "'Hello' -> length, 4 tokens\n" + out.text + "\n" in res.stdout
+
+
+def test_generate_takes_repeated_bad_words() -> None:
+    llm = LLM("tiny-llama", device="cpu", max_num_seqs=2)
+    plain = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    before = llm.generate("hello world", plain)[0]
+    assert before.text.startswith("vacvac")  # this model's greedy text, whose 'vac' token the ban removes
+    out = llm.generate("hello world", SamplingParams(**{**plain.to_dict(), "bad_words": ["vac", "agefa"]}))[0]
+    assert before.token_ids[0] not in out.token_ids and out.text != before.text
+    res = rose(
+        *"generate --device cpu --temperature 0 --max-tokens 8 --ignore-eos".split(),
+        *("--bad-words", "vac", "--bad-words", "agefa"),
+        "hello world",
+    )
+    assert res.returncode == 0, res.stderr
+    assert "'hello world' -> length, 8 tokens\n" + out.text + "\n" in res.stdout

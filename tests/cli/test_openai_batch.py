@@ -20,6 +20,7 @@ from openai.types.chat import ChatCompletion
 from openai.types.chat import completion_create_params as chat_params
 from openai.types.shared import ErrorObject
 
+from rose import LLM, SamplingParams
 from rose.cli.batch_files import Entry, PlainFormat, survey
 from rose.cli.openai_batch import (
     CHAT_URL,
@@ -30,11 +31,28 @@ from rose.cli.openai_batch import (
     parse_queue_for,
     to_job_fields,
 )
+from rose.engine.presets import build_tokenizer
 from rose.harness.job_audit import stream_events
 
 pytestmark = pytest.mark.timeout(400)
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+DIGIT = {
+    "type": "object",
+    "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}},
+    "required": ["a"],
+    "additionalProperties": False,
+}
+CITY = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "enum": ["Paris", "Lyon"]}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "digit", "parameters": DIGIT}},
+    {"type": "function", "function": {"name": "get_weather", "parameters": CITY}},
+]
 
 
 def chat(custom_id: str = "c1", **body: Any) -> dict[str, Any]:
@@ -78,16 +96,20 @@ def test_every_supported_chat_field_maps_to_its_job_field() -> None:
             stream=False,
             top_logprobs=None,  # null = absent
             parallel_tool_calls=True,
+            tools=TOOLS,
+            tool_choice="auto",
             chat_template_kwargs={"x": 1},  # vLLM's extras
             top_k=5,
             ignore_eos=True,
             logit_bias={"50256": -100, "11": 2.5},
             allowed_token_ids=[11, 12],
+            bad_words=["foo", "bar baz"],
         )
     )
     assert model == "tiny"
     assert fields == {
         "messages": MESSAGES,
+        "n": 1,
         "max_tokens": 7,
         "temperature": 0.5,
         "top_p": 0.9,
@@ -97,11 +119,14 @@ def test_every_supported_chat_field_maps_to_its_job_field() -> None:
         "frequency_penalty": 0.2,
         "response_format": schema,
         "metadata": {"run": "a"},
+        "tools": TOOLS,
+        "tool_choice": "auto",
         "chat_template_kwargs": {"x": 1},
         "top_k": 5,
         "ignore_eos": True,
         "logit_bias": {"50256": -100, "11": 2.5},
         "allowed_token_ids": [11, 12],
+        "bad_words": ["foo", "bar baz"],
         "stream": False,
     }
 
@@ -141,9 +166,7 @@ def test_max_tokens_and_max_completion_tokens() -> None:
 @pytest.mark.parametrize(
     ("line", "param"),
     [
-        (chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
-        (chat(tool_choice="auto"), "tool_choice"),
-        (chat(functions=[{"name": "f"}]), "functions"),
+        (chat(functions=[{"name": "f"}]), "functions"),  # the legacy form of tools
         (chat(function_call="auto"), "function_call"),
         (chat(audio={"voice": "alloy", "format": "mp3"}), "audio"),
         (chat(modalities=["text", "audio"]), "modalities"),
@@ -157,15 +180,18 @@ def test_max_tokens_and_max_completion_tokens() -> None:
         (chat(stream=True, stream_options={"chunk_size": 4}), "stream_options"),
         (completion(stream=True, stream_options=["include_usage"]), "stream_options"),
         (chat(service_tier="flex"), "service_tier"),
-        (chat(logprobs=True), "logprobs"),
-        (chat(top_logprobs=2), "top_logprobs"),
-        (chat(n=2), "n"),
-        (chat(n=True), "n"),
+        (chat(top_logprobs=2), "top_logprobs"),  # without logprobs: true
+        (chat(logprobs=False, top_logprobs=0), "top_logprobs"),
+        (chat(logprobs=True, top_logprobs=21), "top_logprobs"),
+        (chat(logprobs=True, top_logprobs=-1), "top_logprobs"),
+        (chat(logprobs=1), "logprobs"),
         (chat(stream="true"), "stream"),
         (chat(stream=1), "stream"),
         (completion(stream=0), "stream"),
         (chat(detokenize=False), "detokenize"),  # a job field, but no vLLM extra: output would be empty
-        (completion(logprobs=0), "logprobs"),
+        (completion(logprobs=21), "logprobs"),
+        (completion(logprobs=True), "logprobs"),
+        (completion(logprobs=1.0), "logprobs"),
         (completion(echo=True), "echo"),
         (completion(best_of=2), "best_of"),
         (completion(suffix="x"), "suffix"),
@@ -202,9 +228,12 @@ ACCEPTED = {
     "store": True,
     "stream": False,
     "logprobs": False,
+    "top_logprobs": 3,  # with logprobs: true (below)
     "echo": False,
     "best_of": 1,
     "parallel_tool_calls": False,
+    "tools": TOOLS,
+    "tool_choice": "auto",
     "logit_bias": {"7": -100},
 }
 
@@ -230,6 +259,8 @@ def test_every_field_of_openais_request_types_is_taken_or_refused(
         base["body"]["stream"] = True
     for name in typing.get_type_hints(params):
         line = {**base, "body": {**base["body"], name: accepted.get(name, "some value")}}
+        if name == "top_logprobs":
+            line["body"]["logprobs"] = True
         if name in accepted:
             fields, _ = to_job_fields(line)
             assert fields, name
@@ -357,6 +388,154 @@ def test_output_lines_parse_with_openais_types() -> None:
     assert fmt.output_key(failed) == ('"p1"', True) and fmt.output_key(line) == ('"c1"', False)
 
 
+@pytest.mark.parametrize(
+    ("body", "param", "why"),
+    [
+        ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "unknown tool"),
+        ({"tool_choice": "sometimes"}, "tool_choice", "tool_choice must be"),
+        ({"tools": [{"type": "retrieval"}]}, "tools", r"tools\[0\]\.type"),
+        ({"tools": {"name": "f"}}, "tools", "valid list"),
+        ({"tools": None, "tool_choice": "required"}, "tool_choice", "without 'tools'"),
+        ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice", "combined"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object",
+             "properties": {"a": {"type": "bogus"}}}}}], "tool_choice": "required"},
+            "tools",
+            r"tools\[0\]\.function\.parameters is invalid",
+        ),
+    ],
+)  # fmt: skip
+def test_bad_tools_are_400_lines_naming_the_param(body: dict[str, Any], param: str, why: str) -> None:
+    fmt = OpenAIFormat()
+    entry = fmt.parse(1, json.dumps(chat(**{"tools": TOOLS, **body})), {})
+    assert entry.request is None and re.search(why, entry.error), entry.error
+    error = fmt.invalid_line(entry)["response"]["body"]["error"]
+    assert ErrorObject.model_validate(error).param == param and error["code"] == "invalid_value"
+
+
+def test_tool_call_output_lines_parse_with_openais_types() -> None:
+    fmt = OpenAIFormat()
+    entry = fmt.parse(1, json.dumps(chat(tools=TOOLS, tool_choice="required")), {})
+    assert entry.request is not None and entry.request["tools"] == TOOLS
+    call = {"id": "call_1", "type": "function", "function": {"name": "digit", "arguments": '{"a": 3}'}}
+    usage = {"prompt_tokens": 9, "completion_tokens": 12}
+    text = '[{"name": "digit", "parameters": {"a": 3}}]'
+    result = {
+        "text": text,
+        "finish_reason": "tool_calls",
+        "usage": usage,
+        "tool_calls": [call],
+        "content": None,
+    }
+    body = ChatCompletion.model_validate(fmt.result_line(entry, "job1", result)["response"]["body"])
+    choice = body.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert choice.message.tool_calls is not None and len(choice.message.tool_calls) == 1
+    function = choice.message.tool_calls[0].function
+    assert (choice.message.tool_calls[0].id, function.name, json.loads(function.arguments)) == (
+        "call_1",
+        "digit",
+        {"a": 3},
+    )
+    # no calls (tool_choice auto, the model wrote text): content is the text, no tool_calls
+    result = {"text": "Blue.", "finish_reason": "stop", "usage": usage, "tool_calls": [], "content": "Blue."}
+    body = ChatCompletion.model_validate(fmt.result_line(entry, "job2", result)["response"]["body"])
+    assert body.choices[0].message.content == "Blue." and body.choices[0].message.tool_calls is None
+    assert body.choices[0].finish_reason == "stop"
+    # rose's own lines carry them as the result does, for a job with tools only
+    plain = PlainFormat().result_line(Entry(1, "a"), "job3", result)
+    assert (plain["tool_calls"], plain["content"], plain["text"]) == ([], "Blue.", "Blue.")
+    no_tools = {"text": "Blue.", "finish_reason": "stop", "usage": usage, "tool_calls": None, "content": None}
+    assert "tool_calls" not in PlainFormat().result_line(Entry(1, "a"), "job4", no_tools)
+
+
+def test_logprobs_fields_map_to_the_jobs_logprobs() -> None:
+    assert to_job_fields(chat(logprobs=True))[0]["logprobs"] == 0  # the chosen tokens' only
+    assert to_job_fields(chat(logprobs=True, top_logprobs=5))[0]["logprobs"] == 5
+    assert "logprobs" not in to_job_fields(chat(logprobs=False))[0]
+    assert to_job_fields(completion(logprobs=3))[0]["logprobs"] == 3
+    assert to_job_fields(completion(logprobs=0))[0]["logprobs"] == 0
+    assert "logprobs" not in to_job_fields(completion(logprobs=False))[0]
+
+
+def entry(token_id: int, raw: bytes, logprob: float, top: list[tuple[int, bytes, float]]) -> dict[str, Any]:
+    def one(t: int, b: bytes, lp: float) -> dict[str, Any]:
+        return {"token_id": t, "token": b.decode("utf-8", "replace"), "bytes": list(b), "logprob": lp}
+
+    return {**one(token_id, raw, logprob), "top_logprobs": [one(*x) for x in top]}
+
+
+@pytest.mark.parametrize("n", [0, 129, True, 2.5, "2"])
+def test_a_bad_n_is_a_400_line_naming_it(n: Any) -> None:
+    entry = OpenAIFormat().parse(1, json.dumps(chat(n=n)), {})
+    assert entry.request is None and entry.context["param"] == "n", entry.error
+
+
+def test_n_choices_in_openais_shapes() -> None:
+    fmt = OpenAIFormat()
+    choices = [
+        {
+            "index": i,
+            "text": t,
+            "token_ids": [i],
+            "finish_reason": r,
+            "logprobs": None,
+            "tool_calls": None,
+            "content": None,
+        }
+        for i, (t, r) in enumerate([(" a", "length"), (" b", "stop")])
+    ]
+    result = {**choices[0], "usage": {"prompt_tokens": 3, "completion_tokens": 2}, "choices": choices}
+    entry = fmt.parse(1, json.dumps(chat(n=2)), {})
+    assert entry.request["n"] == 2
+    body = ChatCompletion.model_validate(fmt.result_line(entry, "j", result)["response"]["body"])
+    assert [(c.index, c.message.content, c.finish_reason) for c in body.choices] == [
+        (0, " a", "length"),
+        (1, " b", "stop"),
+    ]
+    assert body.usage.completion_tokens == 2
+    text = Completion.model_validate(
+        fmt.result_line(fmt.parse(2, json.dumps(completion(n=2)), {}), "k", result)["response"]["body"]
+    )
+    assert [c.text for c in text.choices] == [" a", " b"]
+
+
+def test_logprobs_in_openais_shapes() -> None:
+    """A result's entries become chat's logprobs.content and the completions' tokens / token_logprobs /
+    top_logprobs / text_offset, and parse with openai's types; a token that is half a character keeps its bytes
+    and the offsets count characters."""
+    fmt = OpenAIFormat()
+    euro = "€".encode()  # three bytes, here over two tokens
+    entries = [
+        entry(1, b" a", -0.5, [(1, b" a", -0.5), (2, b" b", -1.5)]),
+        entry(3, euro[:2], -1.0, [(3, euro[:2], -1.0), (4, b"x", -2.0)]),
+        entry(5, euro[2:], -0.25, [(5, euro[2:], -0.25), (6, b"y", -3.0)]),
+        entry(7, b"!", -9999.0, []),
+    ]
+    result = {"text": " a€!", "finish_reason": "stop", "usage": {"prompt_tokens": 2, "completion_tokens": 4}}
+    result["logprobs"] = entries
+    line = fmt.result_line(fmt.parse(1, json.dumps(chat(logprobs=True, top_logprobs=2)), {}), "j1", result)
+    body = ChatCompletion.model_validate(line["response"]["body"])
+    content = body.choices[0].logprobs.content
+    assert [c.logprob for c in content] == [-0.5, -1.0, -0.25, -9999.0]
+    assert [c.bytes for c in content] == [list(b" a"), list(euro[:2]), list(euro[2:]), [33]]
+    assert bytes(b for c in content for b in c.bytes).decode() == " a€!"
+    assert [(t.token, t.logprob) for t in content[0].top_logprobs] == [(" a", -0.5), (" b", -1.5)]
+    assert content[3].top_logprobs == []
+
+    line = fmt.result_line(fmt.parse(2, json.dumps(completion(logprobs=2)), {}), "j2", result)
+    done = Completion.model_validate(line["response"]["body"])
+    logprobs = done.choices[0].logprobs
+    assert logprobs.tokens == [" a", "\ufffd", "\ufffd", "!"]
+    assert logprobs.token_logprobs == [-0.5, -1.0, -0.25, -9999.0]
+    assert logprobs.top_logprobs[0] == {" a": -0.5, " b": -1.5}
+    assert logprobs.top_logprobs[3] == {"!": -9999.0}  # the chosen token, also when the top k holds none
+    assert logprobs.text_offset == [0, 2, 2, 3]  # the euro sign starts at 2 and ends before 3
+
+    plain = fmt.result_line(fmt.parse(3, json.dumps(chat()), {}), "j3", {**result, "logprobs": None})
+    assert ChatCompletion.model_validate(plain["response"]["body"]).choices[0].logprobs is None
+
+
 def test_the_format_is_detected_per_file(tmp_path: Path) -> None:
     plain, oai = tmp_path / "plain.jsonl", tmp_path / "oai.jsonl"
     plain.write_text('{"prompt": "x"}\n')
@@ -442,6 +621,60 @@ def check_success(line: dict[str, Any], model: str, max_tokens: int) -> ChatComp
     return body
 
 
+def check_logprobs(chat_line: dict[str, Any], text_line: dict[str, Any]) -> None:
+    """The logprobs of a greedy chat line (top 3) and completions line (top 2) are the engine's own: the values
+    LLM gives for the same prompt on the same model, each chosen token the most likely one."""
+    chat_body = check_success(chat_line, "tiny", 3)
+    content = chat_body.choices[0].logprobs.content
+    assert len(content) == 3 and all(len(c.top_logprobs) == 3 for c in content)
+    assert all(c.logprob == c.top_logprobs[0].logprob and c.token == c.top_logprobs[0].token for c in content)
+    assert bytes(b for c in content for b in c.bytes).decode() == chat_body.choices[0].message.content
+
+    text_body = check_success(text_line, "tiny", 3)
+    logprobs = text_body.choices[0].logprobs
+    assert len(logprobs.tokens) == 3 and all(len(top) == 2 for top in logprobs.top_logprobs)
+    assert "".join(logprobs.tokens) == text_body.choices[0].text
+    offsets = [len("".join(logprobs.tokens[:i])) for i in range(3)]
+    assert logprobs.text_offset == offsets
+    llm = LLM("tiny-llama", device="cpu", max_model_len=256)
+    [out] = llm.generate(
+        "Once upon a time", SamplingParams(max_tokens=3, temperature=0, logprobs=2, ignore_eos=True)
+    )
+    assert logprobs.token_logprobs == pytest.approx([lp.logprob for lp in out.logprobs], abs=1e-4)
+    assert [list(top.values()) for top in logprobs.top_logprobs] == [
+        pytest.approx(list(lp.top.values()), abs=1e-4) for lp in out.logprobs
+    ]
+
+
+CLOSE_ARRAY = str(build_tokenizer().convert_tokens_to_ids("]"))  # the preset's token "]"
+
+
+def check_tool_calls(line: dict[str, Any]) -> None:
+    """A tool_choice "required" line: its message is calls (no content), each valid under its tool's schema."""
+    choice = ChatCompletion.model_validate(line["response"]["body"]).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice.message
+    assert choice.message.tool_calls
+    schemas = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
+    for call in choice.message.tool_calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+
+
+def check_choices(line: dict[str, Any], n: int, max_tokens: int, kind: type) -> None:
+    """An `n` line: n distinct choices in index order (seeded: choice i with seed + i), each max_tokens long
+    (--ignore-eos), the usage counting them all; a chat line's logprobs per choice."""
+    body = kind.model_validate(line["response"]["body"])
+    assert [c.index for c in body.choices] == list(range(n))
+    texts = [c.message.content if kind is ChatCompletion else c.text for c in body.choices]
+    assert len(set(texts)) == n, texts
+    assert body.usage.completion_tokens == n * max_tokens
+    assert all(c.finish_reason == "length" for c in body.choices)
+    if kind is ChatCompletion:
+        for c in body.choices:
+            assert len(c.logprobs.content) == max_tokens
+            assert bytes(b for t in c.logprobs.content for b in t.bytes).decode() == c.message.content
+
+
 def test_mixed_chat_and_completions_file_with_error_file_and_queue_routing(
     tmp_path, rose, cli_redis, cli_worker
 ) -> None:
@@ -452,27 +685,47 @@ def test_mixed_chat_and_completions_file_with_error_file_and_queue_routing(
         completion("text-1", max_tokens=4, temperature=0),
         completion("text-2", prompt=["Once upon a time"], max_tokens=4, temperature=0, model="tiny-b"),
         completion("ids-1", prompt=[5, 6, 7], max_tokens=2),
-        chat("bad-tools", tools=[{"type": "function", "function": {"name": "f"}}]),
+        chat("bad-tools", tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}),
         {**completion("bad-url"), "url": "/v1/embeddings"},
         completion("bad-value", temperature=-1.0),
         # runs, and fails in the worker: prompt + max_tokens exceed the worker's --max-model-len 4096
         completion("too-long", max_tokens=5000),
         # constrained: ends when its grammar does (finish_reason "stop", whatever --ignore-eos says)
         chat("json-1", max_tokens=32, temperature=0, response_format=JSON_FORMAT),
+        chat("lp-chat", max_tokens=3, temperature=0, logprobs=True, top_logprobs=3),
+        completion("lp-text", max_tokens=3, temperature=0, logprobs=2),
+        # calls decoded under the tools' schema; the bias on "]" closes the array after one call (a random model)
+        chat(
+            "tools-1",
+            max_tokens=64,
+            temperature=0,
+            tools=TOOLS,
+            tool_choice="required",
+            logit_bias={CLOSE_ARRAY: 100},
+        ),
+        chat("n-chat", n=3, max_tokens=4, seed=5, logprobs=True),
+        completion("n-text", n=2, max_tokens=3, seed=1),
     ]
     write_lines(inp, lines)
     args = ("batch", str(inp), "-o", str(out), "--error-file", str(errors), "--ignore-eos", "--no-progress")
     res = rose(*args, "--queue-for", "tiny-b=cli-routed")
     assert res.returncode == 1, res.stderr  # four lines failed
-    assert "10 lines: 6 done, 4 failed" in res.stderr
-    assert f"{inp}:6: not supported by rose: tools" in res.stderr
+    assert "15 lines: 11 done, 4 failed" in res.stderr
+    assert f"{inp}:6: tool_choice names an unknown tool 'nope'" in res.stderr
 
     good, bad = read(out), read(errors)
     assert collections.Counter(line["custom_id"] for line in good + bad) == collections.Counter(
         line["custom_id"] for line in lines
     )
     by_id = {line["custom_id"]: line for line in good}
-    assert set(by_id) == {"chat-1", "chat-2", "text-1", "text-2", "ids-1", "json-1"}
+    assert set(by_id) == {
+        "chat-1", "chat-2", "text-1", "text-2", "ids-1", "json-1", "lp-chat", "lp-text", "tools-1", "n-chat",
+        "n-text",
+    }  # fmt: skip
+    check_choices(by_id.pop("n-chat"), 3, 4, ChatCompletion)
+    check_choices(by_id.pop("n-text"), 2, 3, Completion)
+    check_tool_calls(by_id.pop("tools-1"))
+    check_logprobs(by_id.pop("lp-chat"), by_id.pop("lp-text"))
     constrained = ChatCompletion.model_validate(by_id.pop("json-1")["response"]["body"])
     assert constrained.choices[0].finish_reason == "stop", constrained.choices[0].message.content
     jsonschema.validate(
@@ -497,7 +750,7 @@ def test_mixed_chat_and_completions_file_with_error_file_and_queue_routing(
         assert origin == ("cli-routed" if custom_id in ("chat-2", "text-2") else "rose"), custom_id
 
     failed = {line["custom_id"]: line for line in bad}
-    for custom_id, param in (("bad-tools", "tools"), ("bad-url", "url"), ("bad-value", "temperature")):
+    for custom_id, param in (("bad-tools", "tool_choice"), ("bad-url", "url"), ("bad-value", "temperature")):
         response = failed[custom_id]["response"]
         assert response["status_code"] == 400 and failed[custom_id]["error"] is None
         assert ErrorObject.model_validate(response["body"]["error"]).param == param
@@ -509,8 +762,8 @@ def test_mixed_chat_and_completions_file_with_error_file_and_queue_routing(
     assert "max_model_len" in failed["too-long"]["error"]["message"]
 
     again = rose(*args, "--queue-for", "tiny-b=cli-routed")  # nothing left to do
-    assert again.returncode == 1 and "10 of 10 lines already in" in again.stderr
-    assert (len(read(out)), len(read(errors))) == (6, 4)
+    assert again.returncode == 1 and "15 of 15 lines already in" in again.stderr
+    assert (len(read(out)), len(read(errors))) == (11, 4)
 
 
 def test_interrupted_then_resumed_without_duplicates(tmp_path, rose, cli_worker) -> None:

@@ -65,6 +65,18 @@ def test_submit_no_token_events_publishes_only_the_end_and_prints_the_text(
     assert [(e["type"], e["seq"]) for e in stream_events(conn, job_id)] == [("done", 0)]
 
 
+def test_submit_n_prints_each_choice(rose, cli_worker) -> None:
+    res = rose("submit", "--n", "2", "--max-tokens", "3", "--ignore-eos", "--seed", "3", "Bonjour")
+    assert res.returncode == 0, res.stderr
+    job_id, rest = res.stdout.split("\n", 1)
+    result = json.loads(rose("result", job_id).stdout)
+    texts = [c["text"] for c in result["choices"]]
+    assert rest == f"[choice 0]\n{texts[0]}\n[choice 1]\n{texts[1]}\n" + rest.split("\n")[-2] + "\n"
+    assert "completion_tokens=6]" in rest
+    streamed = rose("submit", "--stream", "--n", "2", "Bonjour")
+    assert streamed.returncode == 2 and "--n > 1" in streamed.stderr
+
+
 def test_submit_stream_with_no_token_events_is_a_usage_error(rose) -> None:
     res = rose("submit", "--stream", "--no-token-events", "Hello")
     assert res.returncode == 2 and res.stdout == ""

@@ -189,3 +189,23 @@ def test_llm_chat_without_a_chat_template(tokenizer):
     llm = LLM(model, tok, device="cpu", max_num_seqs=2, max_model_len=64)
     with pytest.raises(ChatTemplateError, match="no chat template.*send a 'prompt'"):
         llm.chat([{"role": "user", "content": "hi"}])
+
+
+def test_llm_chat_renders_tools(tokenizer):
+    """vLLM's `LLM.chat(..., tools=)`: the tools reach the template (rendering only; calls are the caller's to
+    parse); malformed tools are refused before anything runs."""
+    model, tok = build_preset("tiny-llama")
+    llm = LLM(model, tok, device="cpu", max_num_seqs=2, max_model_len=1024)
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
+    messages = [{"role": "user", "content": "hi"}]
+    (out,) = llm.chat(messages, greedy(2), tools=tools)
+    assert out.prompt == tok.apply_chat_template(
+        messages, tools=tools, tokenize=False, add_generation_prompt=True
+    )
+    assert '"name": "get_time"' in out.prompt and "<tool_call>" in out.prompt
+    (plain,) = llm.chat(messages, greedy(2))
+    assert "<tool_call>" not in plain.prompt
+    with pytest.raises(ChatTemplateError, match=r"tools\[0\]\.type 'x' is an unknown tool type"):
+        llm.chat(messages, greedy(2), tools=[{"type": "x"}])
+    with pytest.raises(ChatTemplateError, match="may not set \\['tools'\\]"):
+        llm.chat(messages, greedy(2), chat_template_kwargs={"tools": tools})

@@ -53,6 +53,7 @@ def test_get_request_and_stats(engine):
     assert seq is not None and seq.prompt == "hello world"
     stats = engine.get_stats()
     steps = stats.pop("num_steps")  # forwards run so far (the engine is the module's)
+    prefilled = stats.pop("num_prefill_tokens")
     assert stats == {
         "num_running": 0,
         "num_waiting": 1,
@@ -68,6 +69,7 @@ def test_get_request_and_stats(engine):
     assert engine.get_request("x") is None
     # the prompt's step gives the first token, then 2 decodes
     assert engine.get_stats()["num_steps"] == steps + 3
+    assert engine.get_stats()["num_prefill_tokens"] == prefilled + len(seq.prompt_token_ids)
 
 
 def test_kv_budget_sizes_the_pool_and_caps_or_rejects_max_model_len():

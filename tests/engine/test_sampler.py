@@ -11,7 +11,7 @@ from engine_helpers import fake_seq
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from rose.engine.sampler import Sampler, apply_min_p, apply_top_k_top_p, checks_after
+from rose.engine.sampler import Sampler, apply_bad_words, apply_min_p, apply_top_k_top_p, checks_after
 from rose.engine.sampling_params import SamplingParams
 
 NEG_INF = float("-inf")
@@ -518,3 +518,66 @@ def test_allowed_token_ids_restrict_their_rows_alone_before_the_bias():
         SamplingParams(allowed_token_ids=[])
     with pytest.raises(ValueError, match="allowed_token_ids"):
         SamplingParams(allowed_token_ids=[1, -2])
+
+
+def _banning(seq, words: list[list[int]]):
+    """`seq` with the token sequences the engine would have made of its bad_words."""
+    seq.bad_words_token_ids = words
+    return seq
+
+
+def test_bad_words_ban_a_last_token_only_right_after_the_rest_of_the_word():
+    words = [[1, 2, 3], [4]]  # a three-token word ending in 3; a one-token word
+    greedy = SamplingParams(temperature=0.0)
+    seqs = [
+        _banning(fake_seq(greedy, prompt=[1, 2], output=[]), words),  # 1, 2 in the prompt: not looked at
+        _banning(fake_seq(greedy, output=[9, 1, 2]), words),  # ends with 1, 2: 3 banned (and 4, always)
+        _banning(fake_seq(greedy, output=[2, 1]), words),  # not in this order
+        _banning(fake_seq(greedy, output=[1, 2, 5]), words),  # not at the end
+        _banning(fake_seq(greedy, output=[2]), words),  # shorter than the rest of the word
+        fake_seq(greedy, output=[1, 2]),  # no bad words: untouched
+        _banning(fake_seq(greedy, output=[]), [[3]]),  # a one-token word: banned from the first token on
+    ]
+    logits = torch.zeros((len(seqs), 10))
+    logits[:, 3], logits[:, 4], logits[:, 7] = 5.0, 4.0, 3.0
+    expected = logits.clone()
+    expected[:, 4] = NEG_INF  # the one-token word, in every row that has it
+    expected[1, 3] = NEG_INF
+    expected[5, 4] = 4.0
+    expected[6, 3], expected[6, 4] = NEG_INF, 4.0
+    assert torch.equal(apply_bad_words(logits.clone(), seqs), expected)
+
+    sampler = Sampler(10, torch.device("cpu"), eos_token_ids=set(), seed=0)
+    before = logits.clone()
+    out = sampler(logits, seqs)
+    assert out.token_ids == [3, 7, 3, 3, 3, 3, 4]
+    assert torch.equal(logits, before)  # the caller's logits (the raw ones, for logprobs) are left alone
+
+
+def test_bad_words_come_after_allowed_token_ids_and_before_the_bias_and_penalties():
+    logits = torch.zeros((3, 10))
+    logits[:, 3], logits[:, 7] = 5.0, 1.0
+    sampler = Sampler(10, torch.device("cpu"), eos_token_ids=set(), seed=0)
+    # a bias of 100 cannot reopen a banned token, nor a repetition penalty below 1 (vLLM V1: bad words first)
+    biased = SamplingParams(temperature=0.0, allowed_token_ids=[3, 7], logit_bias={3: 100})
+    rewarded = SamplingParams(temperature=0.0, repetition_penalty=0.01)
+    sampled = SamplingParams(temperature=1.0, allowed_token_ids=[3, 7])
+    seqs = [
+        _banning(fake_seq(biased), [[3]]),
+        _banning(fake_seq(rewarded, prompt=[3]), [[3]]),
+        _banning(fake_seq(sampled, output=[5]), [[5, 7]]),  # the only other allowed token is banned: 3
+    ]
+    assert sampler(logits, seqs).token_ids == [7, 7, 3]
+    assert sampler(logits[:2], [fake_seq(biased), fake_seq(rewarded, prompt=[3])]).token_ids == [3, 3]
+
+
+def test_bad_words_must_be_a_list_of_non_empty_strings():
+    assert SamplingParams(bad_words=["a", "b", "a"]).bad_words == ["a", "b"]  # duplicates dropped, as vLLM
+    assert SamplingParams(bad_words=[]).bad_words is None
+    words = ["x"]
+    params = SamplingParams(bad_words=words)
+    words.append("y")
+    assert params.bad_words == ["x"]  # a copy
+    for bad in ("word", [""], ["a", 3], [["a"]]):
+        with pytest.raises(ValueError, match="bad_words must be a list of non-empty strings"):
+            SamplingParams(bad_words=bad)

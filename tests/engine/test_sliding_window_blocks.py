@@ -15,6 +15,7 @@ from architectures import prompt_id_range, tiny_model
 from engine_helpers import drain, greedy, hf_greedy
 
 from rose.engine.engine import Engine
+from rose.engine.sampling_params import SamplingParams
 
 WINDOW = 8  # tiny mistral's sliding window (architectures.py)
 
@@ -84,3 +85,18 @@ def test_a_model_with_a_global_layer_gives_nothing_back():
     held = []
     drain(engine, on_step=lambda e, _outs: held.append(e.kv_blocks_used))
     assert max(held) == -(-(20 + 60 - 1) // 4)
+
+
+def test_n_choices_share_the_prompt_of_a_windowed_model(mistral):
+    """n > 1 on a model whose windows pass blocks: the prompt's blocks are held for the later choices before the
+    first gives its passed ones back; every choice is transformers' greedy output."""
+    engine = _engine(mistral, max_model_len=64)
+    prompt = _prompts(1, 30)[0]
+    engine.add_request("n", prompt, SamplingParams(n=3, max_tokens=12, temperature=0, ignore_eos=True))
+    finals = {}
+    while engine.has_unfinished():
+        finals.update({o.request_id: o.output for o in engine.step() if o.finished})
+    expected = hf_greedy(mistral, prompt, 12)
+    assert [c.token_ids for c in finals["n"].outputs] == [expected] * 3
+    assert engine.get_stats()["num_prefill_tokens"] == 30 + 2 * 2  # 7 blocks of 4 shared, 2 tokens each
+    assert engine.kv_blocks_used == 0

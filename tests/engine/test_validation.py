@@ -33,6 +33,8 @@ INVALID = {
     "detokenize": ["no", 0],
     "logit_bias": [{"x": 1}, {"1": 100.5}, {1: math.nan}, {-1: 0}, {True: 1}, [(1, 2)], "{}"],
     "allowed_token_ids": [[], [-1], ["3"], [1.0], 5, [True]],
+    "n": [0, -1, 129, 2.0, True, "2", None],
+    "bad_words": ["word", [""], [3], ["ok", None], 5, [["a"]], {"a": 1}],
     "structured_outputs": [{}, {"regex": "a", "choice": ["a"]}, {"choice": []}, {"json": "{not json"}, "x"],
 }
 
@@ -124,7 +126,9 @@ def test_token_ids_out_of_vocab(engine, bad):
 
 def test_stop_token_ids_out_of_vocab(engine):
     vocab = engine.vocab_size
-    with pytest.raises(ValueError, match=rf"stop_token_ids must be in \[0, {vocab}\).*\[{vocab}\]"):
+    with pytest.raises(
+        ValueError, match=rf"stop_token_ids: token ids must be in \[0, {vocab}\).*\[{vocab}\]"
+    ):
         engine.add_request("oov-stop", "hello", SamplingParams(stop_token_ids=[5, vocab]))
     engine.add_request("in-vocab-stop", "hello", SamplingParams(max_tokens=2, stop_token_ids=[vocab - 1]))
     drain(engine)
@@ -165,7 +169,22 @@ def test_text_prompt_without_tokenizer():
     engine = Engine(model, None, device="cpu", max_num_seqs=1, max_model_len=16)
     with pytest.raises(ValueError, match="tokenizer"):
         engine.add_request("t", "hello", SamplingParams())
+    with pytest.raises(ValueError, match="bad_words needs a tokenizer"):
+        engine.add_request("t", [5, 6], SamplingParams(bad_words=["hello"]))
     assert not engine.has_unfinished()
+
+
+@pytest.mark.parametrize(
+    ("words", "message"),
+    [
+        (["ok", "   "], r"bad_words: '   ' gives no token"),
+        (["ab\ud800"], r"bad_words: 'ab\\ud800' is not valid Unicode text"),
+        ([f"w{i}" for i in range(129)], "bad_words: too many words"),  # > 128 token sequences: vLLM's cap
+    ],
+)
+def test_bad_words_the_engine_cannot_tokenize_are_refused(engine, words, message):
+    with pytest.raises(ValueError, match=message):
+        engine.add_request("bad-words", [5, 6], SamplingParams(bad_words=words))
 
 
 @pytest.mark.parametrize(

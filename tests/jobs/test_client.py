@@ -206,3 +206,26 @@ def test_logit_bias_keys_come_as_ints_or_json_strings_and_survive_rq_json():
     with pytest.raises(ValidationError) as exc:
         GenerateRequest(prompt="x", logit_bias={"1": "x"})
     assert len(exc.value.errors()) == 1 and exc.value.errors()[0]["loc"] == ("logit_bias", "1")
+
+
+def test_bad_words_are_a_job_field_of_plain_rq_kwargs(client, fake_r):
+    from rose.jobs.schemas import GenerateRequest
+
+    job = client.submit("x", bad_words=["foo", "bar baz", "foo"])
+    kwargs = client.job(job.id).rq_job.kwargs
+    assert kwargs["bad_words"] == ["foo", "bar baz", "foo"]
+    assert GenerateRequest(**kwargs).to_sampling_params().bad_words == ["foo", "bar baz"]  # deduplicated
+    for bad in ("foo", [""], ["ok\ud800"]):  # a str alone, an empty word, a lone surrogate
+        with pytest.raises(InvalidRequest, match="bad_words"):
+            client.submit("x", bad_words=bad)
+    assert fake_r.llen("rq:queue:rose") == 1
+
+
+def test_n_and_logprobs_are_job_fields_checked_before_anything_is_enqueued(client, fake_r):
+    job = client.submit("x", n=4, logprobs=20)
+    kwargs = client.job(job.id).rq_job.kwargs
+    assert (kwargs["n"], kwargs["logprobs"]) == (4, 20)
+    for bad, why in (({"n": 0}, "n"), ({"n": 129}, "n"), ({"logprobs": 21}, "logprobs must be <= 20")):
+        with pytest.raises(InvalidRequest, match=why):
+            client.submit("x", **bad)
+    assert fake_r.llen("rq:queue:rose") == 1

@@ -38,6 +38,18 @@ def test_hot_path_token_json_is_the_models_json(job_id, seq, text, token_ids):
     fast = token_event_json(job_id, seq, text, token_ids)
     model = TokenEvent(job_id=job_id, seq=seq, text=text, token_ids=token_ids)
     assert json.loads(fast) == json.loads(model.to_json())
+
+
+@given(
+    logprobs=st.none() | st.lists(st.fixed_dictionaries({"token_id": st.integers(0, 9), "token": st.text()})),
+    index=st.none() | st.integers(min_value=0, max_value=127),
+)
+def test_hot_path_token_json_with_logprobs_and_index(logprobs, index):
+    fast = token_event_json("j", 3, "t", [1], logprobs, index)
+    model = TokenEvent(job_id="j", seq=3, text="t", token_ids=[1], logprobs=logprobs, index=index)
+    assert json.loads(fast) == json.loads(model.to_json())
+    assert ("logprobs" in json.loads(fast)) == (logprobs is not None)
+    assert ("index" in json.loads(fast)) == (index is not None)
     assert parse_event(fast) == model
 
 

@@ -32,6 +32,9 @@ GenerateRequest(
     messages=[{"role": "user", "content": "hi"}],
     response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema}},
 )
+tools = [{"type": "function", "function": {"name": "f", "parameters": schema}}]
+GenerateRequest(messages=[{"role": "user", "content": "hi"}], tools=tools, tool_choice="required")
+import rose.jobs.contract  # the result's tool calls (rose.jobs.tools) are read with no engine either
 import rose.cli
 for command in ("submit", "batch", "status", "result", "cancel"):
     try:

@@ -90,6 +90,7 @@ def test_out_of_range_numbers_name_the_field():
         ({"messages": [{"role": "user", "content": "hi \udc00"}]}, "messages[0].content[3]"),
         ({"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]}, ".text[0]"),
         ({"prompt": "ok", "stop": ["end", "x\udfff"]}, "stop[1][1]"),
+        ({"prompt": "ok", "bad_words": ["fine", "no\ud800"]}, "bad_words[1][2]"),
     ],
 )
 def test_lone_surrogates_are_named(kwargs, where):

@@ -15,7 +15,7 @@ from rq.results import Result
 from rq.serializers import JSONSerializer
 from worker_helpers import probe_target, registered_rq_worker, start_jobs, stream_events, wait_for
 
-from rose.engine.outputs import RequestMetrics, RequestOutput
+from rose.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from rose.jobs.client import Client
 from rose.worker import rq_store
 from rose.worker.endings import Endings
@@ -24,7 +24,7 @@ from rose.worker.outbox import Outbox
 from rose.worker.publisher import Publisher
 from rose.worker.retirer import Retirer
 from rose.worker.rq_worker import RQWorker
-from rose.worker.running import Phase
+from rose.worker.running import Choice, Phase
 from rose.worker.watch import Verdict, Watch
 
 pytestmark = pytest.mark.timeout(60)
@@ -85,14 +85,12 @@ def finished_runs(parts, r, n: int, **submit):
 def finish(parts, runs):
     """The engine's part: each started job generated two tokens."""
     for run in runs:
-        run.text, run.token_ids = ["a", "b"], [5, 6]
+        run.choices = [Choice(["a", "b"], [5, 6])]
         run.output = RequestOutput(
             request_id=run.id,
             prompt=None,
             prompt_token_ids=[1, 2],
-            text="ab",
-            token_ids=[5, 6],
-            finish_reason="length",
+            outputs=[CompletionOutput(0, "ab", [5, 6], "length")],
             metrics=RequestMetrics(arrival_time=time.time(), num_prompt_tokens=2),
         )
         run.result = run.build_result(parts.rq.name)

@@ -53,9 +53,9 @@ def lose_the_end(r, job_id: str, keep: int, marked: bool = True) -> None:
         r.hset(keys.SEALS_KEY, job_id, "ghost")
 
 
-def finished_job(run_worker, r, q, max_tokens: int):
+def finished_job(run_worker, r, q, max_tokens: int, **fields):
     """A job run to its end by a worker that then stops (one token event per token: every step publishes)."""
-    job = enqueue(q, prompt="x", max_tokens=max_tokens)
+    job = enqueue(q, prompt="x", max_tokens=max_tokens, **fields)
     worker = run_worker(stream_interval=0)
     wait_status(r, job, "finished")
     worker.stop()
@@ -73,6 +73,19 @@ def test_a_dead_workers_finished_job_is_repaired_from_its_result(run_worker, r, 
     assert audit(r, job.id) == [] and not r.exists(keys.SEALS_KEY)
     assert [e["type"] for e in stream_events(r, job.id)] == ["token", "token", "token", "done"]
     assert watch.scan(rq, DEAD, held=NOT_HELD) == 0 and seal.repair(r, rq, job.id) is False  # sealed once
+
+
+def test_a_repaired_stream_carries_the_logprobs_of_the_tokens_it_lacked(run_worker, r, q, rq):
+    job = finished_job(run_worker, r, q, 5, logprobs=2)
+    stored = Client(r).job(job.id).result(timeout=5)["logprobs"]
+    assert [e["logprob"] for e in stored] == [0.0, -0.1, -0.2, -0.3, -0.4]
+    lose_the_end(r, job.id, keep=2, marked=False)
+    assert seal.repair(r, rq, job.id, "ghost")
+    assert audit(r, job.id) == []
+    events = stream_events(r, job.id)
+    assert [e["type"] for e in events] == ["token", "token", "token", "done"]
+    assert [x for e in events[:-1] for x in e["logprobs"]] == stored
+    assert len(events[2]["logprobs"]) == 3
 
 
 def test_failed_and_canceled_jobs_get_their_terminal_events(run_worker, r, q, rq):

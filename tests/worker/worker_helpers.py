@@ -6,7 +6,7 @@ import threading
 import time
 
 from rose.config import WorkerSettings
-from rose.engine.outputs import RequestMetrics, RequestOutput, StepOutput
+from rose.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, StepOutput, TokenLogprob
 from rose.engine.sampling_params import SamplingParams
 from rose.harness import worker_process
 from rose.harness.job_audit import last_attempt, stream_events
@@ -186,9 +186,7 @@ class FakeEngine:
             request_id=rid,
             prompt=None,
             prompt_token_ids=req["ids"],
-            text=req["text"],
-            token_ids=list(req["out"]),
-            finish_reason=reason,
+            outputs=[CompletionOutput(0, req["text"], list(req["out"]), reason)],
             metrics=req["metrics"],
         )
 
@@ -239,12 +237,17 @@ class FakeEngine:
             m = req["metrics"]
             m.first_token_time = m.first_token_time or now
             done = len(req["out"]) >= (req["params"].max_tokens or 16)
+            top = req["params"].logprobs
             out = StepOutput(
                 request_id=rid,
                 new_token_ids=[k],
                 new_text=text,
                 finished=done,
                 finish_reason="length" if done else None,
+                # token k at -k/10, the alternatives k+1, k+2, ... below it
+                new_logprobs=None
+                if top is None
+                else [TokenLogprob(k, -k / 10, {k + j: -(k + j) / 10 for j in range(top)})],
             )
             if done:
                 m.finished_time = now
