@@ -71,7 +71,7 @@ class LineFormat(Protocol):
 
 class PlainFormat:
     """rose's own lines: {id?, prompt | prompt_token_ids | messages, job fields...} in; {id, job_id, text,
-    finish_reason, usage[, metadata, logprobs, tool_calls, content, choices]} or {id[, job_id], error} out. The id defaults
+    finish_reason, usage[, metadata, logprobs, prompt_logprobs, tool_calls, content, choices]} or {id[, job_id], error} out. The id defaults
     to the line number."""
 
     unique_ids = False  # a repeated id is reported and its later lines skipped, the rest runs
@@ -110,7 +110,7 @@ class PlainFormat:
     def result_line(self, entry: Entry, job_id: str, result: dict[str, Any]) -> dict[str, Any]:
         line = {"id": entry.id, "job_id": job_id}
         line.update({k: result.get(k) for k in ("text", "finish_reason", "usage")})
-        for name in ("metadata", "logprobs", "choices"):  # choices: n > 1
+        for name in ("metadata", "logprobs", "prompt_logprobs", "choices"):  # choices: n > 1
             if result.get(name) is not None:
                 line[name] = result[name]
         if result.get("tool_calls") is not None:  # a job with tools: its calls, and the text outside them
@@ -144,6 +144,9 @@ def _named_field(message: str) -> str | None:
     tools = re.match(r"'?(tools|tool_choice)\b", message)
     if tools:
         return tools.group(1)
+    bound = re.match(r"((?:prompt_)?logprobs) must be <= ", message)  # the workers' max_logprobs
+    if bound:
+        return bound.group(1)
     named = re.search(r"\bSamplingParams\.(\w+)", message)  # SamplingParams' range checks name the field
     return named.group(1) if named else None
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from rose.cli.batch_files import Entry, LineFormat, PlainFormat, key_of, validate
-from rose.cli.openai_choices import openai_choice
+from rose.cli.openai_choices import openai_choices
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
@@ -52,6 +52,7 @@ _VLLM_EXTRAS = (
     "priority",
     "allowed_token_ids",
     "bad_words",
+    "prompt_logprobs",
 )
 _VLLM_CHAT_EXTRAS = (
     "add_generation_prompt",
@@ -376,9 +377,7 @@ class OpenAIFormat:
             "created": int(time.time()),
             "model": entry.context["model"],
         }
-        # n > 1: every choice; otherwise the result is its one choice
-        choices = result.get("choices") or [{**result, "index": 0}]
-        body["choices"] = [openai_choice(choice, chat) for choice in choices]
+        body.update(openai_choices(result, chat))
         body["usage"] = {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion_tokens,

@@ -7,7 +7,22 @@ from __future__ import annotations
 
 from typing import Any
 
-from rose.jobs.logprobs import openai_chat_logprobs, openai_completion_logprobs
+from rose.jobs.logprobs import openai_chat_logprobs, openai_completion_logprobs, openai_prompt_logprobs
+
+
+def openai_choices(result: dict[str, Any], chat: bool) -> dict[str, Any]:
+    """A job's result (rose.jobs.contract.JobResult) as the `choices` of OpenAI's chat or completions response, and
+    for a job with `prompt_logprobs` vLLM's `prompt_logprobs` (on the response for chat, on each choice for
+    completions, as vLLM's OpenAI server puts them)."""
+    # n > 1: every choice; otherwise the result is its one choice
+    choices = [openai_choice(c, chat) for c in result.get("choices") or [{**result, "index": 0}]]
+    entries = result.get("prompt_logprobs")
+    if entries is None:
+        return {"choices": choices}
+    prompt_logprobs = openai_prompt_logprobs(entries)
+    if chat:
+        return {"choices": choices, "prompt_logprobs": prompt_logprobs}
+    return {"choices": [{**c, "prompt_logprobs": prompt_logprobs} for c in choices]}
 
 
 def openai_choice(choice: dict[str, Any], chat: bool) -> dict[str, Any]:

@@ -51,18 +51,22 @@ def json_arg(value: str) -> Any:
         raise argparse.ArgumentTypeError(f"{where} is not valid JSON: {exc}") from None
 
 
-def json_object_arg(value: str) -> dict[str, Any]:
+def _json_of_kind(value: str, kind: type[dict] | type[list], example: str) -> Any:
+    """A flag's JSON value (inline or `@path`, as `json_arg`) that must be a `kind`: dict (an object) or list;
+    `example`: one, for the error message."""
     obj = json_arg(value)
-    if not isinstance(obj, dict):
-        raise argparse.ArgumentTypeError("must be a JSON object, e.g. '{\"enable_thinking\": false}'")
+    if not isinstance(obj, kind):
+        noun = "object" if kind is dict else "list"
+        raise argparse.ArgumentTypeError(f"must be a JSON {noun}, e.g. '{example}'")
     return obj
+
+
+def json_object_arg(value: str) -> dict[str, Any]:
+    return _json_of_kind(value, dict, '{"enable_thinking": false}')
 
 
 def json_list_arg(value: str) -> list[Any]:
-    obj = json_arg(value)
-    if not isinstance(obj, list):
-        raise argparse.ArgumentTypeError('must be a JSON list, e.g. \'[{"type": "function", ...}]\'')
-    return obj
+    return _json_of_kind(value, list, '[{"type": "function", ...}]')
 
 
 def tool_choice_arg(value: str) -> str | dict[str, Any]:

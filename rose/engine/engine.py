@@ -22,6 +22,7 @@ from rose.engine.kv_budget import plan_store
 from rose.engine.kv_cache import KVCache
 from rose.engine.kv_cache_manager import KVCacheManager
 from rose.engine.layer_spec import first_needed
+from rose.engine.logprobs import prompt_logprobs
 from rose.engine.model_runner import ModelRunner, model_context
 from rose.engine.outputs import RequestMetrics, RequestOutput, StepOutput
 from rose.engine.parallel_sampling import ParallelSampling, child_id, child_params
@@ -234,6 +235,7 @@ class Engine:
             priority=priority,
             generator=generator,
             logprobs=[] if params.logprobs is not None else None,
+            prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
             structured=structured,
             bad_words_token_ids=bad_words,
         )
@@ -309,9 +311,10 @@ class Engine:
             outputs += self._grammar_errors()
             batch = self._schedule()
             if batch:
-                logits = self.runner.execute(batch)
-                sampled = self._sample(logits, batch.sampled)
-                outputs += self.scheduler.update_from_output(batch, sampled)
+                out = self.runner.execute(batch)
+                sampled = self._sample(out.logits, batch.sampled)
+                prompt = [(p.seq, prompt_logprobs(p, self.vocab_size)) for p in out.prompt]
+                outputs += self.scheduler.update_from_output(batch, sampled, prompt)
         except BaseException:
             self._undelivered = outputs
             raise

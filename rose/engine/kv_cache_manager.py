@@ -5,7 +5,7 @@ The scheduler decides which sequences run; this manager decides whether their bl
 `num_dropped_blocks`, `block_hashes`) are written by this manager and its prefix cache, nowhere else:
 
 - `allocate_prefill` at admission: the cached blocks of the sequence's prefix (prefix caching: shared, a reference
-  each, nothing copied), or those of its prompt that another choice of its request computed (`prompt_share`: n > 1,
+  each, nothing copied; not for a request that wants its `prompt_logprobs`), or those of its prompt that another choice of its request computed (`prompt_share`: n > 1,
   with or without prefix caching), then new blocks for the rest of its prefill, if the pool has them above the
   watermark.
 - `allocate_slots` as it decodes: blocks for its next positions, if free (else the scheduler preempts).
@@ -77,7 +77,12 @@ class KVCacheManager:
         share = seq.prompt_share
         if share is not None and not share.blocks and any(s.prompt_share is share for s in prefilling):
             return True
-        return self.prefix_cache is not None and self.prefix_cache.pending_overlap(seq, prefilling)
+        return self.reads_cache(seq) and self.prefix_cache.pending_overlap(seq, prefilling)
+
+    def reads_cache(self, seq: Sequence) -> bool:
+        """Whether `seq` may take its prefix from the cache: prefix caching is on and it does not want the prompt's
+        logprobs (which need every prompt position computed: vLLM V1 skips the cache for them too)."""
+        return self.prefix_cache is not None and seq.params.prompt_logprobs is None
 
     def _prompt_blocks(self, seq: Sequence) -> int:
         """Full blocks of `seq`'s prompt a choice may share: all but the prompt's last token, as a prefix hit."""
@@ -111,7 +116,7 @@ class KVCacheManager:
         watermark when `watermark`). Returns how many of its tokens the cache already holds, or None (nothing
         taken) when the blocks are short."""
         pool = self.pool
-        hits = self.prefix_cache.lookup(seq) if self.prefix_cache is not None else []
+        hits = self.prefix_cache.lookup(seq) if self.reads_cache(seq) else []
         share = seq.prompt_share
         shared = share.blocks[: self._prompt_blocks(seq)] if share is not None else []
         if len(shared) <= len(hits):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -13,6 +14,7 @@ from rose.engine.kv_cache import AttentionMetadata, KVCache, PrefillSegment
 from rose.engine.model_binding import ForwardContext, attach
 from rose.engine.model_probe import AttentionLayers
 from rose.engine.scheduler import ScheduledBatch
+from rose.engine.sequence import Sequence
 
 
 def model_context(config) -> int:
@@ -20,6 +22,32 @@ def model_context(config) -> int:
     model's attention is read off the model itself (rose.engine.model_probe)."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     return getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None) or 2048
+
+
+@dataclass(slots=True)
+class PromptLogits:
+    """Logits of a prompt's positions for its `prompt_logprobs`: row j predicts prompt token `first + j`."""
+
+    seq: Sequence
+    first: int
+    logits: torch.Tensor
+
+
+@dataclass(slots=True)
+class ModelOutput:
+    logits: torch.Tensor  # [num_sampled, vocab]: the rows of ScheduledBatch.sampled, in its order
+    prompt: list[PromptLogits] = field(default_factory=list)
+
+
+def prompt_rows(seq: Sequence, start: int, end: int) -> tuple[int, int] | None:
+    """The positions of [start, end) (a chunk of `seq`'s prefill) whose logits give prompt logprobs not yet taken,
+    as (first, stop): position p predicts prompt token p + 1. None when there are none, or when the positions
+    before them were not computed by `seq` (another choice's shared prompt): its entries come from that choice."""
+    if seq.prompt_logprobs is None:
+        return None
+    first = len(seq.prompt_logprobs) - 1  # the entries so far cover tokens 0 .. first
+    stop = min(end, seq.num_prompt_tokens - 1)
+    return (first, stop) if start <= first < stop else None
 
 
 class ModelRunner:
@@ -36,8 +64,9 @@ class ModelRunner:
         return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> torch.Tensor:
-        """Run the step's forward; returns logits [num_sampled, vocab] for decode rows, then completed prefills.
+    def execute(self, batch: ScheduledBatch) -> ModelOutput:
+        """Run the step's forward; returns logits [num_sampled, vocab] for decode rows, then completed prefills, and
+        those of the prompt positions that requests with `prompt_logprobs` computed (`ModelOutput.prompt`).
 
         Every sequence in the batch already holds the blocks for the positions it computes (the scheduler saw
         to it)."""
@@ -47,6 +76,8 @@ class ModelRunner:
         chunk_slots: list[np.ndarray] = []
         positions: list[int] = []
         sample_index: list[int] = []
+        prompt_index: list[int] = []
+        prompts: list[tuple[Sequence, int, int]] = []  # (seq, first prompt token predicted, rows)
         for seq in batch.decode:
             sample_index.append(len(ids))
             pos = seq.num_computed_tokens
@@ -69,6 +100,11 @@ class ModelRunner:
             segments.append(PrefillSegment(blocks, chunk.start, chunk.length, offset))
             if chunk.completes_prefill:
                 sample_index.append(len(ids) - 1)
+            rows = prompt_rows(seq, chunk.start, end)
+            if rows is not None:
+                first, stop = rows
+                prompt_index.extend(range(offset + first - chunk.start, offset + stop - chunk.start))
+                prompts.append((seq, first + 1, stop - first))
 
         num_decode = len(batch.decode)
         meta = AttentionMetadata(
@@ -86,7 +122,7 @@ class ModelRunner:
             for i, seq in enumerate(batch.decode):
                 tables[i, : len(seq.block_ids)] = seq.block_ids
             meta.decode_tables = tables
-        keep = self._tensor(sample_index)
+        keep = self._tensor(sample_index + prompt_index)
         self.context.begin(meta)
         try:
             with sdpa_backends(self.device):
@@ -98,4 +134,12 @@ class ModelRunner:
                 )
         finally:
             self.context.end()
-        return out.logits[0] if self.keeps_logits else out.logits[0, keep]
+        logits = out.logits[0] if self.keeps_logits else out.logits[0, keep]
+        num_sampled = len(sample_index)
+        if not prompts:
+            return ModelOutput(logits)
+        parts, row = [], num_sampled
+        for seq, first, n in prompts:
+            parts.append(PromptLogits(seq, first, logits[row : row + n]))
+            row += n
+        return ModelOutput(logits[:num_sampled], parts)

@@ -12,11 +12,14 @@ FinishReason = Literal["stop", "length", "abort", "error"]
 
 @dataclass
 class TokenLogprob:
-    """Log-probability of one generated token, with the top-N alternatives (token id -> logprob)."""
+    """Log-probability of one token (generated, or of the prompt given the tokens before it), with the top-N
+    alternatives (token id -> logprob, most likely first). `rank`: vLLM's rank of the token (1 = most likely; ties
+    count against it), for prompt logprobs only."""
 
     token_id: int
     logprob: float
     top: dict[int, float] = field(default_factory=dict)
+    rank: int | None = None
 
 
 @dataclass
@@ -66,6 +69,8 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     metrics: RequestMetrics
+    # SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (nothing comes before it)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def finished(self) -> bool:

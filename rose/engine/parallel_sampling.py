@@ -110,12 +110,17 @@ class ParallelSampling:
             return None
         first = finals[0]
         outputs = [dataclasses.replace(final.outputs[0], index=i) for i, final in enumerate(finals)]
+        # the prompt is computed by the first choice admitted (the others share its blocks): its entries
+        prompt_logprobs = max(
+            (final.prompt_logprobs for final in finals), key=lambda e: -1 if e is None else len(e)
+        )
         return RequestOutput(
             parent.request_id,
             first.prompt,
             first.prompt_token_ids,
             outputs,
             merge_metrics([final.metrics for final in finals]),
+            prompt_logprobs,
         )
 
 

@@ -25,6 +25,7 @@ from typing import Protocol
 
 import torch
 
+from rose.engine.logprobs import token_logprobs
 from rose.engine.outputs import TokenLogprob
 from rose.engine.sampling_params import SamplingParams
 from rose.engine.sequence import Sequence
@@ -134,7 +135,11 @@ class Sampler:
         logprobs: list[TokenLogprob | None] = [None] * len(seqs)
         wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
         if wanted:
-            logprobs = self._logprobs(raw, token_list, params, wanted, logprobs)
+            found = token_logprobs(
+                raw, [token_list[i] for i in wanted], [params[i].logprobs for i in wanted], wanted
+            )
+            for i, lp in zip(wanted, found, strict=True):
+                logprobs[i] = lp
         return SamplerOutput(token_list, logprobs)
 
     def _redraw(
@@ -223,77 +228,6 @@ class Sampler:
                 stops = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
                 banned.extend((i, t) for t in stops if t < self.vocab_size)
         return banned
-
-    # log-softmax elements held at once on CPU (8 MiB of float32): see _logprobs
-    _LOGPROBS_CHUNK = 1 << 21
-
-    def _logprobs(self, raw, tokens, params, wanted, out):
-        """Each wanted row's chosen token and top-k from the log-softmax of its raw logits.
-
-        On CPU the log-softmax is taken a few rows at a time (the same kernel per row: the same values bit for bit):
-        64 rows x 151k columns at once is a 39 MB tensor, above glibc's 32 MiB mmap threshold, so every step faulted
-        in fresh pages and read it back from memory; a chunk is reused from malloc and stays in cache for the
-        gather and the top-k (`_top_k`). A row picked out of `raw` is copied a chunk at a time too, never when every
-        row asked. 64 rows x 151,665 columns on 2 cores, k=5: 75 -> 19 ms (benchmarks/logprobs.py)."""
-        vocab = raw.shape[-1]
-        k = min(max(params[i].logprobs for i in wanted), vocab)
-        chosen = torch.tensor([tokens[i] for i in wanted], device=raw.device)[:, None]
-        every = len(wanted) == raw.shape[0]  # wanted is sorted and distinct: every row, in order
-        step = len(wanted)
-        if raw.device.type == "cpu":
-            step = max(torch.get_num_threads(), self._LOGPROBS_CHUNK // vocab)
-        parts_lp, parts_vals, parts_ids = [], [], []
-        for a in range(0, len(wanted), step):
-            b = min(a + step, len(wanted))
-            logp = (raw[a:b] if every else raw[wanted[a:b]]).log_softmax(dim=-1)
-            parts_lp.append(logp.gather(1, chosen[a:b])[:, 0])
-            if k:
-                vals, ids = self._top_k(logp, k)
-                parts_vals.append(vals)
-                parts_ids.append(ids)
-        chosen_lp = torch.cat(parts_lp).tolist()
-        top_vals, top_ids = (torch.cat(parts_vals), torch.cat(parts_ids)) if k else (None, None)
-        for j, i in enumerate(wanted):
-            n = min(params[i].logprobs, k)
-            top = {}
-            if n:
-                # -inf: a token the grammar masked (no other row has one), which could never be sampled
-                top = {
-                    t: v
-                    for t, v in zip(top_ids[j, :n].tolist(), top_vals[j, :n].tolist(), strict=True)
-                    if v != _NEG_INF
-                }
-            out[i] = TokenLogprob(token_id=tokens[i], logprob=chosen_lp[j], top=top)
-        return out
-
-    @staticmethod
-    def _top_k(logp: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """torch.topk(logp, k, dim=-1) (k >= 1), cheaper on wide CPU rows (151k columns: 12-25 -> ~5 ms at 64 rows).
-
-        The k+1 largest values of a row lie in the k+1 blocks of 128 columns with the largest maxima (the maxima of
-        those blocks are k+1 values at least as large as anything in a block left out), so the top-k+1 of those
-        blocks and the tail has torch.topk's values. Without a tie among them the order is unique, hence
-        torch.topk's; a row whose k+1 best hold a tie (other than -inf, never reported) or a NaN, where only
-        torch.topk's own order is the answer, is given torch.topk over the whole row."""
-        rows, vocab = logp.shape
-        block = 128
-        n = vocab // block
-        if logp.device.type != "cpu" or n < 4 * (k + 1):
-            return logp.topk(k, dim=-1)
-        body = n * block
-        best = logp[:, :body].view(rows, n, block).amax(dim=-1).topk(k + 1, dim=-1).indices
-        cols = (best[:, :, None] * block + torch.arange(block)).flatten(1)
-        if body < vocab:
-            cols = torch.cat([cols, torch.arange(body, vocab).expand(rows, -1)], dim=1)
-        vals, pos = logp.gather(1, cols).topk(k + 1, dim=-1)
-        ids = cols.gather(1, pos)
-        tied = (vals[:, :-1] == vals[:, 1:]) & (vals[:, :-1] != _NEG_INF)
-        tied = tied.any(dim=1) | vals.isnan().any(dim=1)
-        vals, ids = vals[:, :k], ids[:, :k]
-        if tied.any():
-            again = tied.nonzero()[:, 0]
-            vals[again], ids[again] = logp[again].topk(k, dim=-1)
-        return vals, ids
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:

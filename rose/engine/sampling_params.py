@@ -29,7 +29,9 @@ class SamplingParams:
 
     `n`: choices sampled from the prompt, each its own sequence (its prompt computed once: rose.engine.parallel_sampling);
     seeded, choice i draws with seed + i. `max_tokens=None` means "until the context limit". `top_k` of 0 or -1 disables top-k.
-    `logprobs=N` returns, for each generated token, its log-probability and the top-N alternatives.
+    `logprobs=N` returns, for each generated token, its log-probability and the top-N alternatives;
+    `prompt_logprobs=N` the same for each prompt token after the first (vLLM's: raw logprobs, computed over the whole
+    prompt, so such a request reads nothing from the prefix cache).
     `detokenize=False` returns token ids only (empty text): no incremental detokenization, so no stop strings.
     `logit_bias` (OpenAI's and vLLM's): token id -> a number in [-100, 100] added to that token's logit before the
     penalties and the temperature (-100 bans a token in practice, 100 all but forces it); ids may come as JSON's
@@ -58,6 +60,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     detokenize: bool = True
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
@@ -141,16 +144,20 @@ class SamplingParams:
             not isinstance(words, list) or not all(isinstance(w, str) and w for w in words)
         ):  # a str alone is refused: vLLM's server refuses it too (its engine would split it into characters)
             raise bad("bad_words", "a list of non-empty strings, or None")
-        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= INT64_MAX):
-            raise bad("logprobs", "an integer in [0, 2**63) or None")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= INT64_MAX):
+                raise bad(name, "an integer in [0, 2**63) or None")
 
     def verify(self, vocab_size: int, max_logprobs: int) -> None:
         """What only an engine knows: token ids inside its vocabulary, logprobs within its max_logprobs. ValueError
         naming the field."""
-        if self.logprobs is not None and self.logprobs > max_logprobs:
-            raise ValueError(
-                f"SamplingParams.logprobs must be <= {max_logprobs} (the engine's max_logprobs), got {self.logprobs}"
-            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and value > max_logprobs:
+                raise ValueError(
+                    f"SamplingParams.{name} must be <= {max_logprobs} (the engine's max_logprobs), got {value}"
+                )
         for name, ids in (
             ("stop_token_ids", self.stop_token_ids),
             ("logit_bias", self.logit_bias),

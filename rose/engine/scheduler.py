@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from rose.engine.kv_cache_manager import KVCacheManager
-from rose.engine.outputs import FinishReason, StepOutput
+from rose.engine.outputs import FinishReason, StepOutput, TokenLogprob
 from rose.engine.sequence import Sequence, SequenceStatus
 from rose.engine.stopping import append_token
 
@@ -266,9 +266,17 @@ class Scheduler:
 
     # ----------------------------------------------------------------- after the forward
 
-    def update_from_output(self, batch: ScheduledBatch, sampled: SamplerOutput | None) -> list[StepOutput]:
+    def update_from_output(
+        self,
+        batch: ScheduledBatch,
+        sampled: SamplerOutput | None,
+        prompt_logprobs: list[tuple[Sequence, list[TokenLogprob]]] = (),
+    ) -> list[StepOutput]:
         """The step ran `batch` and drew `sampled` for `batch.sampled`: advance what it computed, append the tokens
-        (rose.engine.stopping), and retire the requests they finished. Returns each sampled request's output."""
+        (rose.engine.stopping) and the prompt logprobs it took (each sequence's next entries), and retire the
+        requests they finished. Returns each sampled request's output."""
+        for seq, entries in prompt_logprobs:
+            seq.prompt_logprobs.extend(entries)
         for seq in batch.decode:
             seq.num_computed_tokens += 1
         for chunk in batch.prefill:

@@ -55,6 +55,8 @@ class Sequence:
     generator: torch.Generator | None = None  # only for seeded requests
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
+    # SamplingParams.prompt_logprobs: the prompt's entries so far (None first), written by the scheduler alone
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     # written by the scheduler alone: the step's progress
     num_computed_tokens: int = 0  # tokens whose K/V are in the store
     # the tokens to prefill before decoding: the prompt, or after a preemption the prompt and the generated tokens

@@ -93,4 +93,6 @@ def request_output(seq: Sequence, error: str | None = None, invalid: str | None 
     choice = CompletionOutput(
         0, seq.text, list(seq.output_token_ids), seq.finish_reason, seq.logprobs, error, invalid
     )
-    return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, [choice], seq.metrics)
+    return RequestOutput(
+        seq.request_id, seq.prompt, seq.prompt_token_ids, [choice], seq.metrics, seq.prompt_logprobs
+    )

@@ -21,7 +21,7 @@ from rq.exceptions import DeserializationError
 from rq.job import Job
 
 from rose.jobs.keys import FUNC_PATH
-from rose.jobs.logprobs import LogprobEntry
+from rose.jobs.logprobs import LogprobEntry, PromptLogprobEntry
 from rose.jobs.schemas import (
     INVALID_STRUCTURED_OUTPUT,
     GenerateRequest,
@@ -170,6 +170,8 @@ class JobResult(TypedDict):
     logprobs: (
         list[LogprobEntry] | None
     )  # one per token of token_ids, for a job with `logprobs` (rose.jobs.logprobs)
+    # a job with `prompt_logprobs`: one per prompt token, None for the first (rose.jobs.logprobs)
+    prompt_logprobs: list[PromptLogprobEntry | None] | None
 
 
 def queue_seconds(job: Job) -> float | None:
@@ -187,13 +189,15 @@ def job_result(
     worker: str,
     metadata: dict[str, Any] | None,
     logprobs: list[list[LogprobEntry] | None] | None = None,
+    prompt_logprobs: list[PromptLogprobEntry | None] | None = None,
     request: GenerateRequest | None = None,
     tool_parser: ToolParser | None = None,
 ) -> JobResult:
     """The job's RQ result from the engine's final output. `started_wall`: when the worker started the job (the
-    engine's arrival time when it has none); `worker`: the worker's name; `metadata`: the request's; `logprobs`: each
-    choice's entries, for a job that asked (rose.jobs.logprobs.logprob_entries); `request` and `tool_parser` (the
-    worker's): the job's tool calls (rose.jobs.tools.tool_result)."""
+        engine's arrival time when it has none); `worker`: the worker's name; `metadata`: the request's; `logprobs`: each
+        choice's entries, for a job that asked (rose.jobs.logprobs.logprob_entries), and `prompt_logprobs` the prompt's
+    (prompt_logprob_entries); `request` and `tool_parser` (the
+        worker's): the job's tool calls (rose.jobs.tools.tool_result)."""
     m = output.metrics
     start = m.arrival_time or started_wall
     finished = m.finished_time or time.time()
@@ -232,6 +236,7 @@ def job_result(
         "tool_calls": first["tool_calls"],
         "content": first["content"],
         "choices": choices if len(choices) > 1 else None,
+        "prompt_logprobs": prompt_logprobs,
     }
 
 

@@ -7,8 +7,13 @@ The values are vLLM V1's default (raw logprobs: the model's distribution before 
 top-k/top-p; a structured output's grammar mask applies). A log-probability below -9999 (a token the model gives no
 chance) is written as -9999.0, as vLLM's OpenAI server does: JSON has no -Infinity.
 
+A job with `prompt_logprobs: k` (vLLM's) gets the same for its prompt: None for the first token (nothing comes
+before it), then one entry per prompt token (`PromptLogprobEntry`, with vLLM's `rank` of the token: 1 = the most
+likely).
+
 `openai_chat_logprobs` and `openai_completion_logprobs` turn a result's entries into OpenAI's chat
-(`choices[i].logprobs`) and legacy completions shapes. Nothing here imports torch.
+(`choices[i].logprobs`) and legacy completions shapes, `openai_prompt_logprobs` into vLLM's OpenAI server's
+`prompt_logprobs`. Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -23,10 +28,13 @@ if TYPE_CHECKING:
 __all__ = [
     "MIN_LOGPROB",
     "LogprobEntry",
+    "PromptLogprobEntry",
     "TopLogprob",
     "logprob_entries",
     "openai_chat_logprobs",
     "openai_completion_logprobs",
+    "openai_prompt_logprobs",
+    "prompt_logprob_entries",
 ]
 
 MIN_LOGPROB = -9999.0
@@ -41,6 +49,10 @@ class TopLogprob(TypedDict):
 
 class LogprobEntry(TopLogprob):
     top_logprobs: list[TopLogprob]
+
+
+class PromptLogprobEntry(LogprobEntry):
+    rank: int
 
 
 def logprob_entries(
@@ -63,6 +75,35 @@ def logprob_entries(
         {**top(lp.token_id, lp.logprob), "top_logprobs": [top(t, v) for t, v in lp.top.items()]}  # type: ignore[typeddict-item]
         for lp in logprobs
     ]
+
+
+def prompt_logprob_entries(
+    prompt_logprobs: Iterable[TokenLogprob | None], token_bytes: Callable[[int], bytes | None] | None
+) -> list[PromptLogprobEntry | None]:
+    """The entries of the engine's `prompt_logprobs` (None for the prompt's first token), as `logprob_entries`."""
+    return [
+        None if lp is None else {**logprob_entries([lp], token_bytes)[0], "rank": lp.rank}  # type: ignore[typeddict-item]
+        for lp in prompt_logprobs
+    ]
+
+
+def openai_prompt_logprobs(entries: list[PromptLogprobEntry | None]) -> list[dict[str, Any] | None]:
+    """vLLM's OpenAI `prompt_logprobs`: per prompt token None (the first) or {token id: {logprob, rank,
+    decoded_token}} for the token itself, then its top k (ranks 1..k)."""
+
+    def one(entry: TopLogprob, rank: int) -> dict[str, Any]:
+        return {"logprob": entry["logprob"], "rank": rank, "decoded_token": entry["token"]}
+
+    out: list[dict[str, Any] | None] = []
+    for e in entries:
+        if e is None:
+            out.append(None)
+            continue
+        tokens = {str(e["token_id"]): one(e, e["rank"])}
+        for rank, t in enumerate(e["top_logprobs"], 1):
+            tokens.setdefault(str(t["token_id"]), one(t, rank))
+        out.append(tokens)
+    return out
 
 
 def _openai_token(entry: TopLogprob) -> dict[str, Any]:

@@ -93,6 +93,7 @@ class GenerateRequest(BaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     detokenize: bool = True
     # OpenAI's form: token ids as JSON object keys (strings); Python callers may give ints
     logit_bias: dict[int | str, float] | None = None
@@ -152,10 +153,10 @@ class GenerateRequest(BaseModel):
         constraint = self.constraint()
         if constraint is not None:  # what the worker's grammar engine would refuse, named as the user sent it
             check_constraint(constraint, self._constraint_field(constraint.kind), backend)
-        if self.logprobs is not None and self.logprobs > MAX_LOGPROBS:  # what a worker's engine allows
-            raise ValueError(
-                f"logprobs must be <= {MAX_LOGPROBS} (the workers' max_logprobs), got {self.logprobs}"
-            )
+        for name in ("logprobs", "prompt_logprobs"):  # what a worker's engine allows
+            value = getattr(self, name)
+            if isinstance(value, int) and value > MAX_LOGPROBS:
+                raise ValueError(f"{name} must be <= {MAX_LOGPROBS} (the workers' max_logprobs), got {value}")
         # SamplingParams owns the range checks; its ValueError names the field.
         self.to_sampling_params(constraint)
         return self

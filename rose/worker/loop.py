@@ -3,7 +3,7 @@
 `JobLoop.iterate` reads top to bottom, like an engine step:
 
     take     jobs while the engine has room (rose.worker.intake; blocking on the queues only when idle)
-    step     the engine; each job's tokens queued as events (rose.worker.outbox)
+    step     the engine; each job's tokens queued as events (rose.worker.step_outputs, rose.worker.outbox)
     watch    cancels, deletions, lost jobs, timeouts, stop commands (rose.worker.watch: findings applied here)
     retire   finished jobs: batched by the retirer (rose.worker.retirer), or by RQ's handler once checked
     publish  the iteration's events (rose.worker.publisher: sent at once, acknowledged at the next send)
@@ -26,10 +26,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from rose.config import WorkerSettings
-from rose.engine.token_bytes import TokenBytes
 from rose.jobs import contract, tools
-from rose.jobs.logprobs import logprob_entries
-from rose.worker import faults, probe, rq_store
+from rose.worker import faults, probe, rq_store, step_outputs
 from rose.worker.endings import Endings, RoseJobTimeout
 from rose.worker.engine_protocol import WorkerEngine
 from rose.worker.intake import Intake
@@ -40,7 +38,8 @@ from rose.worker.outbox import Outbox
 from rose.worker.redis_guard import REDIS_ERRORS, RedisGuard
 from rose.worker.retirer import Retired, Retirer
 from rose.worker.rq_worker import RQWorker
-from rose.worker.running import CHECKED_PHASE, STORE_RETRY_PHASE, Choice, Phase, Running
+from rose.worker.running import CHECKED_PHASE, STORE_RETRY_PHASE, Phase, Running
+from rose.worker.step_outputs import StepOutputs
 from rose.worker.watch import Finding, Verdict, Watch, owed
 
 log = logging.getLogger(__name__)
@@ -86,11 +85,9 @@ class JobLoop:
         # reads the calls of jobs with tools and tool_choice "auto" (rose.jobs.tools); None: such jobs fail
         chat_template = getattr(engine.tokenizer, "chat_template", None)
         self.tool_parser = tools.resolve_parser(settings.tool_call_parser, chat_template)
-
-    @functools.cached_property
-    def _token_bytes(self) -> TokenBytes | None:
-        """The bytes of a token, for logprobs (read once a job asks for them)."""
-        return TokenBytes(self.engine.tokenizer) if self.engine.tokenizer is not None else None
+        self.step_outputs = StepOutputs(
+            outbox, self.milestones, metrics, engine.tokenizer, rq.name, self.tool_parser
+        )
 
     @property
     def busy(self) -> bool:
@@ -193,9 +190,7 @@ class JobLoop:
             self._fail(run, request, retry=False, callbacks=contract.may_run_callbacks(run.job))
             return
         run.request = request
-        run.choices = [
-            Choice(logprobs=[] if request.logprobs is not None else None) for _ in range(request.n)
-        ]
+        run.choices = step_outputs.choices(request)
         try:
             self._add_to_engine(run)
         except ValueError as exc:  # prompt too long for the context, text prompt without tokenizer, ...
@@ -228,42 +223,12 @@ class JobLoop:
             log.exception("engine step failed; looking for the job(s) that cause it")
             outputs = self._isolate()
         step_s, now = time.perf_counter() - t0, time.time()
-        tokens = steady = 0  # tokens generated; those of them by jobs that already had one (for the ITL)
-        for out in outputs:
-            run = self.running.get(out.request_id)
-            if run is None or run.phase is not Phase.GENERATING:
-                continue
-            if out.new_token_ids or out.new_text:
-                n = len(out.new_token_ids)
-                tokens += n
-                if run.num_tokens:
-                    steady += n
-                elif n:
-                    self.milestones.first_token(run, now)
-                choice = run.choices[out.index]
-                choice.text.append(out.new_text)
-                choice.token_ids.extend(out.new_token_ids)
-                logprobs = None
-                if choice.logprobs is not None:
-                    logprobs = logprob_entries(out.new_logprobs or [], self._token_bytes)
-                    choice.logprobs.extend(logprobs)
-                ids, last = list(out.new_token_ids), out.finish_reason is not None
-                self.outbox.token(run, out.new_text, ids, logprobs, index=out.index, last=last)
-            if out.finished:
-                self.outbox.release(run)  # its held tokens go out now, ahead of its result
-                run.phase = Phase.FINISHED  # out of the engine
-                # "error": its grammar failed to compile, or its output broke its schema (any choice's)
-                error = next((c for c in out.output.outputs if c.finish_reason == "error"), None)
-                if error is not None:
-                    invalid = error.structured_output_error is not None
-                    if invalid:
-                        self.metrics.structured_output_errors.inc()
-                    # a grammar that will not compile fails again under RQ's Retry; resampled, an output may pass
-                    self._fail(run, contract.failure_message(error), retry=invalid)
-                    continue
-                run.output = out.output
-                run.result = run.build_result(self.rq.name, self.tool_parser)
-        self.metrics.on_step(self.engine, step_s, tokens, steady, now)
+        read = self.step_outputs.read(outputs, self.running, now)
+        for ended in read.ended:
+            ended.run.phase = Phase.FINISHED  # out of the engine: its result built, or it fails
+            if ended.failure is not None:
+                self._fail(ended.run, ended.failure, retry=ended.retry)
+        self.metrics.on_step(self.engine, step_s, read.tokens, read.steady, now)
 
     def _isolate(self) -> list[Any]:
         """Fail only the jobs whose presence makes the step raise (rose.worker.isolate); RQ Retry applies."""

@@ -82,28 +82,29 @@ class Outbox:
         last: bool = False,
     ) -> None:
         """New tokens of the job's choice `index` (`logprobs`: their entries, for a job that asked; `last`: the
-        choice finished with them). Nothing for a job that is not streamed."""
+        choice finished with them). Nothing for a job that is not streamed. They go out at once as the job's first
+        event, with what the choice held once it has finished, or at every step without a `stream_interval`;
+        otherwise they are held until the next release. Either way one path makes the event (`_token_event`)."""
         if not run.streamed:
             return
         choices = self._held.get(run.id)
         held = choices.get(index) if choices is not None else None
-        if held is None:
-            if run.seq == 0 or last or self.stream_interval <= 0:  # the first event goes out at once
-                self._token_event(run, text, token_ids, logprobs, index)
+        if held is None:  # these tokens begin what the choice holds
+            held = _Held(run, index, [text], list(token_ids), None if logprobs is None else list(logprobs))
+            if not (run.seq == 0 or last or self.stream_interval <= 0):  # the first event goes out at once
+                self._hold(held)
                 return
-            if not self._held:  # the clock starts with the first tokens held
-                self._release_at = time.monotonic() + self.stream_interval
-            held = _Held(run, index, logprobs=[] if logprobs is not None else None)
-            self._held.setdefault(run.id, {})[index] = held
-        held.texts.append(text)
-        held.token_ids.extend(token_ids)
-        if held.logprobs is not None:
-            held.logprobs.extend(logprobs or [])
-        if last:
-            del self._held[run.id][index]
-            if not self._held[run.id]:
+        else:
+            held.texts.append(text)
+            held.token_ids.extend(token_ids)
+            if held.logprobs is not None:
+                held.logprobs.extend(logprobs or [])
+            if not last:
+                return
+            del choices[index]
+            if not choices:
                 del self._held[run.id]
-            self._token_event(run, "".join(held.texts), held.token_ids, held.logprobs, index)
+        self._token_event(held)
 
     def release(self, run: Running) -> None:
         """The job's held tokens, now, as one event per choice."""
@@ -111,7 +112,7 @@ class Outbox:
 
     def _release(self, job_id: str) -> None:
         for held in self._held.pop(job_id, {}).values():
-            self._token_event(held.run, "".join(held.texts), held.token_ids, held.logprobs, held.index)
+            self._token_event(held)
 
     def reset(self, run: Running, reason: str = "restart") -> None:
         """The job starts over (an earlier attempt's events are in its stream): subscribers drop what they had."""
@@ -130,7 +131,7 @@ class Outbox:
         for index, choice in enumerate(run.choices):
             if choice.token_ids:
                 logprobs = list(choice.logprobs) if choice.logprobs is not None else None
-                self._token_event(run, "".join(choice.text), list(choice.token_ids), logprobs, index)
+                self._token_event(_Held(run, index, list(choice.text), list(choice.token_ids), logprobs))
 
     def terminal(self, run: Running, kind: Any, **fields: Any) -> None:
         """The job's last event (`kind`: DoneEvent, ErrorEvent, CanceledEvent, with its `fields`), after its held
@@ -198,17 +199,19 @@ class Outbox:
 
     # ---- internals -----------------------------------------------------------------------------------------------
 
-    def _token_event(
-        self,
-        run: Running,
-        text: str,
-        token_ids: list[int],
-        logprobs: list[LogprobEntry] | None = None,
-        index: int = 0,
-    ) -> None:
-        """One token event; it names its choice only for a job of several (n > 1)."""
+    def _hold(self, held: _Held) -> None:
+        """Keep the choice's tokens until the next release (its clock starts with the first tokens held)."""
+        if not self._held:
+            self._release_at = time.monotonic() + self.stream_interval
+        self._held.setdefault(held.run.id, {})[held.index] = held
+
+    def _token_event(self, held: _Held) -> None:
+        """One token event: a choice's tokens since its last one; it names its choice only for a job of several
+        (n > 1)."""
+        run = held.run
+        index = held.index if len(run.choices) > 1 else None
         data = token_event_json(
-            run.id, run.next_seq(), text, token_ids, logprobs, index if len(run.choices) > 1 else None
+            run.id, run.next_seq(), "".join(held.texts), held.token_ids, held.logprobs, index
         )
         self._append(run, Outgoing(run.id, data, self._running_ttl(run)))
 

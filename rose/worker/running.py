@@ -31,12 +31,14 @@ from rq.job import Job
 from rq.queue import Queue
 
 from rose.jobs.contract import JobResult, job_result
-from rose.jobs.logprobs import LogprobEntry
+from rose.jobs.logprobs import LogprobEntry, prompt_logprob_entries
 from rose.jobs.schemas import GenerateRequest
 
 log = logging.getLogger("rose.worker.endings")  # the job log (docs/operations.md)
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from rose.engine.outputs import RequestOutput
     from rose.engine.tool_calls import ToolParser
 
@@ -136,9 +138,15 @@ class Running:
             and now_mono - self.started_mono > self.timeout
         )
 
-    def build_result(self, worker: str, tool_parser: ToolParser | None = None) -> JobResult:
+    def build_result(
+        self,
+        worker: str,
+        tool_parser: ToolParser | None = None,
+        token_bytes: Callable[[int], bytes | None] | None = None,
+    ) -> JobResult:
         """The job's RQ result (rose.jobs.contract.job_result) from the engine's final output; `worker`: its name;
-        `tool_parser`: the worker's, which reads the calls of a job with tools."""
+        `tool_parser`: the worker's, which reads the calls of a job with tools; `token_bytes`: its tokenizer's
+        (rose.engine.token_bytes.TokenBytes), for the entries of a job's `prompt_logprobs`."""
         if self.output is None:
             raise RuntimeError(f"job {self.id} has no final output")
         finals = self.output.outputs
@@ -154,6 +162,11 @@ class Running:
             worker=worker,
             metadata=metadata,
             logprobs=[c.logprobs for c in self.choices],
+            prompt_logprobs=(
+                prompt_logprob_entries(self.output.prompt_logprobs, token_bytes)
+                if self.output.prompt_logprobs is not None
+                else None
+            ),
             request=self.request,
             tool_parser=tool_parser,
         )

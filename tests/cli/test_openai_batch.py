@@ -536,6 +536,47 @@ def test_logprobs_in_openais_shapes() -> None:
     assert ChatCompletion.model_validate(plain["response"]["body"]).choices[0].logprobs is None
 
 
+def test_prompt_logprobs_in_vllms_shape() -> None:
+    """vLLM's extra `prompt_logprobs` becomes the job's field, and the result's entries its OpenAI server's shape:
+    per prompt token None (the first) or {token id: {logprob, rank, decoded_token}} for the token and its top k; on
+    the chat response, on each completions choice; both still parse with openai's types."""
+    fmt = OpenAIFormat()
+    assert to_job_fields(chat(prompt_logprobs=2))[0]["prompt_logprobs"] == 2
+    assert to_job_fields(completion(prompt_logprobs=0))[0]["prompt_logprobs"] == 0
+    for bad in (21, -1, True):
+        parsed = fmt.parse(1, json.dumps(chat(prompt_logprobs=bad)), {})
+        assert parsed.request is None and parsed.context["param"] == "prompt_logprobs", parsed.error
+    second = {**entry(9, b" b", -2.5, [(8, b" a", -0.5), (9, b" b", -2.5)]), "rank": 2}
+    third = {**entry(4, b"!", -7.0, [(8, b" a", -0.25)]), "rank": 30}
+    result = {"text": "x", "finish_reason": "stop", "usage": {"prompt_tokens": 3, "completion_tokens": 1}}
+    result["prompt_logprobs"] = [None, second, third]
+    expected = [
+        None,
+        {
+            "9": {"logprob": -2.5, "rank": 2, "decoded_token": " b"},
+            "8": {"logprob": -0.5, "rank": 1, "decoded_token": " a"},
+        },
+        {
+            "4": {"logprob": -7.0, "rank": 30, "decoded_token": "!"},
+            "8": {"logprob": -0.25, "rank": 1, "decoded_token": " a"},
+        },
+    ]
+    body = fmt.result_line(fmt.parse(1, json.dumps(chat(prompt_logprobs=1)), {}), "j1", result)["response"][
+        "body"
+    ]
+    assert body["prompt_logprobs"] == expected and "prompt_logprobs" not in body["choices"][0]
+    ChatCompletion.model_validate(body)
+    body = fmt.result_line(fmt.parse(2, json.dumps(completion(prompt_logprobs=1)), {}), "j2", result)
+    body = body["response"]["body"]
+    assert body["choices"][0]["prompt_logprobs"] == expected and "prompt_logprobs" not in body
+    Completion.model_validate(body)
+    plain = PlainFormat().result_line(Entry(1, "a"), "j3", result)
+    assert plain["prompt_logprobs"] == [None, second, third]
+    assert "prompt_logprobs" not in PlainFormat().result_line(
+        Entry(1, "a"), "j4", {**result, "prompt_logprobs": None}
+    )
+
+
 def test_the_format_is_detected_per_file(tmp_path: Path) -> None:
     plain, oai = tmp_path / "plain.jsonl", tmp_path / "oai.jsonl"
     plain.write_text('{"prompt": "x"}\n')
@@ -622,8 +663,9 @@ def check_success(line: dict[str, Any], model: str, max_tokens: int) -> ChatComp
 
 
 def check_logprobs(chat_line: dict[str, Any], text_line: dict[str, Any]) -> None:
-    """The logprobs of a greedy chat line (top 3) and completions line (top 2) are the engine's own: the values
-    LLM gives for the same prompt on the same model, each chosen token the most likely one."""
+    """The logprobs of a greedy chat line (top 3) and completions line (top 2, and its prompt's, top 1) are the
+    engine's own: the values LLM gives for the same prompt on the same model, each chosen token the most likely
+    one."""
     chat_body = check_success(chat_line, "tiny", 3)
     content = chat_body.choices[0].logprobs.content
     assert len(content) == 3 and all(len(c.top_logprobs) == 3 for c in content)
@@ -644,6 +686,14 @@ def check_logprobs(chat_line: dict[str, Any], text_line: dict[str, Any]) -> None
     assert [list(top.values()) for top in logprobs.top_logprobs] == [
         pytest.approx(list(lp.top.values()), abs=1e-4) for lp in out.logprobs
     ]
+    # vLLM's prompt_logprobs on the completions choice: the engine's values for the prompt
+    [scored] = llm.generate("Once upon a time", SamplingParams(max_tokens=1, prompt_logprobs=1))
+    prompt = text_line["response"]["body"]["choices"][0]["prompt_logprobs"]
+    assert len(prompt) == len(scored.prompt_token_ids) and prompt[0] is None
+    for got, lp in zip(prompt[1:], scored.prompt_logprobs[1:], strict=True):
+        ids = [lp.token_id, *(t for t in lp.top if t != lp.token_id)]
+        assert list(got) == [str(t) for t in ids] and got[str(lp.token_id)]["rank"] == lp.rank
+        assert got[str(lp.token_id)]["logprob"] == pytest.approx(lp.logprob, abs=1e-4)
 
 
 CLOSE_ARRAY = str(build_tokenizer().convert_tokens_to_ids("]"))  # the preset's token "]"
@@ -693,7 +743,7 @@ def test_mixed_chat_and_completions_file_with_error_file_and_queue_routing(
         # constrained: ends when its grammar does (finish_reason "stop", whatever --ignore-eos says)
         chat("json-1", max_tokens=32, temperature=0, response_format=JSON_FORMAT),
         chat("lp-chat", max_tokens=3, temperature=0, logprobs=True, top_logprobs=3),
-        completion("lp-text", max_tokens=3, temperature=0, logprobs=2),
+        completion("lp-text", max_tokens=3, temperature=0, logprobs=2, prompt_logprobs=1),
         # calls decoded under the tools' schema; the bias on "]" closes the array after one call (a random model)
         chat(
             "tools-1",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -231,3 +232,61 @@ def test_every_step_runs_under_the_engines_sdpa_backends(monkeypatch):
     run = generate(engine, [("a", "hello world", greedy(3))])
     assert len(run.outputs["a"].token_ids) == 3
     assert entered and all(device == engine.device for device in entered)
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_abort_drops_what_a_failed_step_left_undelivered_for_the_request(monkeypatch, n):
+    """A step that raises after finishing a request (its grammar failed to compile) keeps that output for the next
+    step (`Engine.step`). Aborting the request returns it and drops it: a request added again under the same id
+    never receives it (n = 2: the choices' outputs, under their child ids, alike)."""
+    engine = make_engine("tiny-llama", max_num_seqs=4, max_model_len=64)
+
+    def failing(grammar):
+        raise RuntimeError("no grammar today")
+
+    monkeypatch.setattr(engine.structured_outputs.backend, "compile", failing)
+    constrained = SamplingParams(max_tokens=4, n=n, structured_outputs={"regex": "z+"})
+    engine.add_request("doomed", "hello", constrained)
+    engine.add_request("other", "hello world", greedy(3))  # a batch to run: the step reaches the forward
+    deadline = time.monotonic() + 30
+    waiting = engine.scheduler.waiting_for_grammar()
+    assert len(waiting) == n
+    while not (engine.structured_outputs.failures_due and all(s.structured.error for s in waiting)):
+        assert time.monotonic() < deadline, "the compile never failed"
+        time.sleep(0.01)
+
+    execute, calls = engine.runner.execute, []
+
+    def broken_once(batch):
+        calls.append(batch)
+        if len(calls) == 1:
+            raise RuntimeError("the forward broke")
+        return execute(batch)
+
+    monkeypatch.setattr(engine.runner, "execute", broken_once)
+    with pytest.raises(RuntimeError, match="the forward broke"):
+        engine.step()  # finished "doomed" ("error"), then raised: its output is left for the next step
+    assert engine.get_request("doomed") is None and engine.has_unfinished()
+
+    aborted = engine.abort("doomed")
+    assert aborted is not None and aborted.request_id == "doomed"
+    assert [c.finish_reason for c in aborted.outputs] == ["error"] * n
+    assert all("no grammar today" in (c.error or "") for c in aborted.outputs)
+    assert engine.abort("doomed") is None  # nothing left of it
+
+    engine.add_request("doomed", "hello", greedy(3, n=n))  # the same id again, a request that runs
+    delivered, finals = [], {}
+    for _ in range(20):
+        if not engine.has_unfinished():
+            break
+        for out in engine.step():
+            delivered.append(out)
+            if out.finished:
+                assert out.request_id not in finals, "finished twice"
+                finals[out.request_id] = out.output
+    assert len(calls) > 1 and not engine.has_unfinished() and engine.kv_blocks_used == 0
+    mine = [out for out in delivered if out.request_id == "doomed"]
+    assert mine and all(out.finish_reason in (None, "length") for out in mine)
+    assert sum(len(out.new_token_ids) for out in mine) == 3 * n
+    assert [(c.finish_reason, len(c.token_ids)) for c in finals["doomed"].outputs] == [("length", 3)] * n
+    assert finals["other"].finish_reason == "length" and len(finals["other"].token_ids) == 3

@@ -30,6 +30,7 @@ INVALID = {
     "include_stop_str_in_output": ["no"],
     "skip_special_tokens": ["false"],
     "logprobs": [-1, 2.5, "3", 2**63],
+    "prompt_logprobs": [-1, 2.5, "3", 2**63, True],
     "detokenize": ["no", 0],
     "logit_bias": [{"x": 1}, {"1": 100.5}, {1: math.nan}, {-1: 0}, {True: 1}, [(1, 2)], "{}"],
     "allowed_token_ids": [[], [-1], ["3"], [1.0], 5, [True]],

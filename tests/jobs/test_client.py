@@ -222,10 +222,16 @@ def test_bad_words_are_a_job_field_of_plain_rq_kwargs(client, fake_r):
 
 
 def test_n_and_logprobs_are_job_fields_checked_before_anything_is_enqueued(client, fake_r):
-    job = client.submit("x", n=4, logprobs=20)
+    job = client.submit("x", n=4, logprobs=20, prompt_logprobs=0)
     kwargs = client.job(job.id).rq_job.kwargs
-    assert (kwargs["n"], kwargs["logprobs"]) == (4, 20)
-    for bad, why in (({"n": 0}, "n"), ({"n": 129}, "n"), ({"logprobs": 21}, "logprobs must be <= 20")):
+    assert (kwargs["n"], kwargs["logprobs"], kwargs["prompt_logprobs"]) == (4, 20, 0)
+    for bad, why in (
+        ({"n": 0}, "n"),
+        ({"n": 129}, "n"),
+        ({"logprobs": 21}, "logprobs must be <= 20"),
+        ({"prompt_logprobs": 21}, "prompt_logprobs must be <= 20"),
+        ({"prompt_logprobs": -1}, "prompt_logprobs"),
+    ):
         with pytest.raises(InvalidRequest, match=why):
             client.submit("x", **bad)
     assert fake_r.llen("rq:queue:rose") == 1

@@ -1,0 +1,114 @@
+"""rose.worker.outbox.Outbox.token alone, without Redis: which tokens go out at once, which are held, and that every
+event (first, held, a finished choice's, released, resynced) carries exactly the tokens since the choice's last."""
+
+from __future__ import annotations
+
+import json
+import time
+from types import SimpleNamespace
+
+from rose.worker.outbox import Outbox
+from rose.worker.running import Choice, Running
+
+
+class StubPublisher:
+    """What the outbox asks of rose.worker.publisher.Publisher: batches kept here, never sent."""
+
+    acked = 0
+    backlog = 0
+
+    def __init__(self) -> None:
+        self.batches: list[list] = []
+
+    def send(self, events: list) -> int:
+        self.batches.append(list(events))
+        return len(self.batches)
+
+    def poll(self) -> None:
+        pass
+
+    def unacked_jobs(self) -> set[str]:
+        return set()
+
+
+def running(job_id: str = "j", n: int = 1, logprobs: bool = False) -> Running:
+    job = SimpleNamespace(id=job_id, key=f"rq:job:{job_id}", get_result_ttl=lambda default: default)
+    run = Running(job, None, None, time.time(), time.monotonic(), 60)  # type: ignore[arg-type]
+    run.request = SimpleNamespace(stream=True, metadata=None)  # type: ignore[assignment]
+    run.choices = [Choice(logprobs=[] if logprobs else None) for _ in range(n)]
+    return run
+
+
+def sent(outbox: Outbox, publisher: StubPublisher, release: bool = False) -> list[dict]:
+    outbox.flush(release=release)
+    events = [json.loads(e.data) for e in publisher.batches[-1]] if publisher.batches else []
+    publisher.batches.clear()
+    return events
+
+
+def entry(token_id: int) -> dict:
+    return {"token_id": token_id, "token": "t", "bytes": None, "logprob": -1.0, "top_logprobs": []}
+
+
+def test_the_first_event_goes_out_at_once_later_tokens_are_held_and_released_together():
+    publisher = StubPublisher()
+    outbox, run = Outbox(publisher, 500, stream_interval=3600), running(logprobs=True)
+    outbox.token(run, "a", [1], [entry(1)])
+    (first,) = sent(outbox, publisher)
+    assert (first["seq"], first["text"], first["token_ids"], first["logprobs"]) == (0, "a", [1], [entry(1)])
+    assert "index" not in first
+    outbox.token(run, "b", [2], [entry(2)])
+    outbox.token(run, "c", [3], [entry(3)])
+    assert sent(outbox, publisher) == []  # held: the release is an hour away
+    (held,) = sent(outbox, publisher, release=True)
+    assert (held["seq"], held["text"], held["token_ids"]) == (1, "bc", [2, 3])
+    assert held["logprobs"] == [entry(2), entry(3)]
+    assert outbox.idle
+
+
+def test_a_finished_choice_goes_out_with_what_it_held_and_each_choice_is_named():
+    publisher = StubPublisher()
+    outbox, run = Outbox(publisher, 500, stream_interval=3600), running(n=2)
+    outbox.token(run, "a", [1], index=0)  # the job's first event: at once
+    outbox.token(run, "x", [7], index=1)  # held (not the job's first)
+    outbox.token(run, "b", [2], index=0)
+    outbox.token(run, "y", [8], index=1, last=True)  # choice 1 finished: its held tokens go with these
+    events = sent(outbox, publisher)
+    assert [(e["index"], e["seq"], e["text"], e["token_ids"]) for e in events] == [
+        (0, 0, "a", [1]),
+        (1, 1, "xy", [7, 8]),
+    ]
+    outbox.release(run)
+    (rest,) = sent(outbox, publisher)
+    assert (rest["index"], rest["seq"], rest["text"], rest["token_ids"]) == (0, 2, "b", [2])
+    assert outbox.idle
+
+
+def test_without_a_stream_interval_every_call_is_an_event_and_nothing_is_held():
+    publisher = StubPublisher()
+    outbox, run = Outbox(publisher, 500, stream_interval=0), running()
+    ids = [5, 6]
+    for i in ids:
+        outbox.token(run, str(i), [i])
+    outbox.token(run, "", [], last=True)
+    events = sent(outbox, publisher)
+    assert [(e["seq"], e["text"], e["token_ids"]) for e in events] == [
+        (0, "5", [5]),
+        (1, "6", [6]),
+        (2, "", []),
+    ]
+    assert ids == [5, 6] and outbox.idle
+
+
+def test_a_resync_sends_every_token_so_far_after_a_reset():
+    publisher = StubPublisher()
+    outbox, run = Outbox(publisher, 500, stream_interval=3600), running()
+    run.choices[0].text, run.choices[0].token_ids = ["a", "b"], [1, 2]  # what the loop recorded
+    outbox.token(run, "a", [1])
+    assert len(sent(outbox, publisher)) == 1
+    outbox.token(run, "b", [2])  # held, then dropped with the reset: the resync carries it
+    outbox.resync(run, "redis lost events")
+    reset, tokens = sent(outbox, publisher)
+    assert reset["type"] == "reset" and reset["reason"] == "redis lost events"
+    assert (tokens["seq"], tokens["text"], tokens["token_ids"]) == (0, "ab", [1, 2])
+    assert outbox.idle
