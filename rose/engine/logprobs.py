@@ -2,11 +2,13 @@
 the sampler's `logprobs` (the drawn tokens) and the engine's `prompt_logprobs` (each prompt token given the ones
 before it) are both this computation.
 
-On CPU the log-softmax is taken a few rows at a time (the same kernel per row: the same values bit for bit): 64 rows
-x 151k columns at once is a 39 MB tensor, above glibc's 32 MiB mmap threshold, so every step faulted in fresh pages
-and read it back from memory; a chunk is reused from malloc and stays in cache for the gather and the top-k
-(`top_k`). A row picked out of the logits is copied a chunk at a time too, never when every row is wanted.
-64 rows x 151,665 columns on 2 cores, k=5: 75 -> 19 ms (benchmarks/logprobs.py).
+Only the values reported are computed with log-softmax's formula, (x - max) - log(sum(exp(x - max))): the row's max
+and log-sum come first, then the chosen token's and the top k's logits are shifted by them (the top k of the logits
+are the top k of the log-softmax, in the same order). On CPU this goes a few rows at a time: 64 rows x 151k columns
+at once is a 39 MB temporary, above glibc's 32 MiB mmap threshold, so every step faulted in fresh pages and read it
+back from memory; a chunk is reused from malloc and stays in cache for the gather and the top-k (`top_k`). A row
+picked out of the logits is copied a chunk at a time too, never when every row is wanted. 64 rows x 151,665 columns
+on 2 cores, k=5: 75 ms (one log_softmax) -> 19 ms (chunked) -> ~7 ms (no log-softmax written; benchmarks/logprobs.py).
 """
 
 from __future__ import annotations
@@ -47,14 +49,18 @@ def token_logprobs(
     parts_lp, parts_rank, parts_vals, parts_ids = [], [], [], []
     for a in range(0, count, step):
         b = min(a + step, count)
-        logp = (logits[a:b] if every else logits[rows[a:b]]).log_softmax(dim=-1)
-        lp = logp.gather(1, chosen[a:b])
-        parts_lp.append(lp[:, 0])
+        rows_ab = logits[a:b] if every else logits[rows[a:b]]
+        # log_softmax's own formula, (x - max) - log(sum(exp(x - max))), for the values read only: the whole
+        # log-softmax is never written (a pass over the rows saved), the top k taken from the logits (same order)
+        top = rows_ab.amax(dim=1, keepdim=True)
+        log_sum = (rows_ab - top).exp_().sum(dim=1, keepdim=True).log_()
+        x = rows_ab.gather(1, chosen[a:b])
+        parts_lp.append(((x - top) - log_sum)[:, 0])
         if ranks:
-            parts_rank.append((logp >= lp).sum(dim=1))
+            parts_rank.append((rows_ab >= x).sum(dim=1))
         if k:
-            vals, ids = top_k(logp, k)
-            parts_vals.append(vals)
+            vals, ids = top_k(rows_ab, k)
+            parts_vals.append((vals - top) - log_sum)
             parts_ids.append(ids)
     if not count:
         return []
