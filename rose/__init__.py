@@ -20,6 +20,7 @@ _EXPORTS = {
     "Engine": "rose.engine.engine",
     "EngineConfig": "rose.engine.config",
     "SamplingParams": "rose.engine.sampling_params",
+    "LoRARequest": "rose.engine.lora",
     "RequestOutput": "rose.engine.outputs",
     "StepOutput": "rose.engine.outputs",
     "UnsupportedModelError": "rose.engine.model_probe",
@@ -39,6 +40,7 @@ __all__ = [
     "InvalidRequest",
     "JobCanceled",
     "JobFailed",
+    "LoRARequest",
     "RequestOutput",
     "SamplingParams",
     "StepOutput",
@@ -50,6 +52,7 @@ if TYPE_CHECKING:
     from rose.engine.config import EngineConfig
     from rose.engine.engine import Engine
     from rose.engine.llm import LLM
+    from rose.engine.lora import LoRARequest
     from rose.engine.model_probe import UnsupportedModelError
     from rose.engine.outputs import RequestOutput, StepOutput
     from rose.engine.sampling_params import SamplingParams

@@ -31,6 +31,8 @@ class EngineConfig:
       default any whitespace may separate its tokens, at most `max_json_whitespace` characters at a time (None: no
       limit). `structured_outputs_backend`: "guidance" (llguidance), "xgrammar", or "auto" (guidance).
       `grammar_compile_timeout`: seconds a request waits for its grammar to compile before it fails (None: no limit).
+    - `enable_lora` (vLLM's): requests may name a LoRA adapter (rose.engine.lora); `max_loras` adapters resident at
+      once (the rest loaded as slots free up), of rank at most `max_lora_rank`.
     """
 
     device: Any = "auto"  # str or torch.device
@@ -49,10 +51,16 @@ class EngineConfig:
     max_json_whitespace: int | None = DEFAULT_MAX_JSON_WHITESPACE
     structured_outputs_backend: str = "auto"
     grammar_compile_timeout: float | None = GRAMMAR_COMPILE_TIMEOUT_S
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        for name in ("max_loras", "max_lora_rank"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("max_model_len", "max_num_batched_tokens", "num_gpu_blocks_override", "block_size"):
             value = getattr(self, name)
             if value is not None and value < 1:

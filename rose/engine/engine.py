@@ -23,6 +23,7 @@ from rose.engine.kv_cache import KVCache
 from rose.engine.kv_cache_manager import KVCacheManager
 from rose.engine.layer_spec import first_needed
 from rose.engine.logprobs import prompt_logprobs
+from rose.engine.lora import LoRAManager, LoRARequest
 from rose.engine.model_runner import ModelRunner, model_context
 from rose.engine.outputs import RequestMetrics, RequestOutput, StepOutput
 from rose.engine.parallel_sampling import ParallelSampling, child_id, child_params
@@ -103,7 +104,10 @@ class Engine:
             self.max_model_len,
             config.max_num_seqs,
         )
-        self.runner = ModelRunner(self.model, layers, self.cache)
+        self.lora = (
+            LoRAManager(self.model, config.max_loras, config.max_lora_rank) if config.enable_lora else None
+        )
+        self.runner = ModelRunner(self.model, layers, self.cache, self.lora)
         # every layer windowed or chunked: blocks that all windows have passed are given back early
         visibilities = frozenset(spec.visibility for spec in layers.specs)
         windowed = (None, None) not in visibilities
@@ -126,6 +130,7 @@ class Engine:
             self.kv_cache_manager,
             eos_token_ids=self.eos_token_ids,
             max_model_len=self.max_model_len,
+            lora=self.lora,
         )
         self.sampler = Sampler(vocab, self.device, self.eos_token_ids, seed=config.seed)
         self._num_steps = 0  # forwards run
@@ -143,12 +148,14 @@ class Engine:
         *,
         priority: int = 0,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Queue a request. Raises ValueError (naming the problem) for one that can never run.
 
         `prompt`: text (encoded with the tokenizer's special tokens), token ids, or vLLM's TokensPrompt
         `{"prompt_token_ids": [...], "prompt": text}` (ids used as they are; the text, e.g. a rendered chat, is
-        only echoed in the output).
+        only echoed in the output). `lora_request`: the LoRA adapter to run with (an engine built with
+        `enable_lora`; read from disk the first time its name is seen, LoRAError when it does not fit the model).
         """
         if request_id in self.scheduler.requests or request_id in self.parallel:
             raise ValueError(f"request id {request_id!r} is already in the engine")
@@ -156,6 +163,10 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         params.verify(self.vocab_size, self.max_logprobs)
+        if lora_request is not None:
+            if self.lora is None:
+                raise ValueError("a LoRA request needs an engine built with enable_lora=True")
+            self.lora.register(lora_request)
         bad_words = None
         if params.bad_words:  # tokenized once per request (vLLM: SamplingParams.update_from_tokenizer)
             if self.tokenizer is None:
@@ -178,7 +189,9 @@ class Engine:
         arrival = time.time() if arrival_time is None else arrival_time
         if params.n == 1:
             self.scheduler.add(
-                self._sequence(request_id, text, ids, params, max_tokens, priority, arrival, bad_words)
+                self._sequence(
+                    request_id, text, ids, params, max_tokens, priority, arrival, bad_words, lora_request
+                )
             )
             return
         children = [child_id(request_id, i) for i in range(params.n)]
@@ -186,7 +199,9 @@ class Engine:
         if taken:
             raise ValueError(f"request id {taken[0]!r} (a choice of {request_id!r}) is already in the engine")
         seqs = [
-            self._sequence(c, text, ids, child_params(params, i), max_tokens, priority, arrival, bad_words)
+            self._sequence(
+                c, text, ids, child_params(params, i), max_tokens, priority, arrival, bad_words, lora_request
+            )
             for i, c in enumerate(children)
         ]  # all built before any is added: one that raises adds none
         share = PromptShare(pending=set(children))
@@ -206,6 +221,7 @@ class Engine:
         priority: int,
         arrival: float,
         bad_words: list[list[int]] | None,
+        lora_request: LoRARequest | None = None,
     ) -> Sequence:
         """A sequence of the request (one choice of it), with its own grammar, generator and detokenizer."""
         structured = None
@@ -238,6 +254,7 @@ class Engine:
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
             structured=structured,
             bad_words_token_ids=bad_words,
+            lora_request=lora_request,
         )
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -380,6 +397,8 @@ class Engine:
         stats: dict[str, int | float] = dict(self.kv_cache_manager.get_stats())
         if self._structured is not None:
             stats.update(self._structured.get_stats())
+        if self.lora is not None:
+            stats.update(lora_loads=self.lora.num_loads, lora_evictions=self.lora.num_evictions)
         kv = self.kv_cache_manager
         return {
             **stats,

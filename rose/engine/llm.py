@@ -12,6 +12,7 @@ from transformers import PreTrainedModel
 from rose.engine.chat import ChatOptions, ChatTemplateError, render_chat
 from rose.engine.config import EngineConfig
 from rose.engine.engine import Engine
+from rose.engine.lora import LoRARequest
 from rose.engine.outputs import RequestOutput, StepOutput
 from rose.engine.sampling_params import SamplingParams
 
@@ -50,8 +51,10 @@ class LLM:
         *,
         use_tqdm: bool = False,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in input order."""
+        """Run every prompt to completion; outputs come back in input order. `lora_request` (vLLM's): the adapter
+        for every prompt, or one per prompt (None: the base model); the LLM needs `enable_lora=True`."""
         prompt_list = _normalize_prompts(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params or SamplingParams()] * len(prompt_list)
@@ -65,10 +68,18 @@ class LLM:
             raise ValueError(
                 f"got {len(priority)} priority values for {len(prompt_list)} prompts: pass one per prompt"
             )
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompt_list)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompt_list):
+                raise ValueError(
+                    f"got {len(loras)} lora_request for {len(prompt_list)} prompts: pass one per prompt"
+                )
         ids = [str(next(self._ids)) for _ in prompt_list]
         try:
             for i, (rid, prompt, params) in enumerate(zip(ids, prompt_list, params_list, strict=True)):
-                self._add(rid, prompt, params, priority[i] if priority else 0)
+                self._add(rid, prompt, params, priority[i] if priority else 0, loras[i])
             results = self._run(ids, use_tqdm)
         finally:
             self._release(ids)
@@ -123,9 +134,14 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _add(
-        self, rid: str, prompt: str | list[int] | dict[str, Any], params: SamplingParams, priority: int = 0
+        self,
+        rid: str,
+        prompt: str | list[int] | dict[str, Any],
+        params: SamplingParams,
+        priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> None:
-        self.engine.add_request(rid, prompt, params, priority=priority)
+        self.engine.add_request(rid, prompt, params, priority=priority, lora_request=lora_request)
         self._inbox[rid] = []
 
     def _release(self, ids: list[str]) -> None:

@@ -11,6 +11,7 @@ from transformers import PreTrainedModel
 
 from rose.engine.attention import sdpa_backends
 from rose.engine.kv_cache import AttentionMetadata, KVCache, PrefillSegment
+from rose.engine.lora import LoRAManager
 from rose.engine.model_binding import ForwardContext, attach
 from rose.engine.model_probe import AttentionLayers
 from rose.engine.scheduler import ScheduledBatch
@@ -51,14 +52,26 @@ def prompt_rows(seq: Sequence, start: int, end: int) -> tuple[int, int] | None:
 
 
 class ModelRunner:
-    def __init__(self, model: PreTrainedModel, layers: AttentionLayers, cache: KVCache) -> None:
+    def __init__(
+        self, model: PreTrainedModel, layers: AttentionLayers, cache: KVCache, lora: LoRAManager | None = None
+    ) -> None:
         self.model = model
+        self.lora = lora
         self.cache = cache
         self.device = cache.k[0].device
         self.context = ForwardContext()
         attach(model, layers, cache, self.context)
         # models without it compute every token's logits; the sampled rows are picked out after the forward
         self.keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
+
+    def _lora_step(self, batch: ScheduledBatch) -> None:
+        """Each token's adapter slot, in the forward's order: decode tokens, then prefill chunks."""
+        seqs = [*batch.decode, *(c.seq for c in batch.prefill)]
+        lengths = [1] * len(batch.decode) + [c.length for c in batch.prefill]
+        slots = [
+            None if s.lora_request is None else self.lora.slot_of(s.lora_request.lora_name) for s in seqs
+        ]
+        self.lora.begin_step(slots, lengths)
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
@@ -124,6 +137,8 @@ class ModelRunner:
             meta.decode_tables = tables
         keep = self._tensor(sample_index + prompt_index)
         self.context.begin(meta)
+        if self.lora is not None:
+            self._lora_step(batch)
         try:
             with sdpa_backends(self.device):
                 out = self.model(
@@ -134,6 +149,8 @@ class ModelRunner:
                 )
         finally:
             self.context.end()
+            if self.lora is not None:
+                self.lora.end_step()
         logits = out.logits[0] if self.keeps_logits else out.logits[0, keep]
         num_sampled = len(sample_index)
         if not prompts:

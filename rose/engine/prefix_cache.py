@@ -21,13 +21,15 @@ from rose.engine.sequence import Sequence
 logger = logging.getLogger(__name__)
 
 
-def block_hashes(token_ids: list[int], block_size: int, prev: list[int] | None = None) -> list[int]:
+def block_hashes(
+    token_ids: list[int], block_size: int, prev: list[int] | None = None, salt: int = 0
+) -> list[int]:
     """Chained hashes of the full blocks of `token_ids`; with `prev` (the hashes of its first blocks, already
     computed) only the blocks after those are hashed. 128-bit BLAKE2b over the previous hash and the block's tokens:
     a block's hash stands for its whole prefix, and a hit compares only the block's own tokens, so the hash must not
     collide, even for inputs crafted to (Python's `hash` of a tuple is 64 bits and not collision-resistant)."""
     hashes = list(prev or [])
-    last = hashes[-1] if hashes else 0
+    last = hashes[-1] if hashes else salt  # `salt`: what else the K/V depends on (a LoRA adapter's id)
     for start in range(len(hashes) * block_size, len(token_ids) - block_size + 1, block_size):
         block = array("q", token_ids[start : start + block_size]).tobytes()
         digest = hashlib.blake2b(last.to_bytes(16, "little") + block, digest_size=16).digest()
@@ -62,7 +64,9 @@ class PrefixCache:
         """The chained hashes of `seq`'s full blocks (prompt and generated tokens), extended as it grows."""
         tokens = seq.all_token_ids
         if seq.block_hashes is None or len(seq.block_hashes) < len(tokens) // self.block_size:
-            seq.block_hashes = block_hashes(tokens, self.block_size, seq.block_hashes)
+            # keyed by adapter: the same tokens under another LoRA adapter have other K/V
+            salt = seq.lora_request.lora_int_id if seq.lora_request is not None else 0
+            seq.block_hashes = block_hashes(tokens, self.block_size, seq.block_hashes, salt)
         return seq.block_hashes
 
     def _token_blocks(self, seq: Sequence, n: int) -> list[tuple[int, ...]]:

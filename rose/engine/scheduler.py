@@ -40,6 +40,7 @@ from rose.engine.sequence import Sequence, SequenceStatus
 from rose.engine.stopping import append_token
 
 if TYPE_CHECKING:
+    from rose.engine.lora import LoRAManager
     from rose.engine.sampler import SamplerOutput
 
 _WAITING = (SequenceStatus.WAITING, SequenceStatus.WAITING_FOR_GRAMMAR)
@@ -86,6 +87,7 @@ class Scheduler:
         *,
         eos_token_ids: set[int],
         max_model_len: int,
+        lora: LoRAManager | None = None,
     ) -> None:
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError(
@@ -93,6 +95,7 @@ class Scheduler:
                 "so that every running sequence can decode each step"
             )
         self.max_num_seqs = max_num_seqs
+        self.lora = lora  # a sequence runs only with its adapter resident (rose.engine.lora)
         self.max_num_batched_tokens = max_num_batched_tokens
         self.kv = kv
         self.eos_token_ids = eos_token_ids
@@ -188,6 +191,8 @@ class Scheduler:
                     if not seq.structured.is_ready:
                         continue
                     seq.status = SequenceStatus.WAITING
+                if seq.lora_request is not None and not self.lora.can_acquire(seq.lora_request.lora_name):
+                    continue  # every adapter slot is in use: it waits, those behind it may go (as vLLM)
                 if self.kv.should_defer(seq, self._prefilling) or not self._admit(seq):
                     break  # no room: it keeps its place in line, and nothing behind it jumps ahead
                 held.pop()
@@ -200,10 +205,13 @@ class Scheduler:
 
     def _admit(self, seq: Sequence) -> bool:
         """Admit `seq` if the KV-cache manager has the blocks of its whole prefill (above the watermark unless the
-        engine is idle: nothing else will free blocks)."""
+        engine is idle: nothing else will free blocks); a LoRA request's adapter takes its slot."""
+        adapter = seq.lora_request.lora_name if seq.lora_request is not None else None
         cached = self.kv.allocate_prefill(seq, watermark=bool(self.running))
         if cached is None:
             return False
+        if adapter is not None:
+            self.lora.acquire(adapter)
         seq.num_computed_tokens = cached
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
@@ -233,6 +241,8 @@ class Scheduler:
 
     def _release(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        if seq.lora_request is not None:
+            self.lora.release(seq.lora_request.lora_name)
         if seq in self._prefilling:
             self._prefilling.remove(seq)
         self.kv.free(seq)

@@ -14,6 +14,7 @@ from rose.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # xgrammar is imported only by engines that get a constrained request
     from rose.engine.grammar import StructuredOutputRequest
+    from rose.engine.lora import LoRARequest
 
 
 # The entry of a block given back because every window has passed it (Sequence.num_dropped_blocks counts them): a
@@ -80,6 +81,9 @@ class Sequence:
     bad_words_token_ids: list[list[int]] | None = None
     # the prompt this choice shares with the other choices of its request (rose.engine.parallel_sampling)
     prompt_share: PromptShare | None = None
+    lora_request: LoRARequest | None = (
+        None  # the adapter it runs with (rose.engine.lora); None: the base model
+    )
 
     def __post_init__(self) -> None:
         if not self.num_prefill_tokens:

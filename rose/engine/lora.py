@@ -1,0 +1,288 @@
+"""LoRA adapters served together in one batch (vLLM's `enable_lora`, the S-LoRA / Punica idea in torch).
+
+A `LoRARequest` (vLLM's: `lora_name`, `lora_int_id`, `lora_path`) names a PEFT adapter directory
+(`adapter_config.json` + `adapter_model.safetensors`). The `LoRAManager` owns everything about adapters:
+
+- `register(request)` reads an adapter from disk once (CPU tensors), checks it against the base model (every
+  targeted module a linear layer of the right shapes, rank <= `max_lora_rank`, only what plain LoRA computes: no
+  DoRA, biases, `modules_to_save`, ...) and raises `LoRAError` naming the problem;
+- `max_loras` slots hold the adapters resident on the model's device. `acquire(name)` gives a running sequence its
+  adapter's slot (loading the adapter into the least recently used free slot), `release(name)` gives it back; an
+  adapter stays resident while any sequence runs with it, so a slot is taken only when none runs with it;
+- each targeted linear layer is wrapped once (`LoRALinear`): the base layer's output, plus for each slot present
+  in the step the rows of its tokens times A then B, times the adapter's scaling, as PEFT computes
+  `lora_B(lora_A(x)) * scaling`. One forward serves a batch that mixes adapters and the base model; the deltas are
+  one pair of matmuls per adapter present, never a forward per adapter.
+
+The model runner sets the step's token → slot mapping (`begin_step`) around its forward.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+_PREFIX = "base_model.model."
+# PEFT LoraConfig fields that change what an adapter computes, which rose does not implement: refused when set
+_UNSUPPORTED = {
+    "use_dora": "DoRA (use_dora)",
+    "lora_bias": "LoRA biases (lora_bias)",
+    "modules_to_save": "modules_to_save (full copies of modules)",
+    "layer_replication": "layer_replication",
+    "trainable_token_indices": "trainable_token_indices",
+    "target_parameters": "target_parameters",
+    "rank_pattern": "per-module ranks (rank_pattern)",
+    "alpha_pattern": "per-module alphas (alpha_pattern)",
+    "fan_in_fan_out": "fan_in_fan_out weights",
+    "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens)",
+}
+
+
+class LoRAError(ValueError):
+    """An adapter that cannot be served: unknown, unreadable, or not fitting the base model."""
+
+
+@dataclass(frozen=True, slots=True)
+class LoRARequest:
+    """vLLM's LoRARequest: an adapter by name, a positive integer id unique to it, and its PEFT directory."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.lora_name, str) or not self.lora_name:
+            raise LoRAError(f"LoRARequest.lora_name must be a non-empty string, got {self.lora_name!r}")
+        if (
+            isinstance(self.lora_int_id, bool)
+            or not isinstance(self.lora_int_id, int)
+            or self.lora_int_id < 1
+        ):
+            raise LoRAError(f"LoRARequest.lora_int_id must be an integer >= 1, got {self.lora_int_id!r}")
+
+
+@dataclass(slots=True)
+class LoRAAdapter:
+    """One adapter read from disk: per targeted module (its path in the base model), A [r, in] and B [out, r]."""
+
+    request: LoRARequest
+    rank: int
+    scaling: float
+    weights: dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+
+def read_adapter(request: LoRARequest, model: nn.Module, max_lora_rank: int) -> LoRAAdapter:
+    """The adapter at `request.lora_path`, checked against `model`; LoRAError naming what does not fit."""
+    where = f"LoRA adapter {request.lora_name!r} ({request.lora_path})"
+    path = Path(request.lora_path)
+    try:
+        config = json.loads((path / "adapter_config.json").read_text())
+        tensors = load_file(str(path / "adapter_model.safetensors"))
+    except (OSError, ValueError) as exc:
+        raise LoRAError(
+            f"{where}: cannot read adapter_config.json and adapter_model.safetensors: {exc}"
+        ) from exc
+    if config.get("peft_type", "LORA") != "LORA":
+        raise LoRAError(f"{where}: peft_type {config.get('peft_type')!r} is not LORA")
+    for key, what in _UNSUPPORTED.items():
+        if config.get(key):
+            raise LoRAError(f"{where}: {what} is not supported")
+    if config.get("bias", "none") != "none":
+        raise LoRAError(f"{where}: bias {config['bias']!r} is not supported (only 'none')")
+    rank, alpha = config.get("r"), config.get("lora_alpha")
+    if not isinstance(rank, int) or rank < 1 or not isinstance(alpha, int | float):
+        raise LoRAError(f"{where}: adapter_config.json needs an integer r >= 1 and a number lora_alpha")
+    if rank > max_lora_rank:
+        raise LoRAError(f"{where}: rank {rank} is above max_lora_rank {max_lora_rank}")
+    scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+    modules = dict(model.named_modules())
+    head = next((n for n, m in modules.items() if m is model.get_output_embeddings()), None)
+    on_head = [k for k in tensors if head is not None and k.removeprefix(_PREFIX).startswith(head + ".")]
+    if on_head:  # the runner computes the LM head's output for the sampled rows only
+        raise LoRAError(f"{where}: adapters of the LM head ({head}) are not supported")
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        name, _, part = key.removeprefix(_PREFIX).rpartition(".lora_")
+        if part not in ("A.weight", "B.weight"):
+            raise LoRAError(
+                f"{where}: unexpected tensor {key!r} (only lora_A / lora_B weights are supported)"
+            )
+        pairs.setdefault(name, {})[part[0]] = tensor
+    weights = {}
+    for name, pair in pairs.items():
+        module = modules.get(name)
+        base = module.base if isinstance(module, LoRALinear) else module
+        if not isinstance(base, nn.Linear):
+            raise LoRAError(f"{where}: the base model has no linear layer {name!r}")
+        a, b = pair.get("A"), pair.get("B")
+        if a is None or b is None:
+            raise LoRAError(f"{where}: {name} lacks its lora_{'A' if a is None else 'B'} weight")
+        if tuple(a.shape) != (rank, base.in_features) or tuple(b.shape) != (base.out_features, rank):
+            raise LoRAError(
+                f"{where}: {name}'s lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not fit its "
+                f"{base.in_features} -> {base.out_features} layer at rank {rank}"
+            )
+        weights[name] = (a, b)
+    if not weights:
+        raise LoRAError(f"{where}: adapter_model.safetensors holds no LoRA weights")
+    return LoRAAdapter(request, rank, scaling, weights)
+
+
+@dataclass(slots=True)
+class StepMapping:
+    """The running forward's tokens by slot: (slot, row indices) for each adapter present."""
+
+    num_tokens: int = 0
+    segments: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+
+
+class LoRALinear(nn.Module):
+    """A linear layer with a slot of A / B weights per resident adapter (zero where an adapter does not target it)."""
+
+    def __init__(self, base: nn.Linear, max_loras: int, max_rank: int, step: StepMapping) -> None:
+        super().__init__()
+        self.base = base
+        self.step = step
+        w = base.weight
+        self.lora_a = torch.zeros(max_loras, max_rank, base.in_features, dtype=w.dtype, device=w.device)
+        self.lora_b = torch.zeros(max_loras, base.out_features, max_rank, dtype=w.dtype, device=w.device)
+        self.ranks = [0] * max_loras  # 0: the slot's adapter does not target this layer
+        self.scaling = [0.0] * max_loras
+
+    def set_slot(self, slot: int, weights: tuple[torch.Tensor, torch.Tensor] | None, scaling: float) -> None:
+        if weights is None:
+            self.ranks[slot] = 0
+            return
+        a, b = weights
+        r = a.shape[0]
+        self.lora_a[slot, :r].copy_(a)
+        self.lora_b[slot, :, :r].copy_(b)
+        self.ranks[slot], self.scaling[slot] = r, scaling
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        step = self.step
+        if not step.segments:
+            return y
+        flat_x = x.reshape(-1, x.shape[-1])
+        flat_y = y.view(-1, y.shape[-1])
+        if flat_x.shape[0] != step.num_tokens:
+            raise RuntimeError(f"LoRA layer saw {flat_x.shape[0]} tokens in a step of {step.num_tokens}")
+        for slot, rows in step.segments:
+            r = self.ranks[slot]
+            if r:
+                a, b = self.lora_a[slot, :r], self.lora_b[slot, :, :r]
+                flat_y[rows] += (flat_x[rows] @ a.T) @ b.T * self.scaling[slot]
+        return y
+
+
+class LoRAManager:
+    def __init__(self, model: nn.Module, max_loras: int, max_lora_rank: int) -> None:
+        if max_loras < 1 or max_lora_rank < 1:
+            raise ValueError(f"max_loras and max_lora_rank must be >= 1, got {max_loras} and {max_lora_rank}")
+        self.model = model
+        self.max_loras = max_loras
+        self.max_lora_rank = max_lora_rank
+        self.step = StepMapping()
+        self._adapters: dict[str, LoRAAdapter] = {}  # registered (read from disk), by name
+        self._layers: dict[str, LoRALinear] = {}  # wrapped layers, by module path
+        self._slots: list[str | None] = [None] * max_loras  # the adapter resident in each slot
+        self._users: dict[str, int] = {}  # resident adapter -> sequences running with it
+        self._idle: OrderedDict[str, None] = OrderedDict()  # resident, unused, least recently used first
+        self.num_loads = 0
+        self.num_evictions = 0
+
+    @property
+    def adapters(self) -> list[str]:
+        return list(self._adapters)
+
+    def register(self, request: LoRARequest) -> LoRAAdapter:
+        """Read `request`'s adapter once (the same name with another id or path is refused)."""
+        known = self._adapters.get(request.lora_name)
+        if known is not None:
+            if known.request != request:
+                raise LoRAError(
+                    f"LoRA adapter {request.lora_name!r} is already registered as {known.request}; got {request}"
+                )
+            return known
+        taken = [a for a in self._adapters.values() if a.request.lora_int_id == request.lora_int_id]
+        if taken:
+            raise LoRAError(
+                f"lora_int_id {request.lora_int_id} already names adapter {taken[0].request.lora_name!r}"
+            )
+        adapter = read_adapter(request, self.model, self.max_lora_rank)
+        self._adapters[request.lora_name] = adapter
+        return adapter
+
+    def slot_of(self, name: str) -> int:
+        return self._slots.index(name)
+
+    def can_acquire(self, name: str) -> bool:
+        return name in self._users or None in self._slots or bool(self._idle)
+
+    def acquire(self, name: str) -> int:
+        """A slot holding adapter `name` for one more running sequence (loaded if not resident)."""
+        if name in self._users:
+            self._users[name] += 1
+            self._idle.pop(name, None)
+            return self._slots.index(name)
+        if None in self._slots:
+            slot = self._slots.index(None)
+        elif self._idle:
+            evicted, _ = self._idle.popitem(last=False)
+            slot = self._slots.index(evicted)
+            del self._users[evicted]
+            self.num_evictions += 1
+        else:
+            raise RuntimeError(f"no free LoRA slot for {name!r}: every one of {self.max_loras} is in use")
+        self._load(slot, self._adapters[name])
+        self._users[name] = 1
+        return slot
+
+    def release(self, name: str) -> None:
+        self._users[name] -= 1
+        if not self._users[name]:
+            self._idle[name] = None  # stays resident until its slot is needed
+
+    def _load(self, slot: int, adapter: LoRAAdapter) -> None:
+        for name in adapter.weights:
+            if name not in self._layers:
+                self._wrap(name)
+        for name, layer in self._layers.items():
+            layer.set_slot(slot, adapter.weights.get(name), adapter.scaling)
+        self._slots[slot] = adapter.request.lora_name
+        self.num_loads += 1
+        log.info("LoRA adapter %r loaded into slot %d", adapter.request.lora_name, slot)
+
+    def _wrap(self, name: str) -> None:
+        parent_name, _, child = name.rpartition(".")
+        parent = self.model.get_submodule(parent_name) if parent_name else self.model
+        layer = LoRALinear(getattr(parent, child), self.max_loras, self.max_lora_rank, self.step)
+        setattr(parent, child, layer)
+        self._layers[name] = layer
+
+    def begin_step(self, slots: list[int | None], lengths: list[int]) -> None:
+        """The step's tokens: sequence i has `lengths[i]` consecutive tokens, with adapter slot `slots[i]` (None:
+        the base model)."""
+        rows: dict[int, list[int]] = {}
+        start = 0
+        for slot, n in zip(slots, lengths, strict=True):
+            if slot is not None:
+                rows.setdefault(slot, []).extend(range(start, start + n))
+            start += n
+        device = next(iter(self._layers.values())).lora_a.device if self._layers else None
+        self.step.num_tokens = start
+        self.step.segments = [(s, torch.tensor(r, device=device)) for s, r in rows.items()]
+
+    def end_step(self) -> None:
+        self.step.segments = []

@@ -1,0 +1,136 @@
+"""LoRA adapters (rose.engine.lora, vLLM's `enable_lora` / `LoRARequest`): one batch mixing adapters and the base
+model gives each request the greedy tokens transformers' `generate` gives on the PEFT model with its adapter
+(float32); more adapters than `max_loras` take turns in the slots; prefix caching is keyed by adapter; an adapter
+that does not fit is refused with the reason."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import peft
+import pytest
+import torch
+from engine_helpers import greedy, hf_greedy, make_engine
+from safetensors.torch import load_file, save_file
+
+from rose.engine.lora import LoRAError, LoRARequest
+from rose.engine.presets import build_preset
+
+PRESET = "tiny-llama"
+PROMPTS = [list(range(10 + 7 * i, 40 + 9 * i)) for i in range(6)]
+TARGETS = {
+    "qv": ["q_proj", "v_proj"],
+    "mlp": ["gate_proj", "up_proj", "down_proj"],
+    "all": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+}
+
+
+def make_adapter(path: Path, targets: list[str], rank: int, seed: int, **config) -> None:
+    """A PEFT adapter with random A and B (B is zero at PEFT's default init: no effect to test)."""
+    torch.manual_seed(seed)
+    model = build_preset(PRESET)[0]
+    lora = peft.LoraConfig(
+        r=rank, lora_alpha=2 * rank, target_modules=targets, init_lora_weights=False, **config
+    )
+    wrapped = peft.get_peft_model(model, lora)
+    with torch.no_grad():  # strong enough to change the greedy tokens of a random model
+        for name, param in wrapped.named_parameters():
+            if "lora_B" in name:
+                param.mul_(20)
+    wrapped.save_pretrained(str(path))
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory) -> dict[str, LoRARequest]:
+    root = tmp_path_factory.mktemp("adapters")
+    out = {}
+    for i, (name, targets) in enumerate(TARGETS.items()):
+        make_adapter(root / name, targets, rank=4 + 4 * i, seed=i)
+        out[name] = LoRARequest(name, i + 1, str(root / name))
+    return out
+
+
+def reference(request: LoRARequest | None, prompt: list[int], n: int) -> list[int]:
+    model = build_preset(PRESET)[0]
+    if request is not None:
+        model = peft.PeftModel.from_pretrained(model, request.lora_path)
+    return hf_greedy(model.eval(), prompt, n)
+
+
+def run(eng, jobs) -> dict[str, list[int]]:
+    for rid, prompt, lora in jobs:
+        eng.add_request(rid, prompt, greedy(8), lora_request=lora)
+    done = {}
+    while eng.has_unfinished():
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out.output.token_ids
+    return done
+
+
+def test_a_mixed_batch_is_exact_per_adapter_and_swaps_beyond_max_loras(adapters):
+    loras = [None, adapters["qv"], adapters["mlp"], adapters["all"], None, adapters["qv"]]
+    jobs = [(f"r{i}", p, lora) for i, (p, lora) in enumerate(zip(PROMPTS, loras, strict=True))]
+    eng = make_engine(PRESET, max_model_len=128, enable_lora=True, max_loras=2, max_lora_rank=16)
+    done = run(eng, jobs)
+    for rid, prompt, lora in jobs:
+        assert done[rid] == reference(lora, prompt, 8), rid
+    assert len({tuple(t) for t in done.values()}) > 3  # the adapters changed the outputs
+    assert eng.lora.num_loads >= 3 and eng.lora.num_evictions >= 1  # three adapters took turns in two slots
+
+
+def test_prefix_caching_is_keyed_by_adapter(adapters):
+    eng = make_engine(
+        PRESET, max_model_len=128, block_size=8, enable_lora=True, max_loras=2, enable_prefix_caching=True
+    )
+    prompt = PROMPTS[5]
+    first = run(eng, [("base", prompt, None)])["base"]
+    hits = eng.get_stats()["prefix_cache_hit_tokens"]
+    with_lora = run(eng, [("qv", prompt, adapters["qv"])])["qv"]
+    assert eng.get_stats()["prefix_cache_hit_tokens"] == hits  # the base model's blocks are not the adapter's
+    again = run(eng, [("qv2", prompt, adapters["qv"]), ("base2", prompt, None)])
+    assert eng.get_stats()["prefix_cache_hit_tokens"] > hits
+    assert again == {"qv2": with_lora, "base2": first}
+    assert with_lora == reference(adapters["qv"], prompt, 8)
+
+
+def test_adapters_that_do_not_fit_are_refused(adapters, tmp_path):
+    eng = make_engine(PRESET, max_model_len=64, enable_lora=True, max_lora_rank=8)
+    with pytest.raises(LoRAError, match="rank 12 is above max_lora_rank 8"):
+        eng.add_request("a", [1, 2, 3], greedy(2), lora_request=adapters["all"])
+    with pytest.raises(LoRAError, match="cannot read adapter_config.json"):
+        eng.add_request(
+            "a", [1, 2, 3], greedy(2), lora_request=LoRARequest("gone", 9, str(tmp_path / "nope"))
+        )
+    make_adapter(tmp_path / "dora", ["q_proj"], rank=4, seed=0, use_dora=True)
+    with pytest.raises(LoRAError, match=r"DoRA \(use_dora\) is not supported"):
+        eng.add_request(
+            "a", [1, 2, 3], greedy(2), lora_request=LoRARequest("dora", 5, str(tmp_path / "dora"))
+        )
+    # shapes of another model
+    bad = tmp_path / "bad"
+    make_adapter(bad, ["q_proj"], rank=4, seed=0)
+    config = json.loads((bad / "adapter_config.json").read_text())
+    tensors = {
+        k: v[:, :-1].contiguous() if "lora_A" in k else v
+        for k, v in load_file(str(bad / "adapter_model.safetensors")).items()
+    }
+    save_file(tensors, str(bad / "adapter_model.safetensors"))
+    (bad / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.raises(LoRAError, match="do not fit its 256 -> 256 layer"):
+        eng.add_request("a", [1, 2, 3], greedy(2), lora_request=LoRARequest("bad", 6, str(bad)))
+    eng.add_request("a", [1, 2, 3], greedy(2), lora_request=adapters["qv"])
+    with pytest.raises(LoRAError, match="lora_int_id 1 already names adapter 'qv'"):
+        eng.add_request(
+            "b", [1, 2, 3], greedy(2), lora_request=LoRARequest("other", 1, adapters["mlp"].lora_path)
+        )
+    make_adapter(tmp_path / "head", ["q_proj", "lm_head"], rank=4, seed=0)
+    with pytest.raises(LoRAError, match=r"adapters of the LM head \(lm_head\) are not supported"):
+        eng.add_request(
+            "h", [1, 2, 3], greedy(2), lora_request=LoRARequest("head", 7, str(tmp_path / "head"))
+        )
+    plain = make_engine(PRESET, max_model_len=64)
+    with pytest.raises(ValueError, match="needs an engine built with enable_lora=True"):
+        plain.add_request("a", [1, 2, 3], greedy(2), lora_request=adapters["qv"])
+    assert not plain.has_unfinished()
