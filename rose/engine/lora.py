@@ -9,10 +9,10 @@ A `LoRARequest` (vLLM's: `lora_name`, `lora_int_id`, `lora_path`) names a PEFT a
 - `max_loras` slots hold the adapters resident on the model's device. `acquire(name)` gives a running sequence its
   adapter's slot (loading the adapter into the least recently used free slot), `release(name)` gives it back; an
   adapter stays resident while any sequence runs with it, so a slot is taken only when none runs with it;
-- each targeted linear layer is wrapped once (`LoRALinear`): the base layer's output, plus for each slot present
-  in the step the rows of its tokens times A then B, times the adapter's scaling, as PEFT computes
-  `lora_B(lora_A(x)) * scaling`. One forward serves a batch that mixes adapters and the base model; the deltas are
-  one pair of matmuls per adapter present, never a forward per adapter.
+- each targeted linear layer is wrapped once (`LoRALinear`): the base layer's output plus each token's delta through
+  its adapter's A then B, times the adapter's scaling, as PEFT computes `lora_B(lora_A(x)) * scaling`. One forward
+  serves a batch that mixes adapters and the base model, the deltas of all of them in two matmuls a layer, never a
+  forward per adapter.
 
 The model runner sets the step's token → slot mapping (`begin_step`) around its forward.
 """
@@ -23,7 +23,7 @@ import json
 import logging
 import math
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -140,50 +140,52 @@ def read_adapter(request: LoRARequest, model: nn.Module, max_lora_rank: int) -> 
 
 @dataclass(slots=True)
 class StepMapping:
-    """The running forward's tokens by slot: (slot, row indices) for each adapter present."""
+    """The running forward's tokens by adapter slot (set by `LoRAManager.begin_step`, empty: no adapter runs):
+    `select` [tokens, max_loras * max_rank] is 1 on the columns of each token's slot, 0 elsewhere (and on a base-
+    model token's whole row); `scaling` [tokens, 1] is its adapter's scaling."""
 
     num_tokens: int = 0
-    segments: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    select: torch.Tensor | None = None
+    scaling: torch.Tensor | None = None
 
 
 class LoRALinear(nn.Module):
-    """A linear layer with a slot of A / B weights per resident adapter (zero where an adapter does not target it)."""
+    """A linear layer with a slot of A / B weights per resident adapter (zero where an adapter does not target it,
+    and past an adapter's rank).
+
+    Every adapter of a step in two matmuls: x against every slot's A ([tokens, slots * rank]), masked to the token's
+    own slot, against every slot's B, times the token's scaling: PEFT's `lora_B(lora_A(x)) * scaling` for each token
+    (the masked products are exact zeros), whatever the mix, in a fixed number of operations a layer."""
 
     def __init__(self, base: nn.Linear, max_loras: int, max_rank: int, step: StepMapping) -> None:
         super().__init__()
         self.base = base
         self.step = step
         w = base.weight
-        self.lora_a = torch.zeros(max_loras, max_rank, base.in_features, dtype=w.dtype, device=w.device)
-        self.lora_b = torch.zeros(max_loras, base.out_features, max_rank, dtype=w.dtype, device=w.device)
-        self.ranks = [0] * max_loras  # 0: the slot's adapter does not target this layer
-        self.scaling = [0.0] * max_loras
+        self.lora_a = torch.zeros(max_loras * max_rank, base.in_features, dtype=w.dtype, device=w.device)
+        self.lora_b = torch.zeros(max_loras * max_rank, base.out_features, dtype=w.dtype, device=w.device)
+        self.max_rank = max_rank
 
-    def set_slot(self, slot: int, weights: tuple[torch.Tensor, torch.Tensor] | None, scaling: float) -> None:
-        if weights is None:
-            self.ranks[slot] = 0
-            return
-        a, b = weights
-        r = a.shape[0]
-        self.lora_a[slot, :r].copy_(a)
-        self.lora_b[slot, :, :r].copy_(b)
-        self.ranks[slot], self.scaling[slot] = r, scaling
+    def set_slot(self, slot: int, weights: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        rows = slice(slot * self.max_rank, (slot + 1) * self.max_rank)
+        self.lora_a[rows].zero_()
+        self.lora_b[rows].zero_()
+        if weights is not None:
+            a, b = weights
+            r = a.shape[0]
+            self.lora_a[slot * self.max_rank : slot * self.max_rank + r].copy_(a)
+            self.lora_b[slot * self.max_rank : slot * self.max_rank + r].copy_(b.T)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
         step = self.step
-        if not step.segments:
+        if step.select is None:
             return y
         flat_x = x.reshape(-1, x.shape[-1])
-        flat_y = y.view(-1, y.shape[-1])
         if flat_x.shape[0] != step.num_tokens:
             raise RuntimeError(f"LoRA layer saw {flat_x.shape[0]} tokens in a step of {step.num_tokens}")
-        for slot, rows in step.segments:
-            r = self.ranks[slot]
-            if r:
-                a, b = self.lora_a[slot, :r], self.lora_b[slot, :, :r]
-                flat_y[rows] += (flat_x[rows] @ a.T) @ b.T * self.scaling[slot]
-        return y
+        delta = ((flat_x @ self.lora_a.T).mul_(step.select) @ self.lora_b).mul_(step.scaling)
+        return y + delta.view(y.shape)
 
 
 class LoRAManager:
@@ -199,6 +201,8 @@ class LoRAManager:
         self._slots: list[str | None] = [None] * max_loras  # the adapter resident in each slot
         self._users: dict[str, int] = {}  # resident adapter -> sequences running with it
         self._idle: OrderedDict[str, None] = OrderedDict()  # resident, unused, least recently used first
+        self._scaling = [0.0] * max_loras  # the resident adapter's, by slot
+        self._ranks = [0] * max_loras
         self.num_loads = 0
         self.num_evictions = 0
 
@@ -259,8 +263,10 @@ class LoRAManager:
             if name not in self._layers:
                 self._wrap(name)
         for name, layer in self._layers.items():
-            layer.set_slot(slot, adapter.weights.get(name), adapter.scaling)
+            layer.set_slot(slot, adapter.weights.get(name))
         self._slots[slot] = adapter.request.lora_name
+        self._scaling[slot] = adapter.scaling
+        self._ranks[slot] = adapter.rank
         self.num_loads += 1
         log.info("LoRA adapter %r loaded into slot %d", adapter.request.lora_name, slot)
 
@@ -274,15 +280,24 @@ class LoRAManager:
     def begin_step(self, slots: list[int | None], lengths: list[int]) -> None:
         """The step's tokens: sequence i has `lengths[i]` consecutive tokens, with adapter slot `slots[i]` (None:
         the base model)."""
-        rows: dict[int, list[int]] = {}
+        num_tokens = sum(lengths)
+        self.step.num_tokens = num_tokens
+        if all(s is None for s in slots) or not self._layers:
+            self.step.select = self.step.scaling = None
+            return
+        layer = next(iter(self._layers.values()))
+        select = torch.zeros(num_tokens, self.max_loras * self.max_lora_rank, dtype=layer.lora_a.dtype)
+        scaling = torch.zeros(num_tokens, 1, dtype=layer.lora_a.dtype)
         start = 0
         for slot, n in zip(slots, lengths, strict=True):
             if slot is not None:
-                rows.setdefault(slot, []).extend(range(start, start + n))
+                first = slot * self.max_lora_rank
+                select[start : start + n, first : first + self._ranks[slot]] = 1
+                scaling[start : start + n] = self._scaling[slot]
             start += n
-        device = next(iter(self._layers.values())).lora_a.device if self._layers else None
-        self.step.num_tokens = start
-        self.step.segments = [(s, torch.tensor(r, device=device)) for s, r in rows.items()]
+        device = layer.lora_a.device
+        self.step.select = select.to(device, non_blocking=True)
+        self.step.scaling = scaling.to(device, non_blocking=True)
 
     def end_step(self) -> None:
-        self.step.segments = []
+        self.step.select = self.step.scaling = None
