@@ -1,7 +1,7 @@
 """LoRA adapters served together in one batch (vLLM's `enable_lora`, the S-LoRA / Punica idea in torch).
 
 A `LoRARequest` (vLLM's: `lora_name`, `lora_int_id`, `lora_path`) names a PEFT adapter directory
-(`adapter_config.json` + `adapter_model.safetensors`). The `LoRAManager` owns everything about adapters:
+(`adapter_config.json` + `adapter_model.safetensors`), or a hub id whose snapshot is in the local Hugging Face cache. The `LoRAManager` owns everything about adapters:
 
 - `register(request)` reads an adapter from disk once (CPU tensors), checks it against the base model (every
   targeted module a linear layer of the right shapes, rank <= `max_lora_rank`, only what plain LoRA computes: no
@@ -27,8 +27,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from huggingface_hub import snapshot_download
+from huggingface_hub.errors import LocalEntryNotFoundError
 from safetensors.torch import load_file
 from torch import nn
+
+from rose.engine import loader
 
 log = logging.getLogger(__name__)
 
@@ -81,10 +85,26 @@ class LoRAAdapter:
     weights: dict[str, tuple[torch.Tensor, torch.Tensor]]
 
 
+def adapter_dir(path: str, where: str) -> Path:
+    """`path` itself, or for a hub id that is no directory here, its snapshot in the local Hugging Face cache (never
+    the network: a worker starts the same with or without one); LoRAError when it is neither."""
+    local = Path(path).expanduser()
+    if local.is_dir() or not loader.is_hub_id(path):
+        return local
+    cache = loader.hub_cache_dir()
+    try:
+        return Path(snapshot_download(path, cache_dir=cache, local_files_only=True))
+    except LocalEntryNotFoundError:
+        raise LoRAError(
+            f"{where}: not a directory, and not in the local Hugging Face cache at {cache} (rose does not download "
+            f"adapters: `hf download {path}` does)"
+        ) from None
+
+
 def read_adapter(request: LoRARequest, model: nn.Module, max_lora_rank: int) -> LoRAAdapter:
     """The adapter at `request.lora_path`, checked against `model`; LoRAError naming what does not fit."""
     where = f"LoRA adapter {request.lora_name!r} ({request.lora_path})"
-    path = Path(request.lora_path)
+    path = adapter_dir(request.lora_path, where)
     try:
         config = json.loads((path / "adapter_config.json").read_text())
         tensors = load_file(str(path / "adapter_model.safetensors"))

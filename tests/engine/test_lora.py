@@ -12,6 +12,7 @@ import peft
 import pytest
 import torch
 from engine_helpers import greedy, hf_greedy, make_engine
+from hub_helpers import put_in_cache, read_folder
 from safetensors.torch import load_file, save_file
 
 from rose.engine.lora import LoRAError, LoRARequest
@@ -134,3 +135,18 @@ def test_adapters_that_do_not_fit_are_refused(adapters, tmp_path):
     with pytest.raises(ValueError, match="needs an engine built with enable_lora=True"):
         plain.add_request("a", [1, 2, 3], greedy(2), lora_request=adapters["qv"])
     assert not plain.has_unfinished()
+
+
+def test_a_hub_id_is_read_from_the_local_hub_cache(adapters, tmp_path, monkeypatch):
+    """An adapter named by hub id loads from the local Hugging Face cache, never the network."""
+    cache = tmp_path / "hub"
+    put_in_cache(cache, "acme/sql-lora", read_folder(Path(adapters["qv"].lora_path)))
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    eng = make_engine(PRESET, max_model_len=128, enable_lora=True)
+    hub = LoRARequest("sql", 1, "acme/sql-lora")
+    assert run(eng, [("h", PROMPTS[1], hub)])["h"] == reference(adapters["qv"], PROMPTS[1], 8)
+    with pytest.raises(
+        LoRAError, match=r"\(acme/absent\): not a directory, and not in the local Hugging Face cache at "
+    ):
+        eng.add_request("x", [1, 2], greedy(2), lora_request=LoRARequest("absent", 2, "acme/absent"))
