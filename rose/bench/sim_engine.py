@@ -41,7 +41,9 @@ class SimEngine:
 
     # ---- what the worker asks ------------------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt: Any, params: Any = None, *, priority: int = 0) -> None:
+    def add_request(
+        self, request_id: str, prompt: Any, params: Any = None, *, priority: int = 0, lora_request: Any = None
+    ) -> None:
         if request_id in self._requests:
             raise ValueError(f"duplicate request id {request_id}")
         text = (

@@ -35,7 +35,7 @@ from rose.cli.batch_files import (
 )
 from rose.cli.batch_progress import Throughput, progress_text
 from rose.cli.common import EXIT_FAILED, add_redis_args, connect, error
-from rose.cli.openai_batch import detect_format, parse_queue_for
+from rose.cli.openai_batch import detect_format
 from rose.cli.sampling_args import add_sampling_args, sampling_kwargs
 from rose.jobs import keys
 
@@ -51,7 +51,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description=(
             "Each input line is a JSON object with `prompt`, `prompt_token_ids` or chat `messages`, an optional "
             "`id` (default: the line number) and optional job fields (sampling fields, structured_outputs / "
-            "response_format, chat options, metadata, priority, stream) that override the command-line "
+            "response_format, chat options, metadata, priority, stream, lora) that override the command-line "
             "defaults. Jobs are sent with stream: false (the workers publish each job's end, no token "
             "events) unless --stream or the line says otherwise. Each output line is {id, job_id, text, "
             "finish_reason, usage[, metadata]} or "
@@ -72,6 +72,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         action="append",
         metavar="MODEL=QUEUE",
         help="OpenAI format: lines whose body.model is MODEL go to QUEUE (repeatable; others: --queue)",
+    )
+    p.add_argument(
+        "--lora-model",
+        action="append",
+        metavar="NAME",
+        help="OpenAI format: lines whose body.model is NAME run with the LoRA adapter NAME (the job field lora), as "
+        "vLLM serves an adapter under its --lora-modules name; others: the base model (repeatable, or "
+        "comma-separated)",
     )
     p.add_argument(
         "--max-in-flight", type=int, default=512, help="most jobs queued or running at once (default 512)"
@@ -136,13 +144,14 @@ def run(args: argparse.Namespace) -> int:
         error(args, f"error: no such file: {args.input}")
         return 2
     try:
-        fmt = detect_format(args.input, parse_queue_for(args.queue_for))
+        fmt = detect_format(args.input, parse_queue_for(args.queue_for), parse_lora_models(args.lora_model))
     except ValueError as exc:
         error(args, f"error: {exc}")
         return 2
-    if args.queue_for and not fmt.unique_ids:
-        error(args, "error: --queue-for routes by body.model: only for files in OpenAI's batch format")
-        return 2
+    for flag, given in (("--queue-for", args.queue_for), ("--lora-model", args.lora_model)):
+        if given and not fmt.unique_ids:
+            error(args, f"error: {flag} reads body.model: only for files in OpenAI's batch format")
+            return 2
     previous = scan_output(args.output, fmt) | scan_output(args.error_file, fmt)
     found = survey(args.input, fmt, previous)
     if found.problems:  # nothing submitted yet: fix the file and run again
@@ -210,6 +219,23 @@ def run(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     return EXIT_FAILED if failed or batch.duplicates else 0
+
+
+def parse_queue_for(values: list[str] | None) -> dict[str, str]:
+    """--queue-for MODEL=QUEUE (repeatable) -> {model: queue}; ValueError on a malformed one. The queue follows the
+    last '=' (model names may contain one, queue names do not)."""
+    mapping: dict[str, str] = {}
+    for value in values or []:
+        model, sep, queue = value.rpartition("=")
+        if not sep or not model or not queue:
+            raise ValueError(f"--queue-for wants MODEL=QUEUE, got {value!r}")
+        mapping[model] = queue
+    return mapping
+
+
+def parse_lora_models(values: list[str] | None) -> frozenset[str]:
+    """--lora-model NAME (repeatable, or comma-separated) -> the body.model names that are LoRA adapters."""
+    return frozenset(name.strip() for value in values or [] for name in value.split(",") if name.strip())
 
 
 def _files(args: argparse.Namespace) -> str:

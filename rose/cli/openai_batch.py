@@ -95,24 +95,14 @@ class RequestError(ValueError):
         self.code = code
 
 
-def parse_queue_for(values: list[str] | None) -> dict[str, str]:
-    """--queue-for MODEL=QUEUE (repeatable) -> {model: queue}; ValueError on a malformed one. The queue follows the
-    last '=' (model names may contain one, queue names do not)."""
-    mapping: dict[str, str] = {}
-    for value in values or []:
-        model, sep, queue = value.rpartition("=")
-        if not sep or not model or not queue:
-            raise ValueError(f"--queue-for wants MODEL=QUEUE, got {value!r}")
-        mapping[model] = queue
-    return mapping
-
-
 def is_openai_line(obj: Any) -> bool:
     """A line in OpenAI's format names one of custom_id / method / url / body, none of which is a rose job field."""
     return isinstance(obj, dict) and bool(_LINE_FIELDS & obj.keys())
 
 
-def detect_format(path: Path, queue_for: dict[str, str]) -> LineFormat:
+def detect_format(
+    path: Path, queue_for: dict[str, str], lora_models: frozenset[str] = frozenset()
+) -> LineFormat:
     """The format of the file, by its first line that is a JSON object (plain when there is none)."""
     with path.open(encoding="utf-8", errors="replace") as f:
         for text in f:
@@ -121,7 +111,7 @@ def detect_format(path: Path, queue_for: dict[str, str]) -> LineFormat:
             except ValueError:
                 continue
             if isinstance(obj, dict):
-                return OpenAIFormat(queue_for) if is_openai_line(obj) else PlainFormat()
+                return OpenAIFormat(queue_for, lora_models) if is_openai_line(obj) else PlainFormat()
     return PlainFormat()
 
 
@@ -303,12 +293,14 @@ def _prompt(body: dict[str, Any]) -> dict[str, Any]:
 
 
 class OpenAIFormat:
-    """OpenAI's Batch API lines; the line id is `custom_id`. `queue_for`: body.model -> queue (others: --queue)."""
+    """OpenAI's Batch API lines; the line id is `custom_id`. `queue_for`: body.model -> queue (others: --queue);
+    `lora_models`: the body.model names that are LoRA adapters (the job's `lora`; others: the base model)."""
 
     unique_ids = True  # OpenAI refuses a file that repeats a custom_id; so do we, before submitting anything
 
-    def __init__(self, queue_for: dict[str, str] | None = None):
+    def __init__(self, queue_for: dict[str, str] | None = None, lora_models: frozenset[str] = frozenset()):
         self.queue_for = dict(queue_for or {})
+        self.lora_models = frozenset(lora_models)
 
     def line_key(self, lineno: int, text: str) -> tuple[str | None, str | None]:
         try:
@@ -335,6 +327,8 @@ class OpenAIFormat:
             entry.error, entry.context["param"], entry.context["code"] = str(exc), exc.param, exc.code
             return entry
         entry.context["model"] = model
+        if model in self.lora_models:
+            fields["lora"] = model
         problem = validate({**defaults, **fields})
         if problem is not None:
             entry.error, param = problem

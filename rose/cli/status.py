@@ -19,6 +19,8 @@ _WORKER_INT_FIELDS = (
     "num_waiting",
     "kv_blocks_used",
     "kv_blocks_total",
+    "lora_loads",
+    "lora_evictions",
 )
 _WORKER_FLOAT_FIELDS = ("tokens_per_s", "started_at", "updated_at")
 
@@ -126,7 +128,7 @@ def _number(key: str, value: str) -> Any:
             return float(value)
     except ValueError:
         pass
-    if value.startswith("["):
+    if value.startswith(("[", "{")):  # queues, lora_tokens (adapter -> tokens generated)
         try:
             return json.loads(value)
         except ValueError:
@@ -186,6 +188,15 @@ def render(data: dict[str, Any]) -> None:
     if not data["workers"]:
         wt.add_row("(no workers)", "", "", "", "", "", "", "", "")
     console.print(wt)
+    lora = [w for w in data["workers"] if isinstance(w.get("lora_tokens"), dict)]
+    if lora:  # workers started with --enable-lora
+        lt = Table(title="LoRA adapters")
+        for col in ("worker", "tokens by adapter", "loads", "evictions"):
+            lt.add_column(col, justify="left" if col in ("worker", "tokens by adapter") else "right")
+        for w in lora:
+            tokens = ", ".join(f"{name} {n}" for name, n in w["lora_tokens"].items()) or "(no adapters)"
+            lt.add_row(w["name"], tokens, _cell(w, "lora_loads"), _cell(w, "lora_evictions"))
+        console.print(lt)
 
 
 def run(args: argparse.Namespace) -> int:

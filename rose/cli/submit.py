@@ -64,6 +64,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--priority", type=int, default=None, help="engine priority among waiting jobs (lower first)"
     )
+    p.add_argument(
+        "--lora",
+        default=None,
+        metavar="NAME",
+        help="generate with this LoRA adapter (the job field lora: a NAME of the worker's --lora-modules); "
+        "default: the base model",
+    )
     p.add_argument("--job-timeout", type=int, default=None, metavar="S", help="RQ job_timeout (default 180)")
     p.add_argument("--result-ttl", type=int, default=None, metavar="S", help="RQ result_ttl (default 500)")
     add_sampling_args(p)
@@ -97,6 +104,8 @@ def run(args: argparse.Namespace) -> int:
         fields["prompt"] = args.prompt
     if args.priority is not None:
         fields["priority"] = args.priority
+    if args.lora is not None:
+        fields["lora"] = args.lora
     if args.no_token_events:
         # only false is sent: true is the job's default, and a job without the field runs on older workers too
         fields["stream"] = False

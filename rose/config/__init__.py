@@ -71,6 +71,30 @@ class WorkerSettings(BaseSettings):
         DEFAULTS.enable_prefix_caching,
         description="Reuse the K/V of prompt prefixes shared with running or recently finished jobs.",
     )
+    enable_lora: bool = Field(
+        DEFAULTS.enable_lora,
+        description="Serve LoRA adapters (vLLM's --enable-lora): a job names one in its `lora` field, and jobs of "
+        "several adapters and of the base model are generated together in one batch.",
+    )
+    lora_modules: Annotated[dict[str, str], NoDecode] = Field(
+        default_factory=dict,
+        description="The adapters served, as NAME=PATH (vLLM's --lora-modules): PATH a PEFT adapter directory "
+        "(adapter_config.json + adapter_model.safetensors), read and checked against the model at start (a bad "
+        "one stops the worker with the reason); jobs name NAME. Ids 1, 2, ... in the order given (env: "
+        "separated by spaces or commas). Needs --enable-lora.",
+    )
+    max_loras: int = Field(
+        DEFAULTS.max_loras,
+        ge=1,
+        description="LoRA adapters resident at once (vLLM's --max-loras); a job whose adapter has no free slot waits "
+        "while the others run, and an adapter no running job uses gives its slot up, least recently used first.",
+    )
+    max_lora_rank: int = Field(
+        DEFAULTS.max_lora_rank,
+        ge=1,
+        description="The highest LoRA rank served (vLLM's --max-lora-rank): an adapter of a higher rank stops the "
+        "worker at start; the slots are sized by it.",
+    )
     trust_request_chat_template: bool = Field(
         False,
         description="Let jobs bring their own Jinja chat template (the job field chat_template); off: such a job "
@@ -178,6 +202,25 @@ class WorkerSettings(BaseSettings):
             value = [part.strip() for part in value.split(",")]
         return value
 
+    @field_validator("lora_modules", mode="before")
+    @classmethod
+    def _parse_lora_modules(cls, value: object) -> object:
+        """NAME=PATH items (a list, or one string of them separated by spaces or commas) -> {name: path}, in order."""
+        if isinstance(value, str):
+            value = value.replace(",", " ").split()
+        if not isinstance(value, list | tuple):
+            return value
+        modules: dict[str, str] = {}
+        for item in value:
+            name, sep, path = str(item).partition("=")
+            name, path = name.strip(), path.strip()
+            if not sep or not name or not path:
+                raise ValueError(f"want NAME=PATH (a PEFT adapter directory), got {item!r}")
+            if name in modules:
+                raise ValueError(f"adapter name {name!r} is given twice ({modules[name]} and {path})")
+            modules[name] = path
+        return modules
+
     @field_validator("log_level", mode="before")
     @classmethod
     def _upper(cls, value: object) -> object:
@@ -211,6 +254,11 @@ class WorkerSettings(BaseSettings):
             raise ValueError("queues must be a non-empty list of non-empty queue names")
         # Keep the priority order but drop repeats: serving a queue twice would only skew the order.
         self.queues = list(dict.fromkeys(self.queues))
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError(
+                "lora_modules needs enable_lora: start rose-worker with --enable-lora (ROSE_ENABLE_LORA=1) to serve "
+                f"the adapters {', '.join(self.lora_modules)}"
+            )
         return self
 
     def engine_config(self) -> EngineConfig:
@@ -228,6 +276,9 @@ class WorkerSettings(BaseSettings):
             max_json_whitespace=self.max_json_whitespace or None,
             structured_outputs_backend=self.structured_outputs_backend,
             grammar_compile_timeout=self.grammar_compile_timeout or None,
+            enable_lora=self.enable_lora,
+            max_loras=self.max_loras,
+            max_lora_rank=self.max_lora_rank,
         )
 
     @property

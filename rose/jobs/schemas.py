@@ -67,6 +67,11 @@ class GenerateRequest(BaseModel):
         None,
         description="OpenAI's: {'type': 'json_object'} or {'type': 'json_schema', 'json_schema': {...}}.",
     )
+    lora: str | None = Field(
+        None,
+        description="The LoRA adapter to generate with: a name the worker serves (rose-worker --enable-lora "
+        "--lora-modules NAME=PATH); none: the base model.",
+    )
     metadata: dict[str, Any] | None = Field(None, description="Any JSON object, echoed into the result.")
     priority: int = Field(0, description="Engine scheduling priority among waiting jobs (lower runs first).")
     stream: bool = Field(
@@ -103,7 +108,7 @@ class GenerateRequest(BaseModel):
     @model_validator(mode="after")
     def _check(self, info: ValidationInfo) -> GenerateRequest:
         for name in (
-            "prompt", "messages", "stop", "bad_words", "chat_template", "chat_template_kwargs", "tools",
+            "prompt", "messages", "stop", "bad_words", "chat_template", "chat_template_kwargs", "tools", "lora",
         ):  # fmt: skip
             where = _lone_surrogate(getattr(self, name), name)
             if where is not None:  # the tokenizer would raise a TypeError deep down, on every retry alike
@@ -119,6 +124,10 @@ class GenerateRequest(BaseModel):
             )
         if self.prompt is not None and self.prompt == "":
             raise ValueError("'prompt' is empty")
+        if self.lora is not None and not self.lora.strip():
+            raise ValueError(
+                "'lora' is empty: name an adapter the workers serve, or leave it out (the base model)"
+            )
         if self.prompt_token_ids is not None:
             if not self.prompt_token_ids:
                 raise ValueError("'prompt_token_ids' is empty")

@@ -39,6 +39,10 @@ _FLAGS: list[tuple[str, str, dict[str, Any]]] = [
     ("--max-kv-cache-bytes", "max_kv_cache_bytes", {"metavar": "SIZE"}),
     ("--block-size", "block_size", {"type": int, "metavar": "N"}),
     ("--enable-prefix-caching", "enable_prefix_caching", {"action": "store_const", "const": True}),
+    ("--enable-lora", "enable_lora", {"action": "store_const", "const": True}),
+    ("--lora-modules", "lora_modules", {"nargs": "+", "action": "extend", "metavar": "NAME=PATH"}),
+    ("--max-loras", "max_loras", {"type": int, "metavar": "N"}),
+    ("--max-lora-rank", "max_lora_rank", {"type": int, "metavar": "RANK"}),
     ("--with-scheduler", "with_scheduler", {"action": "store_const", "const": True}),
     (
         "--trust-request-chat-template",
@@ -89,6 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
                 f"Queue to serve; repeat for several, highest priority first. [env ROSE_QUEUES, "
                 f"comma-separated; default: {','.join(default)}]"
             )
+        elif name == "lora_modules":
+            help_text = f"{info.description} [env ROSE_LORA_MODULES; default: none]"
         # argparse formats help with %: a literal one (a percentage) is written %%
         parser.add_argument(flag, dest=name, default=None, help=help_text.replace("%", "%%"), **extra)
     parser.add_argument(
@@ -136,6 +142,23 @@ def build_engine(settings: WorkerSettings) -> Engine:
     return engine
 
 
+def register_adapters(engine: Engine, settings: WorkerSettings) -> None:
+    """Read every --lora-modules adapter and check it against the model now (rose.engine.lora raises LoRAError,
+    a ValueError naming the adapter and the problem): a bad one stops the worker before it takes a job."""
+    from rose.worker.adapters import lora_requests
+
+    for request in lora_requests(settings).values():
+        adapter = engine.lora.register(request)
+        log.info(
+            "LoRA adapter %r (id %d, rank %d, %d layers) from %s",
+            request.lora_name,
+            request.lora_int_id,
+            adapter.rank,
+            len(adapter.weights),
+            request.lora_path,
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         return _main(argv)
@@ -179,6 +202,12 @@ def _main(argv: list[str] | None = None) -> int:
     except Exception as exc:
         log.debug("engine construction failed", exc_info=True)
         print(f"rose-worker: cannot load model {settings.model!r}: {exc}", file=sys.stderr)
+        return 2
+    try:
+        register_adapters(engine, settings)
+    except ValueError as exc:  # rose.engine.lora.LoRAError: it names the adapter
+        engine.close()
+        print(f"rose-worker: cannot serve {exc}", file=sys.stderr)
         return 2
     try:
         worker = RoseWorker(settings.queues, engine=engine, connection=conn, settings=settings)

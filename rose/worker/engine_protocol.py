@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
+    from rose.engine.lora import LoRARequest
     from rose.engine.outputs import RequestOutput, StepOutput
     from rose.engine.sampling_params import SamplingParams
 
@@ -30,9 +31,11 @@ class WorkerEngine(Protocol):
         params: SamplingParams | None = None,
         *,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> None:
-        """Queue a request (the job's id). Raises ValueError for one that can never run: the job fails without
-        retry; anything else fails it with RQ's Retry."""
+        """Queue a request (the job's id), with the job's LoRA adapter (None: the base model; rose.worker.adapters).
+        Raises ValueError for one that can never run: the job fails without retry; anything else fails it with
+        RQ's Retry."""
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Drop a request now, freeing what it holds (its job was canceled, stopped, failed or let go)."""
@@ -87,4 +90,5 @@ class WorkerEngine(Protocol):
 
     def get_stats(self) -> Mapping[str, float]:
         """Cumulative counters; the worker reads `num_preemptions`, `prefix_cache_query_tokens` and
-        `prefix_cache_hit_tokens` where present (rose.worker.metrics)."""
+        `prefix_cache_hit_tokens` (rose.worker.metrics), `lora_loads` and `lora_evictions` (rose.worker.adapters)
+        where present."""

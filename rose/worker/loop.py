@@ -27,7 +27,7 @@ from typing import Any
 
 from rose.config import WorkerSettings
 from rose.jobs import contract, tools
-from rose.worker import faults, probe, rq_store, step_outputs
+from rose.worker import adapters, faults, probe, rq_store, step_outputs
 from rose.worker.endings import Endings, RoseJobTimeout
 from rose.worker.engine_protocol import WorkerEngine
 from rose.worker.intake import Intake
@@ -85,8 +85,9 @@ class JobLoop:
         # reads the calls of jobs with tools and tool_choice "auto" (rose.jobs.tools); None: such jobs fail
         chat_template = getattr(engine.tokenizer, "chat_template", None)
         self.tool_parser = tools.resolve_parser(settings.tool_call_parser, chat_template)
+        self.adapters = adapters.Adapters(settings, metrics)  # a job's `lora` -> its LoRARequest
         self.step_outputs = StepOutputs(
-            outbox, self.milestones, metrics, engine.tokenizer, rq.name, self.tool_parser
+            outbox, self.milestones, metrics, engine.tokenizer, rq.name, self.tool_parser, self.adapters
         )
 
     @property
@@ -193,7 +194,7 @@ class JobLoop:
         run.choices = step_outputs.choices(request)
         try:
             self._add_to_engine(run)
-        except ValueError as exc:  # prompt too long for the context, text prompt without tokenizer, ...
+        except ValueError as exc:  # prompt too long for the context, an adapter not served here, ...
             self._fail(run, str(exc), retry=False)
             return
         except Exception as exc:
@@ -211,6 +212,7 @@ class JobLoop:
             request.engine_prompt(self.engine.tokenizer),
             tools.sampling_params(request, self.tool_parser),
             priority=request.priority,
+            lora_request=self.adapters.request_for(request.lora),
         )
 
     # ---- step ----------------------------------------------------------------------------------------------------

@@ -121,7 +121,8 @@ class WorkerMetrics:
             "rose_request_success", "Jobs finished, by finish reason.", [*ln, "finished_reason"], registry=reg
         )
         self._success_children: dict[str, Any] = {}
-        self._model = model
+        self.model = model
+        self.lora: Any = None  # rose.worker.adapters.Adapters with --enable-lora: the engine's LoRA counters
         for reason in ("stop", "length"):
             self._success_child(reason)
         self.failure = Counter(
@@ -214,7 +215,7 @@ class WorkerMetrics:
     def _success_child(self, reason: str) -> Any:
         child = self._success_children.get(reason)
         if child is None:
-            child = self._success_children[reason] = self.success.labels(self._model, reason)
+            child = self._success_children[reason] = self.success.labels(self.model, reason)
         return child
 
     # ---- per step -----------------------------------------------------------------------------------------
@@ -247,6 +248,8 @@ class WorkerMetrics:
         if preempted > self._preemptions_seen:
             self.preemptions.inc(preempted - self._preemptions_seen)
             self._preemptions_seen = preempted
+        if self.lora is not None:
+            self.lora.read_stats(stats)
         if "prefix_cache_query_tokens" not in stats:
             return
         queries, hits = int(stats["prefix_cache_query_tokens"]), int(stats["prefix_cache_hit_tokens"])

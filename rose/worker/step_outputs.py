@@ -5,7 +5,7 @@ a job in `running` that is still GENERATING (any other output is skipped: a job 
 earlier in the same step):
 
 - new tokens: appended to the job's choice (`out.index`): its text, token ids and, for a job that asked, logprob
-  entries (rose.jobs.logprobs); queued as a token event (`Outbox.token`, `last` once the choice has finished); a job's
+  entries (rose.jobs.logprobs); counted for its LoRA adapter, if any (rose.worker.adapters); queued as a token event (`Outbox.token`, `last` once the choice has finished); a job's
   first token is a milestone (`Milestones.first_token`);
 - `finished`: the job's held tokens go out now (`Outbox.release`), ahead of its result or error, and the job is
   returned in `Read.ended`: with the failure's message (`contract.failure_message`) and whether RQ's Retry applies if
@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from rose.engine.token_bytes import TokenBytes
 from rose.jobs import contract
 from rose.jobs.logprobs import logprob_entries
+from rose.worker.adapters import Adapters
 from rose.worker.metrics import WorkerMetrics
 from rose.worker.milestones import Milestones
 from rose.worker.outbox import Outbox
@@ -75,6 +76,7 @@ class StepOutputs:
         tokenizer: Any,
         worker: str,
         tool_parser: ToolParser | None,
+        adapters: Adapters,
     ) -> None:
         self.outbox = outbox
         self.milestones = milestones
@@ -82,6 +84,7 @@ class StepOutputs:
         self.tokenizer = tokenizer
         self.worker = worker  # its name, in results
         self.tool_parser = tool_parser  # the worker's, which reads the calls of a job with tools
+        self.adapters = adapters  # tokens counted per LoRA adapter
 
     @functools.cached_property
     def _token_bytes(self) -> TokenBytes | None:
@@ -100,6 +103,8 @@ class StepOutputs:
             if out.new_token_ids or out.new_text:
                 n = len(out.new_token_ids)
                 tokens += n
+                if run.request is not None and run.request.lora is not None:
+                    self.adapters.on_tokens(run.request.lora, n)
                 if run.num_tokens:
                     steady += n
                 elif n:

@@ -366,6 +366,7 @@ class RoseWorker:
         """The worker's `rose:worker:<name>` hash (`rose status`)."""
         engine = self.engine
         self.metrics.gauges(engine)  # also when no step ran since the last jobs ended (e.g. canceled)
+        self.metrics.read_prefix_stats(engine)  # the engine's counters (LoRA loads, ...) after its last steps
         return {
             "model": str(engine.model_name),
             "device": str(engine.device),
@@ -382,4 +383,5 @@ class RoseWorker:
             "tokens_per_s": round(self.metrics.rate(), 3),
             "queues": ",".join(self.queue_names()),
             "version": __version__,
+            **self.jobs.adapters.info(),
         }

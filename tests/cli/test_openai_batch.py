@@ -21,6 +21,7 @@ from openai.types.chat import completion_create_params as chat_params
 from openai.types.shared import ErrorObject
 
 from rose import LLM, SamplingParams
+from rose.cli.batch import parse_queue_for
 from rose.cli.batch_files import Entry, PlainFormat, survey
 from rose.cli.openai_batch import (
     CHAT_URL,
@@ -28,7 +29,6 @@ from rose.cli.openai_batch import (
     OpenAIFormat,
     RequestError,
     detect_format,
-    parse_queue_for,
     to_job_fields,
 )
 from rose.engine.presets import build_tokenizer

@@ -48,6 +48,49 @@ def test_kv_store_size_and_block_size(monkeypatch):
         WorkerSettings(block_size=0)
 
 
+def test_lora_flags_and_env(monkeypatch):
+    # --lora-modules: space-separated and repeated, as vLLM's
+    lora = ["--enable-lora", "--lora-modules", "sql=/a/sql", "chat=/a/c=1", "--lora-modules", "x=~/x"]
+    s, _ = load_settings([*lora, "--max-loras", "2", "--max-lora-rank", "8", "--queue", "q"])
+    assert s.enable_lora and s.lora_modules == {"sql": "/a/sql", "chat": "/a/c=1", "x": "~/x"}
+    assert list(s.lora_modules) == ["sql", "chat", "x"] and s.queues == ["q"]  # the order: ids 1, 2, 3
+    config = s.engine_config()
+    assert (config.enable_lora, config.max_loras, config.max_lora_rank) == (True, 2, 8)
+    import os
+
+    from rose.worker.adapters import lora_requests
+
+    assert [(r.lora_name, r.lora_int_id, r.lora_path) for r in lora_requests(s).values()] == [
+        ("sql", 1, "/a/sql"),
+        ("chat", 2, "/a/c=1"),
+        ("x", 3, os.path.expanduser("~/x")),
+    ]
+    defaults = WorkerSettings()
+    assert not defaults.enable_lora and defaults.lora_modules == {}
+    assert (defaults.max_loras, defaults.max_lora_rank) == (1, 16)  # vLLM's defaults
+    monkeypatch.setenv("ROSE_ENABLE_LORA", "1")
+    monkeypatch.setenv("ROSE_LORA_MODULES", "a=/p/a, b=/p/b c=/p/c")
+    monkeypatch.setenv("ROSE_MAX_LORAS", "3")
+    s = WorkerSettings()
+    assert s.lora_modules == {"a": "/p/a", "b": "/p/b", "c": "/p/c"} and s.max_loras == 3
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"enable_lora": True, "lora_modules": ["sql"]}, "want NAME=PATH"),
+        ({"enable_lora": True, "lora_modules": ["=/p"]}, "want NAME=PATH"),
+        ({"enable_lora": True, "lora_modules": ["a=/p", "a=/q"]}, "adapter name 'a' is given twice"),
+        ({"lora_modules": ["a=/p"]}, "lora_modules needs enable_lora: start rose-worker with --enable-lora"),
+        ({"enable_lora": True, "max_loras": 0}, "max_loras"),
+        ({"enable_lora": True, "max_lora_rank": 0}, "max_lora_rank"),
+    ],
+)
+def test_invalid_lora_settings(kwargs, message):
+    with pytest.raises(ValidationError, match=message):
+        WorkerSettings(**kwargs)
+
+
 def test_the_worker_builds_its_engine_with_the_store_settings():
     from rose.worker.cli import build_engine
 
@@ -117,6 +160,10 @@ def test_help_mentions_every_flag():
         "--name",
         "--drain-timeout",
         "--log-level",
+        "--enable-lora",
+        "--lora-modules",
+        "--max-loras",
+        "--max-lora-rank",
     ):
         assert flag in text
     assert "ROSE_REDIS_URL" in text

@@ -155,9 +155,10 @@ class FakeEngine:
         )  # prompts (or request ids) under which every step raises, as a bad input would
         self.added: list[str] = []
         self.aborted: list[str] = []
+        self.loras: dict[str, object] = {}  # request id -> the LoRARequest it was added with (None: base)
         self.steps = 0
 
-    def add_request(self, request_id, prompt, params=None, *, priority=0):
+    def add_request(self, request_id, prompt, params=None, *, priority=0, lora_request=None):
         params = params or SamplingParams()
         ids = list(prompt) if isinstance(prompt, list) else list(range(len(prompt.split())))
         if not ids:
@@ -177,6 +178,7 @@ class FakeEngine:
             "text": "",
             "metrics": RequestMetrics(arrival_time=time.time(), num_prompt_tokens=len(ids)),
         }
+        self.loras[request_id] = lora_request
         self.order.append(request_id)
         self.added.append(request_id)
 

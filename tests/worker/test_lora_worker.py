@@ -1,0 +1,218 @@
+"""LoRA adapters on the worker (issue 27): `--enable-lora --lora-modules NAME=PATH ...` and the job field `lora`.
+
+In process (fake engine): each job reaches `add_request` with its adapter's LoRARequest (ids 1, 2, ... in the order
+given), a job naming an adapter the worker does not serve fails alone, without retry, naming it and the served
+ones; tokens are counted per adapter on /metrics, in the info hash and `rose status`. With the real rose-worker
+process: a batch of plain RQ jobs mixing two adapters and the base model gives each job the tokens the offline
+engine gives for the same adapter, and a bad adapter stops the worker at start with the reason.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import peft
+import pytest
+import torch
+from rq import Queue, Retry
+from rq.job import Job
+from rq.serializers import JSONSerializer
+from test_metrics import scrape, value
+from worker_helpers import FakeEngine, TinyWorker, enqueue, wait_for, wait_status
+
+from rose import LLM, SamplingParams
+from rose.cli.status import collect
+from rose.engine.lora import LoRARequest
+from rose.engine.presets import build_preset
+from rose.jobs import keys
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def make_adapter(path: Path, targets: list[str], rank: int, seed: int) -> str:
+    """A PEFT adapter of tiny-llama (the worker's preset) with random A and B, B strong enough to change a random
+    model's greedy tokens (tests/engine/test_lora.py's)."""
+    torch.manual_seed(seed)
+    lora = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, init_lora_weights=False)
+    wrapped = peft.get_peft_model(build_preset("tiny-llama")[0], lora)
+    with torch.no_grad():
+        for name, param in wrapped.named_parameters():
+            if "lora_B" in name:
+                param.mul_(20)
+    wrapped.save_pretrained(str(path))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("adapters")
+    return {
+        "sql": make_adapter(root / "sql", ["q_proj", "v_proj"], rank=4, seed=1),
+        "chat": make_adapter(root / "chat", ["gate_proj", "up_proj", "down_proj"], rank=8, seed=2),
+    }
+
+
+def failure(r, job) -> str:
+    return Job.fetch(job.id, connection=r, serializer=JSONSerializer).latest_result().exc_string
+
+
+# ---- in process: routing, failures, counters ------------------------------------------------------------------------
+
+
+def test_each_job_reaches_the_engine_with_its_adapter_and_unknown_ones_fail_alone(run_worker, r, q):
+    engine = FakeEngine(max_num_seqs=8)
+    modules = {"sql": "/adapters/sql", "chat": "/adapters/chat"}
+    wt = run_worker(
+        engine=engine, enable_lora=True, lora_modules=modules, metrics_port=0, heartbeat_timeout=10
+    )
+    sql, chat, base = (enqueue(q, prompt="a b c", lora=lora) for lora in ("sql", "chat", None))
+    sql2 = enqueue(q, prompt="d e", lora="sql", max_tokens=5)
+    unknown = enqueue(q, prompt="a b c", lora="nope", retry=Retry(max=3))
+    for job in (sql, chat, base, sql2):
+        wait_status(r, job, "finished")
+    wait_status(r, unknown, "failed")  # at once, for good: Retry does not apply
+    assert "unknown LoRA adapter 'nope': this worker serves sql, chat" in failure(r, unknown)
+    assert engine.loras == {
+        sql.id: LoRARequest("sql", 1, "/adapters/sql"),
+        chat.id: LoRARequest("chat", 2, "/adapters/chat"),
+        base.id: None,
+        sql2.id: LoRARequest("sql", 1, "/adapters/sql"),
+    }
+
+    samples = scrape(wt.worker.metrics_server.port)
+    assert value(samples, "rose_lora_generation_tokens_total", adapter="sql") == 3 + 5
+    assert value(samples, "rose_lora_generation_tokens_total", adapter="chat") == 3
+    assert value(samples, "rose_generation_tokens_total") == 3 * 3 + 5  # the base model's too
+    assert ("rose_lora_loads_total", ()) in samples  # the engine's counters (none in a fake engine)
+
+    def status():
+        (worker,) = collect(r)["workers"]
+        return worker
+
+    wait_for(lambda: status().get("lora_tokens") == {"sql": 8, "chat": 3}, 10, what="heartbeat")
+    assert status()["lora_loads"] == 0 and status()["lora_evictions"] == 0
+
+
+def test_a_job_with_lora_on_a_worker_without_enable_lora_fails_clearly(run_worker, r, q):
+    wt = run_worker(heartbeat_timeout=10)
+    job = enqueue(q, prompt="a b c", lora="sql", retry=Retry(max=3))
+    base = enqueue(q, prompt="a b c")
+    wait_status(r, base, "finished")
+    wait_status(r, job, "failed")
+    message = failure(r, job)
+    assert "asks for LoRA adapter 'sql', but this worker serves no adapters" in message
+    assert "--enable-lora --lora-modules sql=PATH" in message
+    wait_for(lambda: r.exists(keys.worker_info_key(wt.worker.name)), 10, what="heartbeat")
+    assert not any(k.startswith(b"lora_") for k in r.hkeys(keys.worker_info_key(wt.worker.name)))
+
+
+def test_the_lora_field_is_validated_where_the_job_is_made(r):
+    from rose.jobs.client import Client, InvalidRequest
+
+    client = Client(r, queue="rose")
+    with pytest.raises(InvalidRequest, match="'lora' is empty"):
+        client.submit("hi", lora=" ")
+    with pytest.raises(InvalidRequest, match="lora: Input should be a valid string"):
+        client.submit("hi", lora=3)
+    job = client.submit("hi", lora="sql", max_tokens=2)
+    assert job.rq_job.kwargs == {"prompt": "hi", "lora": "sql", "max_tokens": 2}  # a plain RQ job's kwargs
+
+
+# ---- the real worker -------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def lora_worker(new_redis_server, tmp_path, adapters, unused_port):
+    worker = TinyWorker(
+        new_redis_server,
+        tmp_path / "worker.log",
+        "lora-e2e",
+        "--max-model-len",
+        "256",
+        "--enable-lora",
+        "--lora-modules",
+        f"sql={adapters['sql']}",
+        f"chat={adapters['chat']}",
+        "--max-loras",
+        "1",  # the two adapters take turns in one slot
+        "--metrics-port",
+        str(unused_port),
+        "--heartbeat-timeout",
+        "10",  # the engine's counters are read at each heartbeat too (every 10 / 6 s)
+    ).wait_ready()
+    worker.metrics_port = unused_port
+    yield worker
+    worker.kill()
+
+
+def test_a_mixed_batch_gives_each_job_the_offline_engines_tokens_for_its_adapter(
+    new_redis_server, lora_worker, adapters
+):
+    r = new_redis_server.client()
+    q = Queue("rose", connection=r, serializer=JSONSerializer)
+    prompts = ["The capital of France is", "SELECT name FROM"]
+    loras = [None, "sql", "chat"]
+    fields = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    jobs = [
+        (prompt, lora, enqueue(q, prompt=prompt, lora=lora, **fields)) for prompt in prompts for lora in loras
+    ]
+    unknown = enqueue(q, prompt=prompts[0], lora="sqll", **fields)
+    for _, _, job in jobs:
+        wait_status(r, job, "finished", timeout=150)
+    wait_status(r, unknown, "failed", timeout=60)
+    assert "unknown LoRA adapter 'sqll': this worker serves sql, chat" in failure(r, unknown)
+
+    requests = {name: LoRARequest(name, i, path) for i, (name, path) in enumerate(adapters.items(), 1)}
+    llm = LLM("tiny-llama", device="cpu", max_model_len=256, enable_lora=True, max_loras=2)
+    try:
+        offline = llm.generate(
+            [prompt for prompt, _, _ in jobs],
+            SamplingParams(**fields),
+            lora_request=[requests.get(lora) for _, lora, _ in jobs],
+        )
+    finally:
+        llm.engine.close()
+    got = {}
+    for (prompt, lora, job), want in zip(jobs, offline, strict=True):
+        result = Job.fetch(job.id, connection=r, serializer=JSONSerializer).return_value()
+        assert result["token_ids"] == want.outputs[0].token_ids, (prompt, lora)
+        got[prompt, lora] = tuple(result["token_ids"])
+    for prompt in prompts:  # the adapters changed the outputs: the test tells them apart
+        assert len({got[prompt, lora] for lora in loras}) == 3, prompt
+
+    samples = scrape(lora_worker.metrics_port)
+    for name in ("sql", "chat"):
+        assert value(samples, "rose_lora_generation_tokens_total", adapter=name) == 2 * 6
+    wait_for(
+        lambda: value(scrape(lora_worker.metrics_port), "rose_lora_evictions_total") >= 1,
+        10,
+        what="the engine's LoRA counters read",
+    )
+    assert value(scrape(lora_worker.metrics_port), "rose_lora_loads_total") >= 2
+
+
+def test_a_bad_adapter_stops_the_worker_with_the_reason(redis_server, tmp_path, adapters):
+    proc = subprocess.run(
+        [sys.executable, "-m", "rose.worker.cli", "--redis-url", redis_server.url, "--name", "lora-refusal"]
+        + ["--model", "tiny-llama", "--device", "cpu", "--enable-lora", "--max-lora-rank", "4"]
+        + ["--lora-modules", f"sql={adapters['sql']}", f"chat={adapters['chat']}"],
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert (
+        f"rose-worker: cannot serve LoRA adapter 'chat' ({adapters['chat']}): rank 8 is above max_lora_rank 4"
+        in proc.stderr
+    )
+    assert "Traceback" not in proc.stderr + proc.stdout
+    missing = subprocess.run(
+        [sys.executable, "-m", "rose.worker.cli", "--redis-url", redis_server.url, "--name", "lora-refusal"]
+        + ["--lora-modules", f"sql={adapters['sql']}"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert missing.returncode == 2 and "lora_modules needs enable_lora" in missing.stderr
