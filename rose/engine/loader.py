@@ -357,6 +357,13 @@ def build_model(
     return built, tok
 
 
+def _wraps_pretrained(model: Any) -> bool:
+    """A module that wraps a PreTrainedModel as PEFT's `PeftModel` does (`get_base_model()`, its attributes those of
+    the model): served like the model, by what its forward hands the model (rose.engine.model_probe)."""
+    base = getattr(model, "get_base_model", None) if isinstance(model, torch.nn.Module) else None
+    return callable(base) and isinstance(base(), PreTrainedModel)
+
+
 def load(
     model: str | os.PathLike | PreTrainedModel,
     tokenizer: Any = None,
@@ -367,7 +374,7 @@ def load(
 ) -> LoadedModel:
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
-    if isinstance(model, PreTrainedModel):
+    if isinstance(model, PreTrainedModel) or _wraps_pretrained(model):
         name = getattr(model.config, "name_or_path", "") or type(model).__name__
         tok = load_tokenizer(tokenizer)
     elif isinstance(model, str | os.PathLike):
@@ -375,7 +382,8 @@ def load(
         model, tok = build_model(model, tokenizer, dtype=torch_dtype, trust_remote_code=trust_remote_code)
     else:
         raise TypeError(
-            f"model must be a preset name, a config file, a path, a hub id or a PreTrainedModel, got {type(model)}"
+            "model must be a preset name, a config file, a path, a hub id or a PreTrainedModel (or a PEFT model "
+            f"wrapping one), got {type(model)}"
         )
     model = model.to(device=dev, dtype=torch_dtype).eval()
     model.requires_grad_(False)

@@ -4,8 +4,9 @@ cannot serve exactly (the first half of rose's binding to transformers; rose.eng
 `probe(model)`:
 1. refuses encoder-decoder models, state-space / recurrent / linear-attention / sparse-indexed layers (they hold
    state, not K/V; transformers' own cache layer types say which), models whose attention bypasses transformers'
-   `AttentionInterface`, and a forward without `position_ids` (rose flattens a step's sequences into one row,
-   each with its own positions);
+   `AttentionInterface`, a config mode whose results depend on how a sequence is split into forwards
+   (`_UNSERVED_MODES`: dory's `recurrent_kv_cache_mode="last_loop"`), and a forward that cannot take
+   `position_ids` at all (rose flattens a step's sequences into one row, each with its own positions);
 2. runs one forward of a few tokens with rose's probe attention, registered both as an attention function and as
    a mask function: each attention call reports the tensors and arguments it hands to `AttentionInterface`, and
    the mask transformers builds for it (its mask function is evaluated, so a sliding window, chunked attention or
@@ -13,7 +14,11 @@ cannot serve exactly (the first half of rose's binding to transformers; rose.eng
    rose does not implement (a position bias, a bidirectional or data-dependent mask, K/V of another length than
    its queries, unknown arguments), a sub-model that kept another attention implementation, or a forward that fails
    refuses the model with the reason. A module that attends twice per forward (diffllama) gets two store layers;
-3. records the lengths below which rose is exact where transformers computes from more than each token's position
+3. runs the same forward with the positions shifted by one: the keys the attention layers receive must change.
+   Whether `position_ids` reach the layers is judged by what they do, not by the forward's signature: a wrapper
+   whose `forward(*args, **kwargs)` passes them on (a user's subclass, PEFT) is served; a forward that takes them
+   and drops them (its inner model then counts positions itself) is refused;
+4. records the lengths below which rose is exact where transformers computes from more than each token's position
    (rose.engine.model_limits).
 """
 
@@ -37,6 +42,9 @@ logger = logging.getLogger(__name__)
 
 PROBE_IMPLEMENTATION = "rose_probe"
 PROBE_TOKENS = 8
+POSITION_SHIFT = (
+    1  # of the second probe forward's positions (still consecutive: not packed sequences to transformers)
+)
 
 # attention kwargs that carry nothing rose must apply (the mask, window and scale are read elsewhere)
 _IGNORED_KWARGS = {
@@ -58,6 +66,16 @@ _STATEFUL_LAYERS = {
     "indexed_attention": "sparse indexed attention picks the tokens each query attends to",
     "heavily_compressed_attention": "compressed attention stores transformed K/V",
     "compressed_sparse_attention": "compressed sparse attention stores transformed K/V",
+}
+# config field -> (a value rose cannot serve exactly, the value it serves, why)
+_UNSERVED_MODES = {
+    "recurrent_kv_cache_mode": (
+        "last_loop",
+        "per_loop",
+        "its earlier recurrent loops attend over the K/V the last loop cached in earlier forwards beside their own "
+        "for the current one, so its output depends on how a sequence is split into forwards (generate's: the "
+        "prompt, then one token at a time), which rose's chunked, prefix-cached and batched steps do not reproduce",
+    ),
 }
 
 
@@ -119,8 +137,8 @@ def probe(model: PreTrainedModel) -> AttentionLayers:
     """The attention calls of `model` in forward order, with what each computes; raises UnsupportedModelError."""
     name = model_type(model)
     _check_architecture(model, name)
-    recorder = _Recorder(name)
-    stuck, attention_ran, failure = _probe_forward(model, recorder)
+    recorder, shifted = _Recorder(name), _Recorder(name)
+    stuck, attention_ran, failure = _probe_forward(model, recorder, shifted)
     # transformers only warns when a sub-model cannot switch: its layers would run without rose's store
     if stuck:
         raise UnsupportedModelError(
@@ -140,6 +158,16 @@ def probe(model: PreTrainedModel) -> AttentionLayers:
             f"{name}: attention layer {skipped[0].layer_idx} ({type(skipped[0]).__name__}) ran without going "
             "through transformers' AttentionInterface, so rose cannot attach its KV cache to it"
         )
+    if not recorder.layers.specs:
+        raise UnsupportedModelError(
+            f"{name}: no layer of it attends through transformers' AttentionInterface (recurrent or state-space "
+            "layers keep a state instead), so rose has no KV cache to attach"
+        )
+    if not _positions_reach_layers(recorder, shifted):
+        raise UnsupportedModelError(
+            f"{name}: its forward does not pass position_ids on (the positions it is given do not change what its "
+            "attention layers receive), so rose cannot give each batched sequence its own positions"
+        )
     layers = recorder.layers
     context, step = model_limits.exact_lengths(layers.modules, layers.specs, model)
     if context is not None:
@@ -153,12 +181,13 @@ def probe(model: PreTrainedModel) -> AttentionLayers:
 
 
 def _probe_forward(
-    model: PreTrainedModel, recorder: _Recorder
+    model: PreTrainedModel, recorder: _Recorder, shifted: _Recorder
 ) -> tuple[list[tuple[str, str]], list[torch.nn.Module], Exception | None]:
-    """One forward of PROBE_TOKENS tokens under the probe attention: the (class, attention implementation) of each
-    (sub-)model it went through that did not switch to the probe, the attention modules (`*Attention` classes with a
-    `layer_idx`) that ran, each of which must have called the probe, and the exception the forward raised, if any.
-    The model's attention implementation is restored."""
+    """One forward of PROBE_TOKENS tokens under the probe attention, into `recorder`: the (class, attention
+    implementation) of each (sub-)model it went through that did not switch to the probe, the attention modules
+    (`*Attention` classes with a `layer_idx`) that ran, each of which must have called the probe, and the exception
+    the forward raised, if any. Then the same forward with positions shifted by POSITION_SHIFT, into `shifted`
+    (only the keys it hands to attention count). The model's attention implementation is restored."""
     previous = model.config._attn_implementation
     recorder.layers.reference_implementation = previous
     model.set_attn_implementation(PROBE_IMPLEMENTATION)
@@ -173,14 +202,17 @@ def _probe_forward(
         elif type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx"):
             hooks.append(m.register_forward_pre_hook(lambda m, _: attention_ran.append(m)))
     failure = None
-    _ACTIVE.recorder = recorder
     try:
         with torch.inference_mode():
-            model(
-                input_ids=ids[None].to(device),
-                position_ids=torch.arange(PROBE_TOKENS, device=device)[None],
-                use_cache=False,
-            )
+            for run, shift in ((recorder, 0), (shifted, POSITION_SHIFT)):
+                _ACTIVE.recorder = run
+                model(
+                    input_ids=ids[None].to(device),
+                    position_ids=torch.arange(shift, shift + PROBE_TOKENS, device=device)[None],
+                    use_cache=False,
+                )
+                for hook in hooks:  # the first forward says which (sub-)models and attention modules ran
+                    hook.remove()
     except Exception as exc:  # reported by the caller, after what the layers themselves told the recorder
         failure = exc
     finally:
@@ -206,11 +238,30 @@ def _check_architecture(model: PreTrainedModel, name: str) -> None:
         raise UnsupportedModelError(
             f"{name}: its attention does not use transformers' AttentionInterface, so rose cannot attach its KV cache"
         )
-    params = inspect.signature(model.forward).parameters
-    if "position_ids" not in params:
+    text = config.get_text_config(decoder=True)
+    for field_name, (unserved, served, why) in _UNSERVED_MODES.items():
+        if getattr(text, field_name, None) == unserved:
+            raise UnsupportedModelError(
+                f"{name}: {field_name}={unserved!r} is not served exactly ({why}); rose serves "
+                f"{field_name}={served!r} exactly: set it in the model's config"
+            )
+    # a forward that cannot even be called with position_ids; one that takes them (or **kwargs) is judged by whether
+    # they reach its attention layers (_positions_reach_layers)
+    params = inspect.signature(model.forward).parameters.values()
+    if not any(p.name == "position_ids" or p.kind is p.VAR_KEYWORD for p in params):
         raise UnsupportedModelError(
             f"{name}: its forward takes no position_ids, so rose cannot give each batched sequence its own positions"
         )
+
+
+def _positions_reach_layers(recorder: _Recorder, shifted: _Recorder) -> bool:
+    """Whether shifting the probe's positions changed the keys some attention call received (rotary or learned
+    positions; a forward that drops position_ids leaves every key bitwise the same)."""
+    if len(recorder.keys) != len(shifted.keys):  # the positions changed what the forward does
+        return True
+    return any(
+        a.shape != b.shape or not torch.equal(a, b) for a, b in zip(recorder.keys, shifted.keys, strict=True)
+    )
 
 
 def _has_state_space_config(config) -> bool:
@@ -271,6 +322,7 @@ class _Recorder:
     def __init__(self, model_type: str) -> None:
         self.layers = AttentionLayers(model_type)
         self.problems: list[str] = []
+        self.keys: list[torch.Tensor] = []  # each call's keys, in call order
 
     def record(self, module, query, key, value, attention_mask, kwargs) -> LayerSpec | None:
         where = f"attention layer {getattr(module, 'layer_idx', len(self.layers.specs))}"
@@ -326,6 +378,8 @@ def _spec_problem(query, key, value, attention_mask, kwargs) -> str | None:
 def _probe_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
     """Attention function of the probe: record the layer, then attend as transformers' eager attention would."""
     recorder = getattr(_ACTIVE, "recorder", None)
+    if recorder is not None:
+        recorder.keys.append(key.detach().clone())
     spec = (
         recorder.record(module, query, key, value, attention_mask, kwargs) if recorder is not None else None
     )

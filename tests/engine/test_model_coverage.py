@@ -43,6 +43,7 @@ MUST_BE_EXACT = {
     "mllama": "a cross-attention layer that text-only forwards skip",
     "llama": "the plain case",
     "gpt2": "learned positions",
+    "whisper": "position_ids through the forward's **kwargs (judged by what reaches the layers)",
 }
 MUST_BE_REFUSED = {
     "falcon": "its attention does not use transformers' AttentionInterface",
@@ -60,7 +61,8 @@ MUST_BE_REFUSED = {
     "recurrent_gemma": "state-space layers keep a recurrent state",
     "lfm2": "convolution layers keep a rolling state",
     "deepseek_v32": "sparse indexed attention",
-    "bart": "its forward takes no position_ids",
+    "bart": "its forward does not pass position_ids on",
+    "xlstm": "no layer of it attends through transformers' AttentionInterface",
     "trocr": "its attention does not use transformers' AttentionInterface",
 }
 

@@ -99,7 +99,7 @@ def test_keys_and_values_of_different_head_dims():
         ("mamba", {"state_size": 4}, "state"),
         ("jamba", {"num_experts": 2, "attn_layer_period": 2, "attn_layer_offset": 1}, "state"),
         ("trocr", {}, "its attention does not use transformers' AttentionInterface"),
-        ("bart", {}, "its forward takes no position_ids"),
+        ("bart", {}, "its forward does not pass position_ids on"),
         ("llama", {"is_causal": False}, "its attention mask is neither causal"),
     ],
 )
@@ -166,3 +166,40 @@ def test_a_sub_model_that_keeps_its_attention_is_refused(monkeypatch):
         UnsupportedModelError, match="^gemma3: its sub-model Gemma3TextModel keeps transformers'"
     ):
         Engine(model, None, device="cpu", max_num_seqs=2, max_model_len=64)
+
+
+def _tiny_dory(mode: str) -> torch.nn.Module:
+    from architectures import redraw_weights, tiny_config
+
+    config = tiny_config("dory")
+    config.recurrent_kv_cache_mode = mode
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    redraw_weights(model, 0)
+    return model
+
+
+def test_dory_last_loop_is_refused_and_its_default_mode_served_exactly(monkeypatch):
+    """dory's `last_loop` earlier loops attend over the K/V the last loop cached in earlier forwards, beside their own
+    for the current one: `generate`'s tokens depend on its split (the prompt, then one token at a time), which rose's
+    steps do not reproduce. Refused, naming the field and the mode rose serves; `per_loop` (the default) is exact."""
+    from architectures import prompt_id_range
+    from coverage_check import check_model
+    from transformers import DoryConfig
+
+    from rose.engine import model_probe
+
+    with pytest.raises(
+        UnsupportedModelError,
+        match=r"^dory: recurrent_kv_cache_mode='last_loop' is not served exactly \(.*\); "
+        r"rose serves recurrent_kv_cache_mode='per_loop' exactly",
+    ):
+        Engine(_tiny_dory("last_loop"), None, device="cpu", max_num_seqs=2, max_model_len=64)
+    assert DoryConfig().recurrent_kv_cache_mode == "per_loop"
+    modes = ("batched", "chunked")
+    verdict = check_model("dory", lambda: _tiny_dory("per_loop"), modes, id_range=prompt_id_range())
+    assert verdict.status == "exact", verdict.detail
+    # the refusal is needed: served as any other model, last_loop parts from generate
+    monkeypatch.setattr(model_probe, "_UNSERVED_MODES", {})
+    verdict = check_model("dory", lambda: _tiny_dory("last_loop"), modes, id_range=prompt_id_range())
+    assert verdict.status == "wrong", verdict.detail
