@@ -20,12 +20,12 @@ import tempfile
 import time
 from pathlib import Path
 
-import peft
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from rose import LLM, LoRARequest, SamplingParams
 from rose.engine.presets import build_preset
+from rose.harness.lora_adapters import make_adapter
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -48,14 +48,14 @@ def base_model(shape: str):
 
 
 def write_adapters(shape: str, root: Path, count: int, rank: int) -> list[LoRARequest]:
-    requests = []
-    for i in range(count):
-        torch.manual_seed(100 + i)
-        model, _ = base_model(shape)
-        config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS, init_lora_weights=False)
-        peft.get_peft_model(model, config).save_pretrained(str(root / f"a{i}"))
-        requests.append(LoRARequest(f"a{i}", i + 1, str(root / f"a{i}")))
-    return requests
+    return [
+        LoRARequest(
+            f"a{i}",
+            i + 1,
+            make_adapter(root / f"a{i}", TARGETS, rank, seed=100 + i, model=base_model(shape)[0]),
+        )
+        for i in range(count)
+    ]
 
 
 def timed(

@@ -330,7 +330,9 @@ class Engine:
             if batch:
                 out = self.runner.execute(batch)
                 sampled = self._sample(out.logits, batch.sampled)
-                prompt = [(p.seq, prompt_logprobs(p, self.vocab_size)) for p in out.prompt]
+                prompt = [
+                    (p.seq, prompt_logprobs(p.seq, p.first, p.logits, self.vocab_size)) for p in out.prompt
+                ]
                 outputs += self.scheduler.update_from_output(batch, sampled, prompt)
         except BaseException:
             self._undelivered = outputs

@@ -20,7 +20,7 @@ import torch
 from rose.engine.outputs import TokenLogprob
 
 if TYPE_CHECKING:
-    from rose.engine.model_runner import PromptLogits
+    from rose.engine.sequence import Sequence
 
 _NEG_INF = float("-inf")
 # log-softmax elements held at once on CPU (8 MiB of float32)
@@ -77,12 +77,13 @@ def token_logprobs(
     return out
 
 
-def prompt_logprobs(part: PromptLogits, vocab_size: int) -> list[TokenLogprob]:
-    """The entries of the prompt tokens `part` predicts (its sequence's `prompt_logprobs` top-N), with vLLM's ranks."""
-    n = part.logits.shape[0]
-    tokens = part.seq.prompt_token_ids[part.first : part.first + n]
-    logits = part.logits[:, :vocab_size].float()
-    return token_logprobs(logits, tokens, [part.seq.params.prompt_logprobs] * n, ranks=True)
+def prompt_logprobs(seq: Sequence, first: int, logits: torch.Tensor, vocab_size: int) -> list[TokenLogprob]:
+    """The entries of `seq`'s prompt tokens from `first` on, one per row of `logits` (the positions before them:
+    rose.engine.model_runner.PromptLogits), its `prompt_logprobs` top-N each, with vLLM's ranks."""
+    n = logits.shape[0]
+    tokens = seq.prompt_token_ids[first : first + n]
+    raw = logits[:, :vocab_size].float()
+    return token_logprobs(raw, tokens, [seq.params.prompt_logprobs] * n, ranks=True)
 
 
 def top_k(logp: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

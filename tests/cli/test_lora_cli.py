@@ -8,9 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import peft
 import pytest
-import torch
 from cli_helpers import checkout_env, wait_for
 from rq.job import Job
 from rq.serializers import JSONSerializer
@@ -18,26 +16,13 @@ from rq.serializers import JSONSerializer
 from rose import LLM, SamplingParams
 from rose.cli.openai_batch import CHAT_URL, COMPLETIONS_URL, OpenAIFormat
 from rose.engine.lora import LoRARequest
-from rose.engine.presets import build_preset
+from rose.harness.lora_adapters import make_adapter
 from rose.harness.worker_process import WorkerProcess
 
 pytestmark = pytest.mark.timeout(400)
 
 QUEUE = "cli-lora"  # served by this module's worker only
 PROMPT = "Once upon a time"
-
-
-def make_adapter(path: Path, targets: list[str], rank: int, seed: int) -> str:
-    """A PEFT adapter of tiny-llama with random A and B, B strong enough to change the greedy tokens."""
-    torch.manual_seed(seed)
-    lora = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, init_lora_weights=False)
-    wrapped = peft.get_peft_model(build_preset("tiny-llama")[0], lora)
-    with torch.no_grad():
-        for name, param in wrapped.named_parameters():
-            if "lora_B" in name:
-                param.mul_(20)
-    wrapped.save_pretrained(str(path))
-    return str(path)
 
 
 @pytest.fixture(scope="module")

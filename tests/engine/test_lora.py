@@ -10,13 +10,13 @@ from pathlib import Path
 
 import peft
 import pytest
-import torch
 from engine_helpers import greedy, hf_greedy, make_engine
 from hub_helpers import put_in_cache, read_folder
 from safetensors.torch import load_file, save_file
 
 from rose.engine.lora import LoRAError, LoRARequest
 from rose.engine.presets import build_preset
+from rose.harness.lora_adapters import make_adapter
 
 PRESET = "tiny-llama"
 PROMPTS = [list(range(10 + 7 * i, 40 + 9 * i)) for i in range(6)]
@@ -25,21 +25,6 @@ TARGETS = {
     "mlp": ["gate_proj", "up_proj", "down_proj"],
     "all": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
 }
-
-
-def make_adapter(path: Path, targets: list[str], rank: int, seed: int, **config) -> None:
-    """A PEFT adapter with random A and B (B is zero at PEFT's default init: no effect to test)."""
-    torch.manual_seed(seed)
-    model = build_preset(PRESET)[0]
-    lora = peft.LoraConfig(
-        r=rank, lora_alpha=2 * rank, target_modules=targets, init_lora_weights=False, **config
-    )
-    wrapped = peft.get_peft_model(model, lora)
-    with torch.no_grad():  # strong enough to change the greedy tokens of a random model
-        for name, param in wrapped.named_parameters():
-            if "lora_B" in name:
-                param.mul_(20)
-    wrapped.save_pretrained(str(path))
 
 
 @pytest.fixture(scope="module")

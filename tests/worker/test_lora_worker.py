@@ -11,11 +11,8 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
-import peft
 import pytest
-import torch
 from rq import Queue, Retry
 from rq.job import Job
 from rq.serializers import JSONSerializer
@@ -25,24 +22,10 @@ from worker_helpers import FakeEngine, TinyWorker, enqueue, wait_for, wait_statu
 from rose import LLM, SamplingParams
 from rose.cli.status import collect
 from rose.engine.lora import LoRARequest
-from rose.engine.presets import build_preset
+from rose.harness.lora_adapters import make_adapter
 from rose.jobs import keys
 
 pytestmark = pytest.mark.timeout(300)
-
-
-def make_adapter(path: Path, targets: list[str], rank: int, seed: int) -> str:
-    """A PEFT adapter of tiny-llama (the worker's preset) with random A and B, B strong enough to change a random
-    model's greedy tokens (tests/engine/test_lora.py's)."""
-    torch.manual_seed(seed)
-    lora = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, init_lora_weights=False)
-    wrapped = peft.get_peft_model(build_preset("tiny-llama")[0], lora)
-    with torch.no_grad():
-        for name, param in wrapped.named_parameters():
-            if "lora_B" in name:
-                param.mul_(20)
-    wrapped.save_pretrained(str(path))
-    return str(path)
 
 
 @pytest.fixture(scope="module")
