@@ -5,9 +5,9 @@ The scheduler decides which sequences run; this manager decides whether their bl
 `num_dropped_blocks`, `block_hashes`) are written by this manager and its prefix cache, nowhere else:
 
 - `allocate_prefill` at admission: the cached blocks of the sequence's prefix (prefix caching: shared, a reference
-  each, nothing copied; not for a request that wants its `prompt_logprobs`), or those of its prompt that another choice of its request computed (`prompt_share`: n > 1,
-  with or without prefix caching), then new blocks for the rest of its prefill, if the pool has them above the
-  watermark.
+  each, nothing copied; not for a request that wants its `prompt_logprobs`), or those of its prompt that another
+  choice of its request computed (`prompt_share`: n > 1, with or without prefix caching), then new blocks for the
+  rest of its prefill, if the pool has them above the watermark.
 - `allocate_slots` as it decodes: blocks for its next positions, if free (else the scheduler preempts).
 - `cache_blocks` once a step has computed its positions: full blocks indexed for prefix hits, a shared prompt's
   blocks held for the choices still to come, and the leading blocks that every layer's window has passed given
@@ -107,6 +107,16 @@ class KVCacheManager:
             self.pool.free(share.blocks)
             share.blocks = []
 
+    def release_held(self, waiting: list[Sequence]) -> bool:
+        """Let go of the prompt blocks held for `waiting` choices: an idle engine whose next request does not fit
+        needs them more (the choices then compute their prompt themselves). Whether any block came back."""
+        shares = {id(s.prompt_share): s.prompt_share for s in waiting if s.prompt_share is not None}
+        held = [share for share in shares.values() if share.blocks]
+        for share in held:
+            self.pool.free(share.blocks)
+            share.blocks = []
+        return bool(held)
+
     def leave(self, seq: Sequence) -> None:
         """`seq` leaves the engine (finished or aborted; its blocks, if any, are freed separately)."""
         self._admitted_or_gone(seq)
@@ -126,7 +136,9 @@ class KVCacheManager:
         available = pool.num_free - sum(1 for b in held if pool.refs(b) == 0)  # free cached blocks taken back
         if new > available - (self.watermark_blocks if watermark else 0):
             return None
-        if self.prefix_cache is not None:
+        if self.reads_cache(
+            seq
+        ):  # a request that skips the cache is no query (vLLM's stats leave it out too)
             self.prefix_cache.take(seq, [] if shared else hits)
         if shared:
             pool.share(shared)

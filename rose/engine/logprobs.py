@@ -23,8 +23,10 @@ if TYPE_CHECKING:
     from rose.engine.sequence import Sequence
 
 _NEG_INF = float("-inf")
-# log-softmax elements held at once on CPU (8 MiB of float32)
+# log-softmax elements held at once: 8 MiB of float32 on CPU (stays in cache), 256 MiB elsewhere (a prompt's 2,048
+# positions x 151k logits at once would take several GB of temporaries beside the KV pool)
 _CHUNK = 1 << 21
+_CHUNK_GPU = 1 << 26
 
 
 def token_logprobs(
@@ -35,7 +37,8 @@ def token_logprobs(
     *,
     ranks: bool = False,
 ) -> list[TokenLogprob]:
-    """For each row j of `logits` (or row `rows[j]`, `rows` sorted and distinct): the log-softmax at `tokens[j]` and
+    """For each row j of `logits` (any float dtype, taken in float32 a chunk of rows at a time; or row `rows[j]`,
+    `rows` sorted and distinct): the log-softmax at `tokens[j]` and
     its `num_top[j]` most likely tokens (-inf ones left out: a token a grammar masked could never be drawn). `ranks`:
     also each token's rank, vLLM's (1 + how many tokens are at least as likely, the token itself not counted)."""
     vocab = logits.shape[-1]
@@ -43,21 +46,23 @@ def token_logprobs(
     k = min(max(num_top, default=0), vocab)
     chosen = torch.tensor(tokens, device=logits.device)[:, None]
     every = rows is None or len(rows) == logits.shape[0]  # sorted and distinct: every row, in order
-    step = count
     if logits.device.type == "cpu":
         step = max(torch.get_num_threads(), _CHUNK // vocab)
+    else:
+        step = max(1, _CHUNK_GPU // vocab)
     parts_lp, parts_rank, parts_vals, parts_ids = [], [], [], []
     for a in range(0, count, step):
         b = min(a + step, count)
-        rows_ab = logits[a:b] if every else logits[rows[a:b]]
+        rows_ab = (logits[a:b] if every else logits[rows[a:b]]).float()
         # log_softmax's own formula, (x - max) - log(sum(exp(x - max))), for the values read only: the whole
         # log-softmax is never written (a pass over the rows saved), the top k taken from the logits (same order)
         top = rows_ab.amax(dim=1, keepdim=True)
         log_sum = (rows_ab - top).exp_().sum(dim=1, keepdim=True).log_()
         x = rows_ab.gather(1, chosen[a:b])
-        parts_lp.append(((x - top) - log_sum)[:, 0])
-        if ranks:
-            parts_rank.append((rows_ab >= x).sum(dim=1))
+        lp = (x - top) - log_sum
+        parts_lp.append(lp[:, 0])
+        if ranks:  # vLLM's, counted over the log-softmax (logits that differ may round to one logprob)
+            parts_rank.append((((rows_ab - top) - log_sum) >= lp).sum(dim=1))
         if k:
             vals, ids = top_k(rows_ab, k)
             parts_vals.append((vals - top) - log_sum)
@@ -82,8 +87,7 @@ def prompt_logprobs(seq: Sequence, first: int, logits: torch.Tensor, vocab_size:
     rose.engine.model_runner.PromptLogits), its `prompt_logprobs` top-N each, with vLLM's ranks."""
     n = logits.shape[0]
     tokens = seq.prompt_token_ids[first : first + n]
-    raw = logits[:, :vocab_size].float()
-    return token_logprobs(raw, tokens, [seq.params.prompt_logprobs] * n, ranks=True)
+    return token_logprobs(logits[:, :vocab_size], tokens, [seq.params.prompt_logprobs] * n, ranks=True)
 
 
 def top_k(logp: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,7 +1,8 @@
 """LoRA adapters served together in one batch (vLLM's `enable_lora`, the S-LoRA / Punica idea in torch).
 
 A `LoRARequest` (vLLM's: `lora_name`, `lora_int_id`, `lora_path`) names a PEFT adapter directory
-(`adapter_config.json` + `adapter_model.safetensors`), or a hub id whose snapshot is in the local Hugging Face cache. The `LoRAManager` owns everything about adapters:
+(`adapter_config.json` + `adapter_model.safetensors`), or a hub id whose snapshot is in the local Hugging Face
+cache. The `LoRAManager` owns everything about adapters:
 
 - `register(request)` reads an adapter from disk once (CPU tensors), checks it against the base model (every
   targeted module a linear layer of the right shapes, rank <= `max_lora_rank`, only what plain LoRA computes: no

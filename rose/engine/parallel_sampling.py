@@ -110,7 +110,8 @@ class ParallelSampling:
             return None
         first = finals[0]
         outputs = [dataclasses.replace(final.outputs[0], index=i) for i, final in enumerate(finals)]
-        # the prompt is computed by the first choice admitted (the others share its blocks): its entries
+        # the prompt's entries: those of a choice that computed the whole prompt (the first admitted, or one that
+        # recomputed it after a preemption); the others shared its blocks and hold fewer
         prompt_logprobs = max(
             (final.prompt_logprobs for final in finals), key=lambda e: -1 if e is None else len(e)
         )

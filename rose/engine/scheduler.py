@@ -201,6 +201,8 @@ class Scheduler:
             for entry in held:
                 heapq.heappush(self._waiting, entry)
             self._num_waiting += len(held)
+        if not batch and not self.running and self.kv.release_held(self.waiting_seqs()):
+            return self.schedule()  # idle, and only the prompts held for n > 1 choices kept the next one out
         return batch
 
     def _admit(self, seq: Sequence) -> bool:

@@ -194,10 +194,10 @@ def job_result(
     tool_parser: ToolParser | None = None,
 ) -> JobResult:
     """The job's RQ result from the engine's final output. `started_wall`: when the worker started the job (the
-        engine's arrival time when it has none); `worker`: the worker's name; `metadata`: the request's; `logprobs`: each
-        choice's entries, for a job that asked (rose.jobs.logprobs.logprob_entries), and `prompt_logprobs` the prompt's
-    (prompt_logprob_entries); `request` and `tool_parser` (the
-        worker's): the job's tool calls (rose.jobs.tools.tool_result)."""
+    engine's arrival time when it has none); `worker`: the worker's name; `metadata`: the request's; `logprobs`: each
+    choice's entries, for a job that asked (rose.jobs.logprobs.logprob_entries), and `prompt_logprobs` the prompt's
+    (prompt_logprob_entries); `request` and `tool_parser` (the worker's): the job's tool calls
+    (rose.jobs.tools.tool_result)."""
     m = output.metrics
     start = m.arrival_time or started_wall
     finished = m.finished_time or time.time()

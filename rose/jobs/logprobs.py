@@ -89,7 +89,8 @@ def prompt_logprob_entries(
 
 def openai_prompt_logprobs(entries: list[PromptLogprobEntry | None]) -> list[dict[str, Any] | None]:
     """vLLM's OpenAI `prompt_logprobs`: per prompt token None (the first) or {token id: {logprob, rank,
-    decoded_token}} for the token itself, then its top k (ranks 1..k)."""
+    decoded_token}} for the token itself, then its top k (ranks 1..k; the token's own entry takes its top-k rank
+    when it is among them, as vLLM's)."""
 
     def one(entry: TopLogprob, rank: int) -> dict[str, Any]:
         return {"logprob": entry["logprob"], "rank": rank, "decoded_token": entry["token"]}
@@ -100,8 +101,10 @@ def openai_prompt_logprobs(entries: list[PromptLogprobEntry | None]) -> list[dic
             out.append(None)
             continue
         tokens = {str(e["token_id"]): one(e, e["rank"])}
-        for rank, t in enumerate(e["top_logprobs"], 1):
-            tokens.setdefault(str(t["token_id"]), one(t, rank))
+        for rank, t in enumerate(
+            e["top_logprobs"], 1
+        ):  # a top-k rank wins over the counted one, as in vLLM's dict
+            tokens[str(t["token_id"])] = one(t, rank)
         out.append(tokens)
     return out
 

@@ -177,3 +177,26 @@ def test_a_request_whose_choice_id_is_taken_is_refused_whole() -> None:
     with pytest.raises(ValueError, match="'1_x' \\(a choice of 'x'\\)"):
         eng.add_request("x", PROMPT[:10], SamplingParams(n=2, max_tokens=2))
     assert set(run(eng)) == {"1_x"}
+
+
+def test_an_idle_engine_lets_a_held_prompt_go_when_the_next_request_needs_its_blocks() -> None:
+    """The blocks held for a choice not admitted yet are given back when nothing runs and the head of the queue
+    (here a preempted request) cannot be admitted without them: the engine never waits on itself."""
+    eng = make_engine(
+        "tiny-llama",
+        block_size=4,
+        num_gpu_blocks_override=13,
+        max_num_batched_tokens=5,
+        max_num_seqs=4,
+        max_model_len=44,
+    )
+    eng.add_request("A", [11], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    eng.add_request("B", list(range(100, 140)), SamplingParams(n=2, temperature=1.0, seed=1, max_tokens=3))
+    finals = {}
+    for _ in range(500):  # it used to step forever, every request waiting
+        if not eng.has_unfinished():
+            break
+        finals.update((o.request_id, o.output) for o in eng.step() if o.finished)
+    assert set(finals) == {"A", "B"}
+    assert len(finals["A"].token_ids) == 30 and len(finals["B"].outputs) == 2
+    assert eng.kv_blocks_used == 0

@@ -9,6 +9,7 @@ import pytest
 import torch
 from engine_helpers import drain, greedy, make_engine
 
+from rose.engine.logprobs import token_logprobs
 from rose.engine.presets import build_preset
 from rose.engine.sampling_params import SamplingParams
 
@@ -32,7 +33,9 @@ def check(entries, expected, k: int, prompt=PROMPT) -> None:
         e, row = entries[t], expected[t - 1]
         assert e.token_id == prompt[t]
         assert e.logprob == pytest.approx(row[prompt[t]].item(), abs=1e-4)
-        assert e.rank == int((row >= row[prompt[t]]).sum())
+        # vLLM's rank: the tokens at least as likely (itself included), up to rounding against torch's log-softmax
+        value = row[prompt[t]]
+        assert int((row > value + 1e-4).sum()) + 1 <= e.rank <= int((row >= value - 1e-4).sum())
         assert list(e.top) == row.topk(k).indices.tolist() if k else e.top == {}
         for token, value in e.top.items():
             assert value == pytest.approx(row[token].item(), abs=1e-4)
@@ -87,6 +90,36 @@ def test_preempted_requests_take_each_entry_once(expected):
         check(run.outputs[rid].prompt_logprobs, expected, 1, prompt)
 
 
+@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("keeps_logits", [True, False], ids=["logits_to_keep", "all_logits"])
+def test_a_prompt_preempted_mid_prefill_resumes_its_entries_at_another_chunk_boundary(
+    expected, n, keeps_logits
+):
+    """B's prompt is preempted part way (its entries stop inside a chunk) and recomputed in chunks that start
+    elsewhere: every entry once, none missing; also for a model that computes every position's logits."""
+    eng = make_engine(
+        PRESET,
+        block_size=4,
+        num_gpu_blocks_override=12,
+        max_num_batched_tokens=9,
+        max_num_seqs=4,
+        max_model_len=48,
+    )
+    eng.runner.keeps_logits = keeps_logits
+    eng.add_request("A", [11, 12, 13, 14], greedy(30))
+    prompt = PROMPT[:40]
+    eng.add_request(
+        "B", prompt, SamplingParams(n=n, temperature=1.0, seed=1, max_tokens=3, prompt_logprobs=1)
+    )
+    finals = {}
+    for _ in range(500):
+        if not eng.has_unfinished():
+            break
+        finals.update((o.request_id, o.output) for o in eng.step() if o.finished)
+    assert finals["B"].metrics.num_preemptions > 0
+    check(finals["B"].prompt_logprobs, expected, 1, prompt)
+
+
 def test_a_one_token_prompt_has_one_empty_entry():
     eng = make_engine(PRESET, max_model_len=64)
     eng.add_request("a", [42], greedy(2, prompt_logprobs=3))
@@ -113,3 +146,12 @@ def test_more_than_max_logprobs_is_refused_by_the_engine():
     ):
         eng.add_request("a", [1, 2, 3], greedy(2, prompt_logprobs=6))
     assert not eng.has_unfinished()
+
+
+def test_ranks_count_over_the_logprobs_as_reported():
+    """Logits that differ may round to one logprob: the rank counts the reported values (vLLM counts over its
+    log-softmax), so a token tied in logprob with a slightly larger logit ranks after it."""
+    logits = torch.tensor([[20.0, 0.0, -1e-6, -1.5e-6]])
+    [entry] = token_logprobs(logits, [2], [4], ranks=True)
+    assert entry.logprob == entry.top[3]  # tokens 2 and 3: one logprob
+    assert entry.rank == 4
