@@ -161,14 +161,14 @@ def read_adapter(request: LoRARequest, model: nn.Module, max_lora_rank: int) -> 
 
 @dataclass(slots=True)
 class StepMapping:
-    """The running forward's tokens by adapter slot, set by `LoRAManager.begin_step` (`select` None: no adapter
-    runs). The slots present lie in [first, last): `select` [tokens, (last - first) * max_rank] is 1 on the columns
+    """The running forward's tokens by adapter slot, set by `LoRAManager.begin_step` (`drop` None: no adapter
+    runs). The slots present lie in [first, last): `drop` [tokens, (last - first) * max_rank] is False on the columns
     of each token's slot (0 on a base-model token's row), `scaling` [tokens, 1] its adapter's scaling."""
 
     num_tokens: int = 0
     first: int = 0
     last: int = 0
-    select: torch.Tensor | None = None
+    drop: torch.Tensor | None = None
     scaling: torch.Tensor | None = None
 
 
@@ -205,13 +205,16 @@ class LoRALinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
         step = self.step
-        if step.select is None:
+        if step.drop is None:
             return y
         flat_x = x.reshape(-1, x.shape[-1])
         if flat_x.shape[0] != step.num_tokens:
             raise RuntimeError(f"LoRA layer saw {flat_x.shape[0]} tokens in a step of {step.num_tokens}")
         rows = slice(step.first * self.max_rank, step.last * self.max_rank)
-        delta = ((flat_x @ self.lora_a[rows].T).mul_(step.select) @ self.lora_b[rows]).mul_(step.scaling)
+        # filled, not multiplied: another slot's product that overflowed (inf * 0) must not become NaN
+        delta = ((flat_x @ self.lora_a[rows].T).masked_fill_(step.drop, 0) @ self.lora_b[rows]).mul_(
+            step.scaling
+        )
         return y + delta.view(y.shape)
 
 
@@ -219,6 +222,11 @@ class LoRAManager:
     def __init__(self, model: nn.Module, max_loras: int, max_lora_rank: int) -> None:
         if max_loras < 1 or max_lora_rank < 1:
             raise ValueError(f"max_loras and max_lora_rank must be >= 1, got {max_loras} and {max_lora_rank}")
+        if any(isinstance(m, LoRALinear) for m in model.modules()):
+            raise ValueError(
+                "this model's layers already carry another engine's LoRA adapters: build the engine from a fresh "
+                "copy of the model"
+            )
         self.model = model
         self.max_loras = max_loras
         self.max_lora_rank = max_lora_rank
@@ -275,7 +283,13 @@ class LoRAManager:
             self.num_evictions += 1
         else:
             raise RuntimeError(f"no free LoRA slot for {name!r}: every one of {self.max_loras} is in use")
-        self._load(slot, self._adapters[name])
+        self._slots[slot] = None  # until loaded: a load that raises leaves a free, empty slot
+        try:
+            self._load(slot, self._adapters[name])
+        except BaseException:
+            for layer in self._layers.values():
+                layer.set_slot(slot, None)
+            raise
         self._users[name] = 1
         return slot
 
@@ -307,27 +321,26 @@ class LoRAManager:
         the base model)."""
         step = self.step
         step.num_tokens = sum(lengths)
-        step.select = step.scaling = None
+        step.drop = step.scaling = None
         present = [s for s in slots if s is not None]
         if not present or not self._layers:
             return
         layer = next(iter(self._layers.values()))
         step.first, step.last = min(present), max(present) + 1
         rank = self.max_lora_rank
-        select = torch.zeros(step.num_tokens, (step.last - step.first) * rank, dtype=layer.lora_a.dtype)
-        scaling = torch.zeros(step.num_tokens, 1, dtype=layer.lora_a.dtype)
+        drop = torch.ones(step.num_tokens, (step.last - step.first) * rank, dtype=torch.bool)
+        scaling = torch.zeros(step.num_tokens, 1)  # float32, as PEFT's Python float (bf16 would round it)
         start = 0
         for slot, n in zip(slots, lengths, strict=True):
             if slot is not None:
                 first = (slot - step.first) * rank
-                select[start : start + n, first : first + rank] = (
-                    1  # past a layer's rank its A and B are zero
-                )
+                # past a layer's rank its A and B are zero
+                drop[start : start + n, first : first + rank] = False
                 scaling[start : start + n] = self._scaling[slot]
             start += n
         device = layer.lora_a.device
-        step.select = select.to(device, non_blocking=True)
+        step.drop = drop.to(device, non_blocking=True)
         step.scaling = scaling.to(device, non_blocking=True)
 
     def end_step(self) -> None:
-        self.step.select = self.step.scaling = None
+        self.step.drop = self.step.scaling = None

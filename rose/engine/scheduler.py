@@ -6,7 +6,8 @@ requests admitted while the pool has the blocks for their whole prefill (minus w
 above a small watermark, up to `max_num_seqs` running. Admission never preempts (as in vLLM V1): a waiting request
 of a better priority than running ones waits for blocks to come back. Waiting requests are served by priority, then
 FIFO: a lower `priority` value is served earlier (as in vLLM); a request that does not fit holds back those behind
-it.
+it. A LoRA request whose adapter has no free slot (rose.engine.lora) waits without holding back the base-model
+requests behind it; the LoRA requests behind it wait with it, so that a slot frees up.
 
 With a sliding window (or chunked attention) in every layer, the leading blocks of a sequence that no layer's query
 will read again are given back as it advances (vLLM's sliding-window manager does the same): a sequence then holds
@@ -180,6 +181,9 @@ class Scheduler:
             budget -= self._chunk(batch, seq, budget)
         # popped but not admitted: pushed back with their keys, so they keep their place (an exception included)
         held: list[tuple[int, int, Sequence]] = []
+        slot_blocked = (
+            False  # a LoRA request found no adapter slot: no LoRA request behind it starts this step
+        )
         try:
             while budget > 0 and len(self.running) < self.max_num_seqs and self._num_waiting:
                 entry = self._pop_waiting()
@@ -191,8 +195,13 @@ class Scheduler:
                     if not seq.structured.is_ready:
                         continue
                     seq.status = SequenceStatus.WAITING
-                if seq.lora_request is not None and not self.lora.can_acquire(seq.lora_request.lora_name):
-                    continue  # every adapter slot is in use: it waits, those behind it may go (as vLLM)
+                if seq.lora_request is not None and (
+                    slot_blocked or not self.lora.can_acquire(seq.lora_request.lora_name)
+                ):
+                    # every adapter slot is in use: it waits and base-model requests behind it may go; LoRA ones
+                    # may not, or a resident adapter's stream of requests would keep its slot from it forever
+                    slot_blocked = True
+                    continue
                 if self.kv.should_defer(seq, self._prefilling) or not self._admit(seq):
                     break  # no room: it keeps its place in line, and nothing behind it jumps ahead
                 held.pop()
@@ -209,11 +218,13 @@ class Scheduler:
         """Admit `seq` if the KV-cache manager has the blocks of its whole prefill (above the watermark unless the
         engine is idle: nothing else will free blocks); a LoRA request's adapter takes its slot."""
         adapter = seq.lora_request.lora_name if seq.lora_request is not None else None
+        if adapter is not None:  # first: a load that raises leaves no blocks taken
+            self.lora.acquire(adapter)
         cached = self.kv.allocate_prefill(seq, watermark=bool(self.running))
         if cached is None:
+            if adapter is not None:
+                self.lora.release(adapter)  # it stays resident, idle
             return False
-        if adapter is not None:
-            self.lora.acquire(adapter)
         seq.num_computed_tokens = cached
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)

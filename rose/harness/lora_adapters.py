@@ -11,18 +11,25 @@ import torch
 
 
 def make_adapter(
-    path: Path, targets: list[str], rank: int, seed: int, model: Any = "tiny-llama", **config: Any
+    path: Path,
+    targets: list[str],
+    rank: int,
+    seed: int,
+    model: Any = "tiny-llama",
+    alpha: float | None = None,
+    **config: Any,
 ) -> str:
     """Write an adapter of `model` (a preset name or a built model, left unchanged) at `path`; returns its path.
-    `config`: more LoraConfig fields (e.g. use_dora=True)."""
+    `alpha`: lora_alpha (default 2 * rank); `config`: more LoraConfig fields (e.g. use_rslora=True)."""
     import peft
 
     from rose.engine.presets import build_preset
 
     torch.manual_seed(seed)
     base = build_preset(model)[0] if isinstance(model, str) else model
+    alpha = 2 * rank if alpha is None else alpha
     lora = peft.LoraConfig(
-        r=rank, lora_alpha=2 * rank, target_modules=targets, init_lora_weights=False, **config
+        r=rank, lora_alpha=alpha, target_modules=targets, init_lora_weights=False, **config
     )
     wrapped = peft.get_peft_model(base, lora)
     with torch.no_grad():

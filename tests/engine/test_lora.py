@@ -14,7 +14,8 @@ from engine_helpers import greedy, hf_greedy, make_engine
 from hub_helpers import put_in_cache, read_folder
 from safetensors.torch import load_file, save_file
 
-from rose.engine.lora import LoRAError, LoRARequest
+from rose.engine.engine import Engine
+from rose.engine.lora import LoRAError, LoRALinear, LoRARequest
 from rose.engine.presets import build_preset
 from rose.harness.lora_adapters import make_adapter
 
@@ -27,12 +28,16 @@ TARGETS = {
 }
 
 
+# different ranks, alphas and scalings (alpha / rank, alpha / sqrt(rank) with rsLoRA) in one batch
+SCALINGS = {"qv": {"alpha": 7, "use_rslora": True}, "mlp": {"alpha": 3}, "all": {}}
+
+
 @pytest.fixture(scope="module")
 def adapters(tmp_path_factory) -> dict[str, LoRARequest]:
     root = tmp_path_factory.mktemp("adapters")
     out = {}
     for i, (name, targets) in enumerate(TARGETS.items()):
-        make_adapter(root / name, targets, rank=4 + 4 * i, seed=i)
+        make_adapter(root / name, targets, rank=4 + 4 * i, seed=i, **SCALINGS[name])
         out[name] = LoRARequest(name, i + 1, str(root / name))
     return out
 
@@ -135,3 +140,59 @@ def test_a_hub_id_is_read_from_the_local_hub_cache(adapters, tmp_path, monkeypat
         LoRAError, match=r"\(acme/absent\): not a directory, and not in the local Hugging Face cache at "
     ):
         eng.add_request("x", [1, 2], greedy(2), lora_request=LoRARequest("absent", 2, "acme/absent"))
+
+
+def test_a_request_waiting_for_a_slot_is_not_starved_by_a_resident_adapters_stream(adapters):
+    """One slot, held by adapter qv whose requests keep coming: the mlp request (waiting for the slot) stops LoRA
+    requests behind it from starting, so the slot frees up and it runs; base-model requests still pass it."""
+    eng = make_engine(PRESET, max_model_len=128, enable_lora=True, max_loras=1, max_num_seqs=4)
+    eng.add_request("a0", PROMPTS[0], greedy(8), lora_request=adapters["qv"])
+    eng.step()
+    eng.add_request("b", PROMPTS[1], greedy(8), lora_request=adapters["mlp"])
+    finished, n = [], 1
+    for step in range(300):
+        if step % 3 == 0:
+            eng.add_request(f"a{n}", PROMPTS[n % 6], greedy(8), lora_request=adapters["qv"])
+            eng.add_request(f"base{n}", PROMPTS[n % 6], greedy(8))
+            n += 1
+        finished += [o.request_id for o in eng.step() if o.finished]
+        if "b" in finished:
+            break
+    assert "b" in finished, "the request for the adapter without a slot never ran"
+    assert any(r.startswith("base") for r in finished[: finished.index("b")])  # base requests passed it
+
+
+def test_a_load_that_raises_leaves_no_block_taken_and_no_half_loaded_slot(adapters, monkeypatch):
+    """A slot's load that fails (e.g. out of memory on a GPU) fails that step; the request waits holding nothing, the
+    slot is free and empty, and once loads work again every request's tokens are still PEFT's."""
+    eng = make_engine(PRESET, max_model_len=128, enable_lora=True, max_loras=1)
+    run(eng, [("warm", PROMPTS[0], adapters["all"])])  # every layer wrapped, slot 0 holds "all", idle
+    free = eng.kv_cache_manager.num_free
+    real, calls = LoRALinear.set_slot, []
+
+    def failing(self, slot, weights):
+        calls.append(slot)
+        if len(calls) == 5:
+            raise RuntimeError("simulated out of memory")
+        return real(self, slot, weights)
+
+    monkeypatch.setattr(LoRALinear, "set_slot", failing)
+    eng.add_request("c", PROMPTS[2], greedy(8), lora_request=adapters["mlp"])
+    with pytest.raises(RuntimeError, match="simulated out of memory"):
+        eng.step()
+    assert eng.kv_cache_manager.num_free == free and eng.num_waiting == 1
+    monkeypatch.setattr(LoRALinear, "set_slot", real)
+    finals = run(eng, [("d", PROMPTS[3], adapters["all"])])
+    assert finals["d"] == reference(adapters["all"], PROMPTS[3], 8)
+    assert finals["c"] == reference(adapters["mlp"], PROMPTS[2], 8)
+    assert eng.kv_blocks_used == 0
+
+
+def test_a_model_wrapped_by_another_engines_adapters_is_refused(adapters):
+    model, tok = build_preset(PRESET)
+    first = Engine(model, tok, device="cpu", dtype="float32", max_model_len=64, enable_lora=True)
+    first.add_request("a", PROMPTS[0][:8], greedy(2), lora_request=adapters["qv"])
+    while first.has_unfinished():
+        first.step()
+    with pytest.raises(ValueError, match="already carry another engine's LoRA adapters"):
+        Engine(model, tok, device="cpu", dtype="float32", max_model_len=64, enable_lora=True)
