@@ -19,8 +19,6 @@ _WORKER_INT_FIELDS = (
     "num_waiting",
     "kv_blocks_used",
     "kv_blocks_total",
-    "lora_loads",
-    "lora_evictions",
 )
 _WORKER_FLOAT_FIELDS = ("tokens_per_s", "started_at", "updated_at")
 
@@ -128,7 +126,7 @@ def _number(key: str, value: str) -> Any:
             return float(value)
     except ValueError:
         pass
-    if value.startswith(("[", "{")):  # queues, lora_tokens (adapter -> tokens generated)
+    if value.startswith(("[", "{")):  # queues, lora_tokens / lora_loads / lora_evictions (by adapter)
         try:
             return json.loads(value)
         except ValueError:
@@ -189,14 +187,23 @@ def render(data: dict[str, Any]) -> None:
         wt.add_row("(no workers)", "", "", "", "", "", "", "", "")
     console.print(wt)
     lora = [w for w in data["workers"] if isinstance(w.get("lora_tokens"), dict)]
-    if lora:  # workers started with --enable-lora
+    if lora:  # workers started with --enable-lora: a row per adapter
         lt = Table(title="LoRA adapters")
-        for col in ("worker", "tokens by adapter", "loads", "evictions"):
-            lt.add_column(col, justify="left" if col in ("worker", "tokens by adapter") else "right")
+        for col in ("worker", "adapter", "tokens", "loads", "evictions"):
+            lt.add_column(col, justify="left" if col in ("worker", "adapter") else "right")
         for w in lora:
-            tokens = ", ".join(f"{name} {n}" for name, n in w["lora_tokens"].items()) or "(no adapters)"
-            lt.add_row(w["name"], tokens, _cell(w, "lora_loads"), _cell(w, "lora_evictions"))
+            if not w["lora_tokens"]:
+                lt.add_row(w["name"], "(no adapters)", "", "", "")
+            for name, tokens in w["lora_tokens"].items():
+                counts = [_count(w, key, name) for key in ("lora_loads", "lora_evictions")]
+                lt.add_row(w["name"], name, str(tokens), *counts)
         console.print(lt)
+
+
+def _count(worker: dict[str, Any], key: str, adapter: str) -> str:
+    """An adapter's count in a worker's `key` (a JSON object by adapter)."""
+    counts = worker.get(key)
+    return str(counts.get(adapter, "")) if isinstance(counts, dict) else ""
 
 
 def run(args: argparse.Namespace) -> int:

@@ -400,7 +400,7 @@ class Engine:
         if self._structured is not None:
             stats.update(self._structured.get_stats())
         if self.lora is not None:
-            stats.update(lora_loads=self.lora.num_loads, lora_evictions=self.lora.num_evictions)
+            stats.update(self.lora.get_stats())
         kv = self.kv_cache_manager
         return {
             **stats,

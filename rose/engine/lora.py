@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -237,12 +237,29 @@ class LoRAManager:
         self._users: dict[str, int] = {}  # resident adapter -> sequences running with it
         self._idle: OrderedDict[str, None] = OrderedDict()  # resident, unused, least recently used first
         self._scaling = [0.0] * max_loras  # the resident adapter's, by slot
-        self.num_loads = 0
-        self.num_evictions = 0
+        self.loads: Counter[str] = Counter()  # by adapter: loaded into a slot
+        self.evictions: Counter[str] = Counter()  # by adapter: evicted from its slot for another
 
     @property
     def adapters(self) -> list[str]:
         return list(self._adapters)
+
+    def get_stats(self) -> dict[str, int]:
+        """Loads and evictions: `lora_loads` / `lora_evictions` in all, `lora_loads/NAME` / `lora_evictions/NAME`
+        by adapter."""
+        stats = {"lora_loads": self.num_loads, "lora_evictions": self.num_evictions}
+        for name in self._adapters:
+            stats[f"lora_loads/{name}"] = self.loads[name]
+            stats[f"lora_evictions/{name}"] = self.evictions[name]
+        return stats
+
+    @property
+    def num_loads(self) -> int:
+        return self.loads.total()
+
+    @property
+    def num_evictions(self) -> int:
+        return self.evictions.total()
 
     def register(self, request: LoRARequest) -> LoRAAdapter:
         """Read `request`'s adapter once (the same name with another id or path is refused)."""
@@ -280,7 +297,7 @@ class LoRAManager:
             evicted, _ = self._idle.popitem(last=False)
             slot = self._slots.index(evicted)
             del self._users[evicted]
-            self.num_evictions += 1
+            self.evictions[evicted] += 1
         else:
             raise RuntimeError(f"no free LoRA slot for {name!r}: every one of {self.max_loras} is in use")
         self._slots[slot] = None  # until loaded: a load that raises leaves a free, empty slot
@@ -306,7 +323,7 @@ class LoRAManager:
             layer.set_slot(slot, adapter.weights.get(name))
         self._slots[slot] = adapter.request.lora_name
         self._scaling[slot] = adapter.scaling
-        self.num_loads += 1
+        self.loads[adapter.request.lora_name] += 1
         log.info("LoRA adapter %r loaded into slot %d", adapter.request.lora_name, slot)
 
     def _wrap(self, name: str) -> None:

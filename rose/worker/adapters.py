@@ -1,5 +1,6 @@
 """The worker's LoRA adapters (`--enable-lora`, `--lora-modules NAME=PATH ...`): which adapter a job's `lora` field
-names, and what each adapter did (tokens on /metrics and in the info hash; the engine's loads and evictions).
+names, and what each adapter did (tokens generated, and the engine's loads and evictions, on /metrics and in the
+info hash).
 
 `lora_requests(settings)` gives each adapter its vLLM `LoRARequest`, ids 1, 2, ... in the order given; rose.worker.cli
 registers them all with the engine at start (a bad one stops the worker). `Adapters.request_for(name)` is what the job
@@ -41,7 +42,8 @@ class Adapters:
         self.enabled = settings.enable_lora
         self.requests = lora_requests(settings)
         self.tokens: dict[str, int] = dict.fromkeys(self.requests, 0)  # generated, by adapter
-        self.loads = self.evictions = 0  # the engine's counters, as last read
+        self.loads: dict[str, int] = dict.fromkeys(self.requests, 0)  # the engine's counters, as last read
+        self.evictions: dict[str, int] = dict.fromkeys(self.requests, 0)
         self._tokens: dict[str, Any] = {}
         if not self.enabled:
             return
@@ -52,19 +54,22 @@ class Adapters:
             [*ln, "adapter"],
             registry=reg,
         )
-        self._tokens = {name: tokens.labels(model, name) for name in self.requests}
-        self._loads = Counter(
+        loads = Counter(
             "rose_lora_loads",
-            "LoRA adapters loaded into a slot (--max-loras slots: an adapter no running job uses gives its slot up).",
-            ln,
+            "Each LoRA adapter's loads into a slot (--max-loras slots: an adapter no running job uses gives its "
+            "slot up).",
+            [*ln, "adapter"],
             registry=reg,
-        ).labels(model)
-        self._evictions = Counter(
+        )
+        evictions = Counter(
             "rose_lora_evictions",
-            "Resident LoRA adapters evicted from their slot for another adapter.",
-            ln,
+            "Each LoRA adapter's evictions from its slot for another adapter.",
+            [*ln, "adapter"],
             registry=reg,
-        ).labels(model)
+        )
+        self._tokens = {name: tokens.labels(model, name) for name in self.requests}
+        self._loads = {name: loads.labels(model, name) for name in self.requests}
+        self._evictions = {name: evictions.labels(model, name) for name in self.requests}
         metrics.lora = self
 
     def request_for(self, name: str | None) -> LoRARequest | None:
@@ -89,21 +94,24 @@ class Adapters:
         self._tokens[name].inc(n)
 
     def read_stats(self, stats: Mapping[str, float]) -> None:
-        """The engine's cumulative `lora_loads` / `lora_evictions` (rose.engine.engine.Engine.get_stats)."""
-        loads, evictions = int(stats.get("lora_loads", 0)), int(stats.get("lora_evictions", 0))
-        if loads > self.loads:
-            self._loads.inc(loads - self.loads)
-            self.loads = loads
-        if evictions > self.evictions:
-            self._evictions.inc(evictions - self.evictions)
-            self.evictions = evictions
+        """The engine's cumulative `lora_loads/NAME` / `lora_evictions/NAME` (rose.engine.engine.Engine.get_stats)."""
+        for seen, counters, key in (
+            (self.loads, self._loads, "lora_loads"),
+            (self.evictions, self._evictions, "lora_evictions"),
+        ):
+            for name, counter in counters.items():
+                now = int(stats.get(f"{key}/{name}", 0))
+                if now > seen[name]:
+                    counter.inc(now - seen[name])
+                    seen[name] = now
 
     def info(self) -> dict[str, Any]:
         """The info hash's fields (`rose status`): nothing without --enable-lora."""
         if not self.enabled:
             return {}
         return {
-            "lora_tokens": json.dumps(self.tokens),  # adapter -> tokens generated, in --lora-modules order
-            "lora_loads": self.loads,
-            "lora_evictions": self.evictions,
+            # adapter -> count, in --lora-modules order
+            "lora_tokens": json.dumps(self.tokens),
+            "lora_loads": json.dumps(self.loads),
+            "lora_evictions": json.dumps(self.evictions),
         }

@@ -90,5 +90,5 @@ class WorkerEngine(Protocol):
 
     def get_stats(self) -> Mapping[str, float]:
         """Cumulative counters; the worker reads `num_preemptions`, `prefix_cache_query_tokens` and
-        `prefix_cache_hit_tokens` (rose.worker.metrics), `lora_loads` and `lora_evictions` (rose.worker.adapters)
-        where present."""
+        `prefix_cache_hit_tokens` (rose.worker.metrics), `lora_loads/NAME` and `lora_evictions/NAME` by adapter
+        (rose.worker.adapters) where present."""

@@ -104,3 +104,15 @@ def test_a_dead_workers_registration_does_not_count_as_serving(r) -> None:
     assert workers_serving(r, "ghost") == 1
     r.delete(worker.key)  # what expiry leaves after a SIGKILL: no death registered
     assert workers_serving(r, "ghost") == 0
+
+
+def test_the_lora_table_has_a_row_per_adapter(capsys) -> None:
+    from rose.cli.status import render
+
+    lora = {"lora_tokens": {"sql": 80, "chat": 3}, "lora_loads": {"sql": 2, "chat": 5}, "lora_evictions": {"sql": 1}}
+    plain = {"name": "w2", "state": "busy", "rose": True, "queues": ["rose"]}
+    render({"queues": [], "workers": [{**plain, "name": "w1", **lora}, plain]})
+    table = capsys.readouterr().out.split("LoRA adapters", 1)[1]
+    rows = [line.replace("│", " ").split() for line in table.splitlines() if "w1" in line]
+    assert rows == [["w1", "sql", "80", "2", "1"], ["w1", "chat", "3", "5"]]  # no eviction of chat reported
+    assert "w2" not in table  # a worker without --enable-lora has no row

@@ -46,6 +46,8 @@ def failure(r, job) -> str:
 
 def test_each_job_reaches_the_engine_with_its_adapter_and_unknown_ones_fail_alone(run_worker, r, q):
     engine = FakeEngine(max_num_seqs=8)
+    # the engine's counters, by adapter (rose.engine.lora.LoRAManager.get_stats)
+    engine.get_stats = lambda: {"lora_loads": 3, "lora_loads/sql": 2, "lora_loads/chat": 1, "lora_evictions/sql": 1}
     modules = {"sql": "/adapters/sql", "chat": "/adapters/chat"}
     wt = run_worker(
         engine=engine, enable_lora=True, lora_modules=modules, metrics_port=0, heartbeat_timeout=10
@@ -68,14 +70,23 @@ def test_each_job_reaches_the_engine_with_its_adapter_and_unknown_ones_fail_alon
     assert value(samples, "rose_lora_generation_tokens_total", adapter="sql") == 3 + 5
     assert value(samples, "rose_lora_generation_tokens_total", adapter="chat") == 3
     assert value(samples, "rose_generation_tokens_total") == 3 * 3 + 5  # the base model's too
-    assert ("rose_lora_loads_total", ()) in samples  # the engine's counters (none in a fake engine)
+    wait_for(
+        lambda: value(scrape(wt.worker.metrics_server.port), "rose_lora_loads_total", adapter="sql") == 2,
+        10,
+        what="the engine's LoRA counters read",
+    )
+    samples = scrape(wt.worker.metrics_server.port)
+    assert value(samples, "rose_lora_loads_total", adapter="chat") == 1
+    assert value(samples, "rose_lora_evictions_total", adapter="sql") == 1
+    assert ("rose_lora_evictions_total", (("adapter", "chat"),)) in samples  # 0, shown
 
     def status():
         (worker,) = collect(r)["workers"]
         return worker
 
     wait_for(lambda: status().get("lora_tokens") == {"sql": 8, "chat": 3}, 10, what="heartbeat")
-    assert status()["lora_loads"] == 0 and status()["lora_evictions"] == 0
+    assert status()["lora_loads"] == {"sql": 2, "chat": 1}
+    assert status()["lora_evictions"] == {"sql": 1, "chat": 0}
 
 
 def test_a_job_with_lora_on_a_worker_without_enable_lora_fails_clearly(run_worker, r, q):
@@ -168,12 +179,15 @@ def test_a_mixed_batch_gives_each_job_the_offline_engines_tokens_for_its_adapter
     samples = scrape(lora_worker.metrics_port)
     for name in ("sql", "chat"):
         assert value(samples, "rose_lora_generation_tokens_total", adapter=name) == 2 * 6
-    wait_for(
-        lambda: value(scrape(lora_worker.metrics_port), "rose_lora_evictions_total") >= 1,
-        10,
-        what="the engine's LoRA counters read",
-    )
-    assert value(scrape(lora_worker.metrics_port), "rose_lora_loads_total") >= 2
+
+    def evictions():
+        samples = scrape(lora_worker.metrics_port)
+        return sum(value(samples, "rose_lora_evictions_total", adapter=name) for name in ("sql", "chat"))
+
+    wait_for(lambda: evictions() >= 1, 10, what="the engine's LoRA counters read")
+    samples = scrape(lora_worker.metrics_port)
+    for name in ("sql", "chat"):  # they took turns in one slot
+        assert value(samples, "rose_lora_loads_total", adapter=name) >= 1
 
 
 def test_a_bad_adapter_stops_the_worker_with_the_reason(redis_server, tmp_path, adapters):
