@@ -109,7 +109,11 @@ def test_a_dead_workers_registration_does_not_count_as_serving(r) -> None:
 def test_the_lora_table_has_a_row_per_adapter(capsys) -> None:
     from rose.cli.status import render
 
-    lora = {"lora_tokens": {"sql": 80, "chat": 3}, "lora_loads": {"sql": 2, "chat": 5}, "lora_evictions": {"sql": 1}}
+    lora = {
+        "lora_tokens": {"sql": 80, "chat": 3},
+        "lora_loads": {"sql": 2, "chat": 5},
+        "lora_evictions": {"sql": 1},
+    }
     plain = {"name": "w2", "state": "busy", "rose": True, "queues": ["rose"]}
     render({"queues": [], "workers": [{**plain, "name": "w1", **lora}, plain]})
     table = capsys.readouterr().out.split("LoRA adapters", 1)[1]
