@@ -47,7 +47,12 @@ def failure(r, job) -> str:
 def test_each_job_reaches_the_engine_with_its_adapter_and_unknown_ones_fail_alone(run_worker, r, q):
     engine = FakeEngine(max_num_seqs=8)
     # the engine's counters, by adapter (rose.engine.lora.LoRAManager.get_stats)
-    engine.get_stats = lambda: {"lora_loads": 3, "lora_loads/sql": 2, "lora_loads/chat": 1, "lora_evictions/sql": 1}
+    engine.get_stats = lambda: {
+        "lora_loads": 3,
+        "lora_loads/sql": 2,
+        "lora_loads/chat": 1,
+        "lora_evictions/sql": 1,
+    }
     modules = {"sql": "/adapters/sql", "chat": "/adapters/chat"}
     wt = run_worker(
         engine=engine, enable_lora=True, lora_modules=modules, metrics_port=0, heartbeat_timeout=10
