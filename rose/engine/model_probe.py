@@ -17,7 +17,9 @@ cannot serve exactly (the first half of rose's binding to transformers; rose.eng
 3. runs the same forward with the positions shifted by one: the keys the attention layers receive must change.
    Whether `position_ids` reach the layers is judged by what they do, not by the forward's signature: a wrapper
    whose `forward(*args, **kwargs)` passes them on (a user's subclass, PEFT) is served; a forward that takes them
-   and drops them (its inner model then counts positions itself) is refused;
+   and drops them (its inner model then counts positions itself) is refused. Where the shift changes nothing, a
+   third forward of one token repeated tells the two apart: without any positional encoding (NoPE in every layer)
+   every position of it computes the same keys in every layer, and such a model is served;
 4. records the lengths below which rose is exact where transformers computes from more than each token's position
    (rose.engine.model_limits).
 """
@@ -45,6 +47,10 @@ PROBE_TOKENS = 8
 POSITION_SHIFT = (
     1  # of the second probe forward's positions (still consecutive: not packed sequences to transformers)
 )
+REORDER = [
+    *range(PROBE_TOKENS - 2, -1, -1),
+    PROBE_TOKENS - 1,
+]  # the third forward's tokens: the last stays last
 
 # attention kwargs that carry nothing rose must apply (the mask, window and scale are read elsewhere)
 _IGNORED_KWARGS = {
@@ -137,8 +143,8 @@ def probe(model: PreTrainedModel) -> AttentionLayers:
     """The attention calls of `model` in forward order, with what each computes; raises UnsupportedModelError."""
     name = model_type(model)
     _check_architecture(model, name)
-    recorder, shifted = _Recorder(name), _Recorder(name)
-    stuck, attention_ran, failure = _probe_forward(model, recorder, shifted)
+    recorder, shifted, repeated = _Recorder(name), _Recorder(name), _Recorder(name)
+    stuck, attention_ran, failure = _probe_forward(model, recorder, shifted, repeated)
     # transformers only warns when a sub-model cannot switch: its layers would run without rose's store
     if stuck:
         raise UnsupportedModelError(
@@ -163,7 +169,7 @@ def probe(model: PreTrainedModel) -> AttentionLayers:
             f"{name}: no layer of it attends through transformers' AttentionInterface (recurrent or state-space "
             "layers keep a state instead), so rose has no KV cache to attach"
         )
-    if not _positions_reach_layers(recorder, shifted):
+    if not _positions_reach_layers(recorder, shifted) and _positions_matter(repeated):
         raise UnsupportedModelError(
             f"{name}: its forward does not pass position_ids on (the positions it is given do not change what its "
             "attention layers receive), so rose cannot give each batched sequence its own positions"
@@ -181,17 +187,18 @@ def probe(model: PreTrainedModel) -> AttentionLayers:
 
 
 def _probe_forward(
-    model: PreTrainedModel, recorder: _Recorder, shifted: _Recorder
+    model: PreTrainedModel, recorder: _Recorder, shifted: _Recorder, repeated: _Recorder
 ) -> tuple[list[tuple[str, str]], list[torch.nn.Module], Exception | None]:
     """One forward of PROBE_TOKENS tokens under the probe attention, into `recorder`: the (class, attention
     implementation) of each (sub-)model it went through that did not switch to the probe, the attention modules
     (`*Attention` classes with a `layer_idx`) that ran, each of which must have called the probe, and the exception
-    the forward raised, if any. Then the same forward with positions shifted by POSITION_SHIFT, into `shifted`
-    (only the keys it hands to attention count). The model's attention implementation is restored."""
+    the forward raised, if any. Then the same forward with positions shifted by POSITION_SHIFT, into `shifted`, and
+    one of its first token repeated, into `repeated` (only the keys they hand to attention count). The model's attention implementation is restored."""
     previous = model.config._attn_implementation
     recorder.layers.reference_implementation = previous
     model.set_attn_implementation(PROBE_IMPLEMENTATION)
     ids = (torch.arange(PROBE_TOKENS) * 7 + 3) % model.config.get_text_config().vocab_size
+    same = ids[:1].repeat(PROBE_TOKENS)
     device = next(model.parameters()).device
     ran: list[PreTrainedModel] = []
     attention_ran: list[torch.nn.Module] = []
@@ -204,10 +211,14 @@ def _probe_forward(
     failure = None
     try:
         with torch.inference_mode():
-            for run, shift in ((recorder, 0), (shifted, POSITION_SHIFT)):
+            for run, tokens, shift in (
+                (recorder, ids, 0),
+                (shifted, ids, POSITION_SHIFT),
+                (repeated, same, 0),
+            ):
                 _ACTIVE.recorder = run
                 model(
-                    input_ids=ids[None].to(device),
+                    input_ids=tokens[None].to(device),
                     position_ids=torch.arange(shift, shift + PROBE_TOKENS, device=device)[None],
                     use_cache=False,
                 )
@@ -262,6 +273,19 @@ def _positions_reach_layers(recorder: _Recorder, shifted: _Recorder) -> bool:
     return any(
         a.shape != b.shape or not torch.equal(a, b) for a, b in zip(recorder.keys, shifted.keys, strict=True)
     )
+
+
+def _positions_matter(repeated: _Recorder) -> bool:
+    """Whether the keys of a forward of one token repeated differ between positions in some attention call: rotary or
+    learned positions, whoever computes them. Without any, every position of such a forward computes the same (the
+    same token, attending over copies of the same values), up to rounding."""
+    for keys in repeated.keys:
+        keys = keys.float()
+        first = keys[:, :, :1].expand_as(keys)
+        tolerance = 1e-4 if repeated.keys[0].dtype == torch.float32 else 2e-2
+        if (keys - first).norm() > tolerance * max(keys.norm().item(), 1e-6):
+            return True
+    return not repeated.keys
 
 
 def _has_state_space_config(config) -> bool:

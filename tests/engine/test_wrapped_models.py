@@ -182,3 +182,33 @@ def test_the_dropping_wrapper_would_be_wrong_if_served(monkeypatch):
     expected = reference(model)
     monkeypatch.setattr(model_probe, "_positions_reach_layers", lambda *_: True)
     assert greedy_tokens(model) != expected
+
+
+def smollm3(no_rope_layers: list[int], *, drop: bool = False) -> torch.nn.Module:
+    """The zoo's tiny SmolLM3 with rotary positions in the layers flagged 1 (0: NoPE, no positional encoding)."""
+    from architectures import redraw_weights, tiny_config
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config("smollm3")
+    config.no_rope_layers = no_rope_layers
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    redraw_weights(model, 0)
+    if drop:
+        inner = model.forward
+        model.forward = lambda *args, **kwargs: inner(
+            *args, **{k: v for k, v in kwargs.items() if k != "position_ids"}
+        )
+    return model
+
+
+@pytest.mark.parametrize("drop", [False, True])
+def test_a_model_without_any_positional_encoding_is_served_exactly(drop):
+    """NoPE in every layer: positions change nothing, so a forward that drops them computes the same."""
+    assert_exact(smollm3([0, 0, 0, 0], drop=drop))
+
+
+@pytest.mark.parametrize("no_rope_layers", [[0, 1, 1, 1], [0, 0, 0, 1]])
+def test_a_dropping_wrapper_is_refused_where_any_layer_has_positions(no_rope_layers):
+    with pytest.raises(UnsupportedModelError, match=rf"^smollm3: {DROPS}"):
+        engine(smollm3(no_rope_layers, drop=True))
+    assert_exact(smollm3(no_rope_layers))  # the same model unwrapped is served
