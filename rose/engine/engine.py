@@ -81,6 +81,8 @@ class Engine:
 
         # refuses, before any request, a model rose cannot serve exactly
         layers = model_probe.probe(self.model)
+        # adapter slots are allocated before the KV store takes its share of the device's free memory
+        self.lora = self._lora_manager(config)
         context = layers.exact_context(model_context(self.model.config), config.max_model_len)
         plan = plan_store(
             layers,
@@ -103,9 +105,6 @@ class Engine:
             self.cache.nbytes / 2**20,
             self.max_model_len,
             config.max_num_seqs,
-        )
-        self.lora = (
-            LoRAManager(self.model, config.max_loras, config.max_lora_rank) if config.enable_lora else None
         )
         self.runner = ModelRunner(self.model, layers, self.cache, self.lora)
         # every layer windowed or chunked: blocks that all windows have passed are given back early
@@ -137,6 +136,19 @@ class Engine:
         self._undelivered: list[StepOutput] = []  # finished by a step that then raised (see step)
         self._structured: StructuredOutputManager | None = None  # built for the first constrained request
         self.parallel = ParallelSampling()  # requests of n > 1 choices
+
+    def _lora_manager(self, config: EngineConfig) -> LoRAManager | None:
+        if not config.enable_lora:
+            return None
+        lora = LoRAManager(self.model, config.max_loras, config.max_lora_rank)
+        logger.info(
+            "LoRA: %d slots of rank %d in %d linear layers (%.1f MiB)",
+            config.max_loras,
+            config.max_lora_rank,
+            lora.num_layers,
+            lora.nbytes / 2**20,
+        )
+        return lora
 
     # ----------------------------------------------------------------- requests
 

@@ -10,10 +10,12 @@ cache. The `LoRAManager` owns everything about adapters:
 - `max_loras` slots hold the adapters resident on the model's device. `acquire(name)` gives a running sequence its
   adapter's slot (loading the adapter into the least recently used free slot), `release(name)` gives it back; an
   adapter stays resident while any sequence runs with it, so a slot is taken only when none runs with it;
-- each targeted linear layer is wrapped once (`LoRALinear`): the base layer's output plus each token's delta through
-  its adapter's A then B, times the adapter's scaling, as PEFT computes `lora_B(lora_A(x)) * scaling`. One forward
-  serves a batch that mixes adapters and the base model, all of its adapters in two matmuls a layer, never a forward
-  per adapter.
+- at construction, every linear layer that runs on all of a forward's tokens (one traced forward says which: not the
+  LM head, not mixture-of-experts experts that see a subset) is wrapped (`LoRALinear`) with its slots' buffers, so
+  they are allocated before the KV store takes the device's free memory: the base layer's output plus each token's
+  delta through its adapter's A then B, times the adapter's scaling, as PEFT computes `lora_B(lora_A(x)) *
+  scaling`. One forward serves a batch that mixes adapters and the base model, all of its adapters in two matmuls a
+  targeted layer, never a forward per adapter; a layer no adapter of the step targets costs nothing more.
 
 The model runner sets the step's token → slot mapping (`begin_step`) around its forward.
 """
@@ -102,8 +104,12 @@ def adapter_dir(path: str, where: str) -> Path:
         ) from None
 
 
-def read_adapter(request: LoRARequest, model: nn.Module, max_lora_rank: int) -> LoRAAdapter:
-    """The adapter at `request.lora_path`, checked against `model`; LoRAError naming what does not fit."""
+def read_adapter(
+    request: LoRARequest, model: nn.Module, max_lora_rank: int, unservable: dict[str, str] | None = None
+) -> LoRAAdapter:
+    """The adapter at `request.lora_path`, checked against `model` (its linear layers, or the LoRALinear layers
+    that wrap them); LoRAError naming what does not fit. `unservable`: linear layers that cannot take an adapter,
+    with the reason."""
     where = f"LoRA adapter {request.lora_name!r} ({request.lora_path})"
     path = adapter_dir(request.lora_path, where)
     try:
@@ -141,6 +147,8 @@ def read_adapter(request: LoRARequest, model: nn.Module, max_lora_rank: int) -> 
         pairs.setdefault(name, {})[part[0]] = tensor
     weights = {}
     for name, pair in pairs.items():
+        if unservable and name in unservable:
+            raise LoRAError(f"{where}: {name} {unservable[name]}")
         module = modules.get(name)
         base = module.base if isinstance(module, LoRALinear) else module
         if not isinstance(base, nn.Linear):
@@ -191,21 +199,31 @@ class LoRALinear(nn.Module):
         self.lora_a = torch.zeros(max_loras * max_rank, base.in_features, dtype=w.dtype, device=w.device)
         self.lora_b = torch.zeros(max_loras * max_rank, base.out_features, dtype=w.dtype, device=w.device)
         self.max_rank = max_rank
+        self.loaded = [False] * max_loras  # whether each slot's adapter targets this layer
 
     def set_slot(self, slot: int, weights: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        if weights is None and not self.loaded[slot]:
+            return  # zero already
         first = slot * self.max_rank
         self.lora_a[first : first + self.max_rank].zero_()
         self.lora_b[first : first + self.max_rank].zero_()
+        self.loaded[slot] = (
+            weights is not None
+        )  # before the copy: rows a failed copy wrote are zeroed next time
         if weights is not None:
             a, b = weights
             r = a.shape[0]
             self.lora_a[first : first + r].copy_(a)
             self.lora_b[first : first + r].copy_(b.T)
 
+    @property
+    def nbytes(self) -> int:
+        return self.lora_a.nbytes + self.lora_b.nbytes
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
         step = self.step
-        if step.drop is None:
+        if step.drop is None or not any(self.loaded[step.first : step.last]):
             return y
         flat_x = x.reshape(-1, x.shape[-1])
         if flat_x.shape[0] != step.num_tokens:
@@ -218,7 +236,50 @@ class LoRALinear(nn.Module):
         return y + delta.view(y.shape)
 
 
+TRACE_TOKENS = 8  # of the forward that tells which linear layers run on every token
+
+
+def token_linears(model: nn.Module) -> tuple[list[str], dict[str, str]]:
+    """The linear layers of `model` (but its LM head) that run on all of a forward's tokens in every call (one
+    forward of TRACE_TOKENS tokens, as transformers runs it), and why each other cannot take an adapter."""
+    head = model.get_output_embeddings()
+    rows: dict[str, list[int]] = {}
+    hooks = []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and module is not head:
+            calls = rows.setdefault(name, [])
+            hooks.append(
+                module.register_forward_pre_hook(
+                    lambda _, args, calls=calls: calls.append(
+                        args[0].numel() // args[0].shape[-1] if args else -1
+                    )
+                )
+            )
+    ids = torch.arange(TRACE_TOKENS) % model.config.get_text_config().vocab_size
+    device = next(model.parameters()).device
+    try:
+        with torch.inference_mode():
+            model(input_ids=ids[None].to(device), use_cache=False)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    served, unservable = [], {}
+    for name, calls in rows.items():
+        if not calls:
+            unservable[name] = "does not run in the model's forward"
+        elif any(n != TRACE_TOKENS for n in calls):
+            unservable[name] = (
+                "runs on a subset of the tokens (e.g. a mixture-of-experts expert), which rose's LoRA does not serve"
+            )
+        else:
+            served.append(name)
+    return served, unservable
+
+
 class LoRAManager:
+    """The adapters of one engine (this module's docstring): registered, resident in `max_loras` slots, and the
+    wrapped layers with the step's token -> slot mapping."""
+
     def __init__(self, model: nn.Module, max_loras: int, max_lora_rank: int) -> None:
         if max_loras < 1 or max_lora_rank < 1:
             raise ValueError(f"max_loras and max_lora_rank must be >= 1, got {max_loras} and {max_lora_rank}")
@@ -232,7 +293,8 @@ class LoRAManager:
         self.max_lora_rank = max_lora_rank
         self.step = StepMapping()
         self._adapters: dict[str, LoRAAdapter] = {}  # registered (read from disk), by name
-        self._layers: dict[str, LoRALinear] = {}  # wrapped layers, by module path
+        served, self._unservable = token_linears(model)
+        self._layers = {name: self._wrap(name) for name in served}  # by module path
         self._slots: list[str | None] = [None] * max_loras  # the adapter resident in each slot
         self._users: dict[str, int] = {}  # resident adapter -> sequences running with it
         self._idle: OrderedDict[str, None] = OrderedDict()  # resident, unused, least recently used first
@@ -275,7 +337,7 @@ class LoRAManager:
             raise LoRAError(
                 f"lora_int_id {request.lora_int_id} already names adapter {taken[0].request.lora_name!r}"
             )
-        adapter = read_adapter(request, self.model, self.max_lora_rank)
+        adapter = read_adapter(request, self.model, self.max_lora_rank, self._unservable)
         self._adapters[request.lora_name] = adapter
         return adapter
 
@@ -315,10 +377,16 @@ class LoRAManager:
         if not self._users[name]:
             self._idle[name] = None  # stays resident until its slot is needed
 
+    @property
+    def num_layers(self) -> int:
+        return len(self._layers)
+
+    @property
+    def nbytes(self) -> int:
+        """The slots' buffers, in every wrapped layer."""
+        return sum(layer.nbytes for layer in self._layers.values())
+
     def _load(self, slot: int, adapter: LoRAAdapter) -> None:
-        for name in adapter.weights:
-            if name not in self._layers:
-                self._wrap(name)
         for name, layer in self._layers.items():
             layer.set_slot(slot, adapter.weights.get(name))
         self._slots[slot] = adapter.request.lora_name
@@ -326,38 +394,35 @@ class LoRAManager:
         self.loads[adapter.request.lora_name] += 1
         log.info("LoRA adapter %r loaded into slot %d", adapter.request.lora_name, slot)
 
-    def _wrap(self, name: str) -> None:
+    def _wrap(self, name: str) -> LoRALinear:
         parent_name, _, child = name.rpartition(".")
         parent = self.model.get_submodule(parent_name) if parent_name else self.model
         layer = LoRALinear(getattr(parent, child), self.max_loras, self.max_lora_rank, self.step)
         setattr(parent, child, layer)
-        self._layers[name] = layer
+        return layer
 
     def begin_step(self, slots: list[int | None], lengths: list[int]) -> None:
         """The step's tokens: sequence i has `lengths[i]` consecutive tokens, with adapter slot `slots[i]` (None:
-        the base model)."""
+        the base model). The mask is built on the layers' device from each token's slot (no loop over
+        sequences)."""
         step = self.step
         step.num_tokens = sum(lengths)
         step.drop = step.scaling = None
         present = [s for s in slots if s is not None]
         if not present or not self._layers:
             return
-        layer = next(iter(self._layers.values()))
         step.first, step.last = min(present), max(present) + 1
+        device = next(iter(self._layers.values())).lora_a.device
         rank = self.max_lora_rank
-        drop = torch.ones(step.num_tokens, (step.last - step.first) * rank, dtype=torch.bool)
-        scaling = torch.zeros(step.num_tokens, 1)  # float32, as PEFT's Python float (bf16 would round it)
-        start = 0
-        for slot, n in zip(slots, lengths, strict=True):
-            if slot is not None:
-                first = (slot - step.first) * rank
-                # past a layer's rank its A and B are zero
-                drop[start : start + n, first : first + rank] = False
-                scaling[start : start + n] = self._scaling[slot]
-            start += n
-        device = layer.lora_a.device
-        step.drop = drop.to(device, non_blocking=True)
-        step.scaling = scaling.to(device, non_blocking=True)
+        per_seq = torch.tensor([-1 if s is None else s for s in slots]).to(device, non_blocking=True)
+        repeats = torch.tensor(lengths).to(device, non_blocking=True)
+        token_slot = torch.repeat_interleave(per_seq, repeats, output_size=step.num_tokens)
+        column_slot = torch.arange(step.first * rank, step.last * rank, device=device) // rank
+        # past a layer's rank its A and B are zero; a base-model token (-1) drops every column
+        step.drop = token_slot[:, None] != column_slot[None, :]
+        # float32, as PEFT's Python float (bf16 would round it); index -1: the base model's 0
+        table = torch.tensor([*self._scaling, 0.0]).to(device, non_blocking=True)
+        step.scaling = table[token_slot][:, None]
 
     def end_step(self) -> None:
         self.step.drop = self.step.scaling = None
