@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rose.cli.request_args import add_request_args, chat_kwargs, constraint_kwargs
 from rose.cli.sampling_args import add_sampling_args, sampling_kwargs
 from rose.engine.config import DEFAULTS
+
+if TYPE_CHECKING:
+    from rose.engine.lora import LoRARequest
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -44,6 +49,22 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "output is the assistant's reply",
     )
     p.add_argument("--system", default=None, metavar="TEXT", help="with --chat: a system message first")
+    p.add_argument(
+        "--lora",
+        default=None,
+        metavar="NAME=PATH",
+        help="generate every prompt with this LoRA adapter: PATH a PEFT adapter directory (or a hub id in the "
+        "local Hugging Face cache), NAME its name, as rose-worker's --lora-modules takes it (its JSON form too); "
+        "default: the base model",
+    )
+    p.add_argument(
+        "--max-lora-rank",
+        type=int,
+        default=None,
+        metavar="RANK",
+        help="with --lora: the highest adapter rank the engine serves (vLLM's --max-lora-rank); default: the "
+        "adapter's rank, read from its adapter_config.json",
+    )
     add_sampling_args(p)
     add_request_args(p)
     p.set_defaults(func=run)
@@ -52,6 +73,34 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def _conversations(args: argparse.Namespace) -> list[list[dict[str, Any]]]:
     system = [{"role": "system", "content": args.system}] if args.system is not None else []
     return [[*system, {"role": "user", "content": prompt}] for prompt in args.prompts]
+
+
+def _lora(args: argparse.Namespace) -> tuple[LoRARequest | None, dict[str, Any]]:
+    """--lora NAME=PATH -> its LoRARequest (id 1) and the LLM's options to serve it: enable_lora, and
+    max_lora_rank (--max-lora-rank, else the adapter's rank as its adapter_config.json gives it; an adapter that
+    cannot be read is left to the engine's register, which names what is wrong)."""
+    from rose.config import parse_lora_module
+    from rose.engine.lora import LoRAError, LoRARequest, adapter_dir
+
+    if args.lora is None:
+        if args.max_lora_rank is not None:
+            raise ValueError("--max-lora-rank: needs --lora (the adapter to serve)")
+        return None, {}
+    try:
+        name, path = parse_lora_module(args.lora)
+    except ValueError as exc:
+        raise ValueError(f"--lora: {exc}") from None
+    request = LoRARequest(name, 1, os.path.expanduser(path))
+    rank = args.max_lora_rank
+    if rank is None:
+        rank = DEFAULTS.max_lora_rank
+        try:
+            config = json.loads((adapter_dir(request.lora_path, name) / "adapter_config.json").read_text())
+        except (LoRAError, OSError, ValueError):
+            config = {}
+        if isinstance(config, dict) and isinstance(config.get("r"), int) and config["r"] >= 1:
+            rank = config["r"]
+    return request, {"enable_lora": True, "max_lora_rank": rank}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -68,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
     if args.stream and params.n > 1:
         raise ValueError("--stream prints one text per prompt: --n > 1 needs the printing of whole choices")
     options = ChatOptions(**chat) if args.chat else None  # checked before the model loads
+    lora, lora_options = _lora(args)
     llm = LLM(
         args.model,
         args.tokenizer,
@@ -75,7 +125,10 @@ def run(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
+        **lora_options,
     )
+    if lora is not None:
+        llm.engine.lora.register(lora)  # read and checked now: a bad adapter fails before any output
     prompts: list[Any] = list(args.prompts)
     if options is not None:
         # Rendered here (not by LLM.chat) so that --stream and the batch path take the same prompts.
@@ -87,12 +140,14 @@ def run(args: argparse.Namespace) -> int:
             # a chat prints only the reply (its prompt is the rendered template); a plain prompt is echoed
             if not args.chat:
                 out.write(shown)
-            for delta in llm.stream(prompt, params):
+            for delta in llm.stream(prompt, params, lora_request=lora):
                 out.write(delta)
                 out.flush()
             out.write("\n")
         return 0
-    for i, (shown, res) in enumerate(zip(args.prompts, llm.generate(prompts, params), strict=True)):
+    for i, (shown, res) in enumerate(
+        zip(args.prompts, llm.generate(prompts, params, lora_request=lora), strict=True)
+    ):
         for choice in res.outputs:
             if i or choice.index:
                 out.write("\n")

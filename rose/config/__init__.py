@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Literal
 
 from pydantic import ByteSize, Field, field_validator, model_validator
@@ -12,6 +13,9 @@ from rose.engine.tool_calls import TOOL_PARSERS
 from rose.jobs.connection import check_scheme, is_sentinel_url, parse_sentinel_url, redact_url
 
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
+_LORA_FIELDS = ("name", "path", "base_model_name")  # vLLM's LoRAModulePath
+_LORA_FORMS = 'NAME=PATH or a JSON object {"name": NAME, "path": PATH} (PATH a PEFT adapter directory)'
+
 LogFormat = Literal["text", "json"]
 
 
@@ -78,10 +82,11 @@ class WorkerSettings(BaseSettings):
     )
     lora_modules: Annotated[dict[str, str], NoDecode] = Field(
         default_factory=dict,
-        description="The adapters served, as NAME=PATH (vLLM's --lora-modules): PATH a PEFT adapter directory "
-        "(adapter_config.json + adapter_model.safetensors), read and checked against the model at start (a bad "
-        "one stops the worker with the reason); jobs name NAME. Ids 1, 2, ... in the order given (env: "
-        "separated by spaces or commas). Needs --enable-lora.",
+        description='The adapters served, as NAME=PATH or as a JSON object {"name": NAME, "path": PATH} '
+        "(vLLM's --lora-modules, both forms; its optional base_model_name is accepted and ignored): PATH a PEFT "
+        "adapter directory (adapter_config.json + adapter_model.safetensors), read and checked against the model "
+        "at start (a bad one stops the worker with the reason); jobs name NAME. Ids 1, 2, ... in the order given "
+        "(env: items separated by spaces or commas, or a JSON array of them). Needs --enable-lora.",
     )
     max_loras: int = Field(
         DEFAULTS.max_loras,
@@ -205,17 +210,24 @@ class WorkerSettings(BaseSettings):
     @field_validator("lora_modules", mode="before")
     @classmethod
     def _parse_lora_modules(cls, value: object) -> object:
-        """NAME=PATH items (a list, or one string of them separated by spaces or commas) -> {name: path}, in order."""
+        """--lora-modules items (a list, or one string of them: split_lora_modules) -> {name: path}, in order. An
+        item that is a JSON array (vLLM's "JSON list format") stands for its items."""
         if isinstance(value, str):
-            value = value.replace(",", " ").split()
+            value = split_lora_modules(value)
         if not isinstance(value, list | tuple):
             return value
+        items = [
+            part
+            for item in value
+            for part in (
+                split_lora_modules(item)
+                if isinstance(item, str) and item.lstrip().startswith("[")
+                else [item]
+            )
+        ]
         modules: dict[str, str] = {}
-        for item in value:
-            name, sep, path = str(item).partition("=")
-            name, path = name.strip(), path.strip()
-            if not sep or not name or not path:
-                raise ValueError(f"want NAME=PATH (a PEFT adapter directory), got {item!r}")
+        for item in items:
+            name, path = parse_lora_module(item)
             if name in modules:
                 raise ValueError(f"adapter name {name!r} is given twice ({modules[name]} and {path})")
             modules[name] = path
@@ -287,4 +299,66 @@ class WorkerSettings(BaseSettings):
         return max(1.0, self.heartbeat_timeout / 6)
 
 
-__all__ = ["EngineConfig", "WorkerSettings", "redact_url"]
+def parse_lora_module(item: object) -> tuple[str, str]:
+    """One --lora-modules item in either of vLLM's forms -> (name, path): NAME=PATH (split at the first =), or a
+    JSON object {"name": ..., "path": ..., "base_model_name": ...} (a string, or a dict already decoded).
+    base_model_name (optional: vLLM's parent model of the adapter in its /v1/models) is accepted and ignored: a
+    worker serves one model, and the adapter is checked against that model's layers at start. ValueError naming
+    the item otherwise."""
+    shown = json.dumps(item, default=str) if isinstance(item, dict) else repr(item)
+    if isinstance(item, str) and item.lstrip().startswith("{"):
+        try:
+            item = json.loads(item)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"want {_LORA_FORMS}, got {shown}: not JSON ({exc})") from None
+    if isinstance(item, dict):
+        unknown = [key for key in item if key not in _LORA_FIELDS]
+        if unknown:
+            raise ValueError(
+                f"want {_LORA_FORMS}, got {shown}: unknown field {', '.join(map(repr, unknown))} (vLLM's "
+                f"fields: {', '.join(_LORA_FIELDS)})"
+            )
+        for key in ("name", "path"):
+            if not isinstance(item.get(key), str) or not item[key].strip():
+                raise ValueError(f"want {_LORA_FORMS}, got {shown}: {key!r} must be a non-empty string")
+        if not isinstance(item.get("base_model_name"), str | None):
+            raise ValueError(f"want {_LORA_FORMS}, got {shown}: 'base_model_name' must be a string")
+        return item["name"].strip(), item["path"].strip()
+    name, sep, path = str(item).partition("=")
+    name, path = name.strip(), path.strip()
+    if not isinstance(item, str) or not sep or not name or not path:
+        raise ValueError(f"want {_LORA_FORMS}, got {shown}")
+    return name, path
+
+
+def split_lora_modules(text: str) -> list[object]:
+    """ROSE_LORA_MODULES -> its items: NAME=PATH and JSON objects separated by spaces or commas (the commas and
+    spaces inside an object are its own), or one JSON array of them."""
+    text = text.strip()
+    if text.startswith("["):
+        try:
+            return list(json.loads(text))  # a JSON text starting with [ is an array
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"lora_modules {text!r}: not a JSON array ({exc})") from None
+    decoder = json.JSONDecoder()
+    items: list[object] = []
+    i = 0
+    while i < len(text):
+        if text[i].isspace() or text[i] == ",":
+            i += 1
+        elif text[i] == "{":
+            try:
+                item, i = decoder.raw_decode(text, i)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"want {_LORA_FORMS}, got {text[i:]!r}: not JSON ({exc})") from None
+            items.append(item)
+        else:
+            end = i
+            while end < len(text) and not text[end].isspace() and text[end] != ",":
+                end += 1
+            items.append(text[i:end])
+            i = end
+    return items
+
+
+__all__ = ["EngineConfig", "WorkerSettings", "parse_lora_module", "redact_url", "split_lora_modules"]

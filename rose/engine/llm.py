@@ -56,26 +56,16 @@ class LLM:
         """Run every prompt to completion; outputs come back in input order. `lora_request` (vLLM's): the adapter
         for every prompt, or one per prompt (None: the base model); the LLM needs `enable_lora=True`."""
         prompt_list = _normalize_prompts(prompts)
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params or SamplingParams()] * len(prompt_list)
-        else:
-            params_list = list(sampling_params)
-            if len(params_list) != len(prompt_list):
-                raise ValueError(
-                    f"got {len(params_list)} sampling_params for {len(prompt_list)} prompts: pass one, or one per prompt"
-                )
+        default = SamplingParams()
+        params_list = [
+            p if p is not None else default
+            for p in _one_each(sampling_params, SamplingParams, len(prompt_list), "sampling_params", "prompt")
+        ]
         if priority is not None and len(priority) != len(prompt_list):
             raise ValueError(
                 f"got {len(priority)} priority values for {len(prompt_list)} prompts: pass one per prompt"
             )
-        if lora_request is None or isinstance(lora_request, LoRARequest):
-            loras = [lora_request] * len(prompt_list)
-        else:
-            loras = list(lora_request)
-            if len(loras) != len(prompt_list):
-                raise ValueError(
-                    f"got {len(loras)} lora_request for {len(prompt_list)} prompts: pass one per prompt"
-                )
+        loras = _one_each(lora_request, LoRARequest, len(prompt_list), "lora_request", "prompt")
         ids = [str(next(self._ids)) for _ in prompt_list]
         try:
             for i, (rid, prompt, params) in enumerate(zip(ids, prompt_list, params_list, strict=True)):
@@ -96,6 +86,7 @@ class LLM:
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """vLLM's `LLM.chat`: render each conversation with the tokenizer's chat template (or `chat_template`) and
         generate for all of them at once; outputs come back in input order, each with the rendered text as its
@@ -108,6 +99,9 @@ class LLM:
 
         `tools` (OpenAI-format, as vLLM's): rendered into every prompt by the chat template; reading calls out of
         the outputs is up to the caller (rose.engine.tool_calls: `get_tool_parser(...).parse(out.text)`).
+
+        `lora_request` (vLLM's): the LoRA adapter for every conversation, or one per conversation (None: the base
+        model), as `generate` takes it; the LLM needs `enable_lora=True`.
         """
         conversations = _normalize_conversations(messages)
         options = ChatOptions(
@@ -117,12 +111,11 @@ class LLM:
             chat_template_kwargs=dict(chat_template_kwargs or {}),
             tools=tools,
         )
-        per_request = not (sampling_params is None or isinstance(sampling_params, SamplingParams))
-        if per_request and len(sampling_params) != len(conversations):  # type: ignore[arg-type]
-            raise ValueError(
-                f"got {len(sampling_params)} sampling_params for {len(conversations)} conversations: pass "
-                "one, or one per conversation"
-            )
+        # checked before rendering, in the conversations' terms; generate takes them one per prompt
+        params_list = _one_each(
+            sampling_params, SamplingParams, len(conversations), "sampling_params", "conversation"
+        )
+        loras = _one_each(lora_request, LoRARequest, len(conversations), "lora_request", "conversation")
         prompts: list[PromptType] = []
         for i, conversation in enumerate(conversations):
             try:
@@ -131,7 +124,7 @@ class LLM:
                 where = f"conversation {i}: " if len(conversations) > 1 else ""
                 raise ChatTemplateError(f"{where}{exc}") from None
             prompts.append({"prompt": rendered.prompt, "prompt_token_ids": rendered.prompt_token_ids})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, params_list, use_tqdm=use_tqdm, lora_request=loras)
 
     def _add(
         self,
@@ -182,8 +175,14 @@ class LLM:
             bar.close()
         return [results[rid] for rid in ids]
 
-    def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[str]:
-        """Yield the text of one request as it is generated.
+    def stream(
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams | None = None,
+        *,
+        lora_request: LoRARequest | None = None,
+    ) -> Iterator[str]:
+        """Yield the text of one request as it is generated (`lora_request`: its LoRA adapter, as `generate`'s).
 
         Other requests of this LLM (other streams, a generate call) advance in the same steps; none loses output.
         """
@@ -194,7 +193,7 @@ class LLM:
             )
         rid = str(next(self._ids))
         (normalized,) = _normalize_prompts([prompt])
-        self._add(rid, normalized, params)
+        self._add(rid, normalized, params, lora_request=lora_request)
         try:
             while True:
                 inbox = self._inbox[rid]
@@ -207,6 +206,17 @@ class LLM:
                 self._step()
         finally:
             self._release([rid])
+
+
+def _one_each(value: Any, single: type, count: int, name: str, unit: str) -> list[Any]:
+    """`value` (`sampling_params`, `lora_request`) for each of `count` prompts or conversations (`unit`): None or
+    one `single` for all of them, else a sequence of one each (ValueError when its length is not `count`)."""
+    if value is None or isinstance(value, single):
+        return [value] * count
+    values = list(value)
+    if len(values) != count:
+        raise ValueError(f"got {len(values)} {name} for {count} {unit}s: pass one, or one per {unit}")
+    return values
 
 
 def _normalize_conversations(messages: Any) -> list[Conversation]:

@@ -151,3 +151,60 @@ def test_openai_lines_carry_lora_only_for_the_named_models() -> None:
     assert parse(fmt, "chat", COMPLETIONS_URL).request["lora"] == "chat"
     assert "lora" not in parse(fmt, "qwen").request  # the base model
     assert "lora" not in parse(OpenAIFormat(), "sql").request  # without --lora-model: body.model only echoed
+
+
+GENERATE = (
+    "generate",
+    "--device",
+    "cpu",
+    "--max-model-len",
+    "256",
+    "--temperature",
+    "0",
+    "--max-tokens",
+    "4",
+)
+
+
+def test_generate_with_an_adapter(rose, tmp_path) -> None:
+    """`rose generate --lora NAME=PATH`: the offline LLM's output with that adapter. Its rank (32) is above the
+    default max_lora_rank (16): the engine is sized by the adapter's adapter_config.json."""
+    path = make_adapter(tmp_path / "wide", ["q_proj", "v_proj", "down_proj"], rank=32, seed=3)
+    request = LoRARequest("wide", 1, path)
+    llm = LLM("tiny-llama", device="cpu", max_model_len=256, enable_lora=True, max_lora_rank=32)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    try:
+        (wide, base) = (llm.generate(PROMPT, params, lora_request=r)[0].outputs[0] for r in (request, None))
+        messages = [{"role": "user", "content": PROMPT}]
+        reply = llm.chat(messages, params, lora_request=request)[0].outputs[0].text
+    finally:
+        llm.engine.close()
+    assert wide.token_ids != base.token_ids
+
+    res = rose(*GENERATE, "--ignore-eos", "--lora", f"wide={path}", PROMPT)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout == f"[0] {PROMPT!r} -> length, 4 tokens\n{wide.text}\n"
+    # --stream and --chat take it too, and so does the JSON form of --lora-modules
+    res = rose(*GENERATE, "--ignore-eos", "--stream", "--lora", f"wide={path}", PROMPT)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout == PROMPT + wide.text + "\n"
+    as_json = json.dumps({"name": "wide", "path": path, "base_model_name": "tiny-llama"})
+    res = rose(*GENERATE, "--ignore-eos", "--chat", "--stream", "--lora", as_json, PROMPT)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout == reply + "\n"
+
+    # an adapter above an explicit --max-lora-rank is refused before any output, naming it
+    res = rose(*GENERATE, "--lora", f"wide={path}", "--max-lora-rank", "16", PROMPT)
+    assert res.returncode == 2 and res.stdout == ""
+    assert (
+        f"rose generate: error: LoRA adapter 'wide' ({path}): rank 32 is above max_lora_rank 16" in res.stderr
+    )
+
+
+def test_generate_lora_flags_are_checked_before_the_model_loads(capsys) -> None:
+    from rose.cli import main
+
+    assert main([*GENERATE, "--lora", "wide", PROMPT]) == 2
+    assert "rose generate: error: --lora: want NAME=PATH or a JSON object" in capsys.readouterr().err
+    assert main([*GENERATE, "--max-lora-rank", "8", PROMPT]) == 2
+    assert "rose generate: error: --max-lora-rank: needs --lora" in capsys.readouterr().err

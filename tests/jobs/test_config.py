@@ -1,3 +1,7 @@
+import json
+import subprocess
+import sys
+
 import pytest
 from pydantic import ValidationError
 
@@ -75,12 +79,81 @@ def test_lora_flags_and_env(monkeypatch):
     assert s.lora_modules == {"a": "/p/a", "b": "/p/b", "c": "/p/c"} and s.max_loras == 3
 
 
+def test_lora_modules_take_vllms_json_form_too(monkeypatch):
+    # vLLM's --lora-modules items: NAME=PATH or a JSON object; base_model_name is accepted and ignored
+    sql = {"name": "sql", "path": "/a/sql", "base_model_name": "tiny-llama"}
+    items = [json.dumps(sql), "chat=/a/c", '{"name": "x", "path": "/a/x,y=1"}']
+    array = '["j=/a/j", {"name": "k", "path": "/a/k", "base_model_name": null}]'  # vLLM's "JSON list format"
+    s, _ = load_settings(["--enable-lora", "--lora-modules", *items, "--lora-modules", array])
+    assert list(s.lora_modules.items()) == [
+        ("sql", "/a/sql"),
+        ("chat", "/a/c"),
+        ("x", "/a/x,y=1"),
+        ("j", "/a/j"),
+        ("k", "/a/k"),
+    ]
+    assert WorkerSettings(enable_lora=True, lora_modules=[sql, "b=/b"]).lora_modules == {
+        "sql": "/a/sql",
+        "b": "/b",
+    }
+    # the environment: JSON objects among the space- or comma-separated items (their own commas kept), or an array
+    monkeypatch.setenv("ROSE_ENABLE_LORA", "1")
+    monkeypatch.setenv(
+        "ROSE_LORA_MODULES", 'a=/p/a, {"name": "b", "path": "/p/b c,d"},c=/p/c {"name": "e", "path": "/e"}'
+    )
+    assert list(WorkerSettings().lora_modules.items()) == [
+        ("a", "/p/a"),
+        ("b", "/p/b c,d"),
+        ("c", "/p/c"),
+        ("e", "/e"),
+    ]
+    monkeypatch.setenv("ROSE_LORA_MODULES", ' [{"name": "b", "path": "/p/b"}, "a=/p/a"]')
+    assert list(WorkerSettings().lora_modules.items()) == [("b", "/p/b"), ("a", "/p/a")]
+    for bad, message in [
+        ('a=/p {"name": "b", "path": }', "not JSON"),
+        ('[{"name": "b"', "not a JSON array"),
+        ('["a=/p", {"name": "b"}]', "'path' must be a non-empty string"),
+    ]:
+        monkeypatch.setenv("ROSE_LORA_MODULES", bad)
+        with pytest.raises(ValidationError, match=message):
+            WorkerSettings()
+
+
+def test_a_bad_lora_module_stops_the_worker_naming_it():
+    item = '{"name": "sql", "paht": "/a/sql"}'
+    proc = subprocess.run(
+        [sys.executable, "-m", "rose.worker.cli", "--enable-lora", "--lora-modules", "ok=/a/ok", item],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("rose-worker: invalid settings: lora_modules: ")
+    assert f"got {item!r}: unknown field 'paht' (vLLM's fields: name, path, base_model_name)" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
         ({"enable_lora": True, "lora_modules": ["sql"]}, "want NAME=PATH"),
         ({"enable_lora": True, "lora_modules": ["=/p"]}, "want NAME=PATH"),
         ({"enable_lora": True, "lora_modules": ["a=/p", "a=/q"]}, "adapter name 'a' is given twice"),
+        (
+            {"enable_lora": True, "lora_modules": ['{"name": "a", "path": "/p"}', "a=/q"]},
+            "'a' is given twice",
+        ),
+        ({"enable_lora": True, "lora_modules": ['{"name": "sql"}']}, "'path' must be a non-empty string"),
+        ({"enable_lora": True, "lora_modules": [{"name": " ", "path": "/p"}]}, "'name' must be a non-empty"),
+        ({"enable_lora": True, "lora_modules": ['{"name": "a", "path": "/p", "r": 8}']}, "unknown field 'r'"),
+        (
+            {"enable_lora": True, "lora_modules": ['{"name": "a", path: "/p"}']},
+            "want NAME=PATH or a JSON .*not JSON",
+        ),
+        (
+            {"enable_lora": True, "lora_modules": [{"name": "a", "path": "/p", "base_model_name": 1}]},
+            "'base_model_name' must be a string",
+        ),
         ({"lora_modules": ["a=/p"]}, "lora_modules needs enable_lora: start rose-worker with --enable-lora"),
         ({"enable_lora": True, "max_loras": 0}, "max_loras"),
         ({"enable_lora": True, "max_lora_rank": 0}, "max_lora_rank"),
