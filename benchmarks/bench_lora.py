@@ -3,6 +3,7 @@ long an adapter takes to read from disk and to swap into a slot.
 
     python benchmarks/bench_lora.py [--adapters 8 --batch 64 --max-tokens 32 --rank 16 --repeats 3]
     python benchmarks/bench_lora.py --shape small       # a wider model (hidden 512, 4 layers, 8k vocabulary)
+    python benchmarks/bench_lora.py --shape qwen2.5-0.5b  # a real model's shape (random weights)
 
 Adapters are random PEFT adapters (q/k/v/o and gate/up/down, rank --rank) written to a temporary directory. Three
 runs alternate: the base model alone (an engine without LoRA), the same engine with LoRA enabled but every request
@@ -21,39 +22,32 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from rose import LLM, LoRARequest, SamplingParams
+from rose.bench.common import small_llama
 from rose.engine.presets import build_preset
 from rose.harness.lora_adapters import make_adapter
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
+SHAPES = {
+    "tiny": "tiny-llama (hidden 256, 2 layers)",
+    "small": "Llama hidden 512, 4 layers",
+    "qwen2.5-0.5b": "Qwen2.5-0.5B's shape (hidden 896, 24 layers, 151k vocabulary; random weights)",
+}
+
+
 def base_model(shape: str):
-    if shape == "tiny":
-        return build_preset("tiny-llama")
-    _, tokenizer = build_preset("tiny-llama")
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=512,
-        intermediate_size=1408,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        max_position_embeddings=1024,
-    )
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config).eval(), tokenizer
+    if shape == "small":
+        _, tokenizer = build_preset("tiny-llama")
+        return small_llama(len(tokenizer)), tokenizer
+    return build_preset("tiny-llama" if shape == "tiny" else shape)
 
 
-def write_adapters(shape: str, root: Path, count: int, rank: int) -> list[LoRARequest]:
+def write_adapters(model, root: Path, count: int, rank: int) -> list[LoRARequest]:
     return [
-        LoRARequest(
-            f"a{i}",
-            i + 1,
-            make_adapter(root / f"a{i}", TARGETS, rank, seed=100 + i, model=base_model(shape)[0]),
-        )
+        LoRARequest(f"a{i}", i + 1, make_adapter(root / f"a{i}", TARGETS, rank, seed=100 + i, model=model))
         for i in range(count)
     ]
 
@@ -74,7 +68,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--shape", choices=("tiny", "small"), default="tiny")
+    p.add_argument("--shape", choices=SHAPES, default="tiny")
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -83,8 +77,9 @@ def main() -> None:
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True, detokenize=False)
     common = dict(device="cpu", dtype="float32", max_num_seqs=args.batch, max_model_len=256)
     with tempfile.TemporaryDirectory() as tmp:
-        requests = write_adapters(args.shape, Path(tmp), args.adapters, args.rank)
         plain = LLM(*base_model(args.shape), **common)
+        requests = write_adapters(plain.engine.model, Path(tmp), args.adapters + 1, args.rank)
+        requests, extra = requests[:-1], requests[-1]  # the extra one: the swap below
         lora = LLM(
             *base_model(args.shape),
             **common,
@@ -114,8 +109,6 @@ def main() -> None:
                 seconds, tokens = timed(llm, prompts, params, loras)
                 runs[name].append(tokens / seconds)
         # a swap: every slot holds an idle adapter; one more adapter takes the least recently used slot
-        extra = write_adapters(args.shape, Path(tmp) / "x", 1, args.rank)[0]
-        extra = LoRARequest("extra", len(requests) + 1, extra.lora_path)
         manager.register(extra)
         start = time.perf_counter()
         slot = manager.acquire(extra.lora_name)
@@ -123,7 +116,7 @@ def main() -> None:
         manager.release(extra.lora_name)
     base = statistics.median(runs["base alone"])
     print(
-        f"{args.shape} model, batch {args.batch}, {args.adapters} adapters of rank {args.rank} on {len(TARGETS)} "
+        f"{SHAPES[args.shape]}, batch {args.batch}, {args.adapters} adapters of rank {args.rank} on {len(TARGETS)} "
         f"modules a layer, prompt {args.prompt_len} + {args.max_tokens} tokens, {args.threads} threads, "
         f"{args.repeats} repeats (medians)"
     )

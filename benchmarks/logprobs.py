@@ -39,12 +39,10 @@ sys.path.insert(0, str(ROOT / "tests" / "engine"))
 
 import torch  # noqa: E402
 from real_tokenizers import load_tokenizer, tiny_model  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from rose import LLM, SamplingParams  # noqa: E402
-from rose.bench.common import cpu_busy_fraction, wait_for_idle  # noqa: E402
+from rose.bench.common import cpu_busy_fraction, small_llama, wait_for_idle  # noqa: E402
 from rose.engine.outputs import RequestMetrics  # noqa: E402
-from rose.engine.presets import model_from_config  # noqa: E402
 from rose.engine.sequence import Sequence  # noqa: E402
 
 TARGET = 0.90
@@ -53,20 +51,14 @@ CONFIGS = {"none": None, "logprobs=0": 0, "logprobs=5": 5}
 
 def small_model(tokenizer, seed: int = 0):
     """A Llama of hidden 512, 4 layers over `tokenizer`'s whole vocabulary (padded to a multiple of 64)."""
-    config = LlamaConfig(
-        vocab_size=-(-len(tokenizer) // 64) * 64,
-        hidden_size=512,
-        intermediate_size=1408,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        max_position_embeddings=1024,
+    return small_llama(
+        -(-len(tokenizer) // 64) * 64,
+        seed,
         tie_word_embeddings=True,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=tokenizer.bos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    return model_from_config(config, LlamaForCausalLM, seed=seed).eval()
 
 
 MODELS = {"tiny": tiny_model, "small": small_model}

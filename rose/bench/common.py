@@ -205,6 +205,20 @@ def load_model(
     return model, tokenizer
 
 
+def small_llama(vocab_size: int, seed: int = 0, **config: Any):
+    """The benchmarks' "small" model: a Llama of hidden 512, 4 layers (random float32 weights, eval mode) over a
+    vocabulary of `vocab_size`; `config` overrides or adds LlamaConfig fields."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from rose.engine.presets import model_from_config
+
+    shape = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8)
+    shape.update(num_key_value_heads=4, max_position_embeddings=1024)
+    return model_from_config(
+        LlamaConfig(vocab_size=vocab_size, **{**shape, **config}), LlamaForCausalLM, seed
+    ).eval()
+
+
 def release_memory(device: torch.device) -> None:
     """Between systems on a GPU: return the last system's cached blocks, so the next one sizes its cache from what
     is really free (a no-op on CPU, where the figures were taken without it)."""

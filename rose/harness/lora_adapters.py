@@ -37,4 +37,5 @@ def make_adapter(
             if "lora_B" in name:
                 param.mul_(20)
     wrapped.save_pretrained(str(path))
+    wrapped.unload()  # PEFT wrapped `base`'s layers in place: give them back
     return str(path)

@@ -10,10 +10,13 @@ from pathlib import Path
 
 import peft
 import pytest
+import torch
 from engine_helpers import greedy, hf_greedy, make_engine
 from hub_helpers import put_in_cache, read_folder
 from safetensors.torch import load_file, save_file
 
+from rose import LLM
+from rose.engine.chat import ChatOptions, render_chat
 from rose.engine.engine import Engine
 from rose.engine.lora import LoRAError, LoRALinear, LoRARequest
 from rose.engine.presets import build_preset
@@ -202,3 +205,104 @@ def test_a_model_wrapped_by_another_engines_adapters_is_refused(adapters):
         first.step()
     with pytest.raises(ValueError, match="already carry another engine's LoRA adapters"):
         Engine(model, tok, device="cpu", dtype="float32", max_model_len=64, enable_lora=True)
+
+
+def test_llm_chat_takes_lora_request_as_generate_does(adapters):
+    """vLLM's `LLM.chat(..., lora_request=...)`: one adapter for every conversation or one per conversation; each
+    reply is `generate`'s on the rendered prompt with that adapter (and PEFT's), not the base model's."""
+    llm = LLM(PRESET, device="cpu", dtype="float32", max_model_len=128, enable_lora=True, max_loras=2)
+    conversations = [
+        [{"role": "user", "content": "Hello"}],
+        [{"role": "system", "content": "be brief"}, {"role": "user", "content": "merci"}],
+    ]
+    qv, mlp = adapters["qv"], adapters["mlp"]
+
+    def tokens(outs) -> list[list[int]]:
+        return [out.outputs[0].token_ids for out in outs]
+
+    try:
+        rendered = [render_chat(llm.get_tokenizer(), c, ChatOptions()) for c in conversations]
+        prompts = [{"prompt": r.prompt, "prompt_token_ids": r.prompt_token_ids} for r in rendered]
+        base = tokens(llm.chat(conversations, greedy(6)))
+        assert base == tokens(llm.generate(prompts, greedy(6)))
+
+        one = llm.chat(conversations, greedy(6), lora_request=qv)  # one adapter for every conversation
+        assert [out.prompt for out in one] == [r.prompt for r in rendered]
+        assert tokens(one) == tokens(llm.generate(prompts, greedy(6), lora_request=qv))
+        assert tokens(one)[0] == reference(qv, rendered[0].prompt_token_ids, 6)
+        assert all(a != b for a, b in zip(tokens(one), base, strict=True))  # the adapter changed each reply
+
+        each = tokens(llm.chat(conversations, [greedy(6), greedy(4)], lora_request=[mlp, None]))  # one each
+        assert each == [tokens(llm.generate(prompts[0], greedy(6), lora_request=mlp))[0], base[1][:4]]
+        assert each[0] not in (base[0], tokens(one)[0])
+
+        # stream() takes an adapter too
+        assert "".join(llm.stream(prompts[0], greedy(6), lora_request=qv)) == one[0].text
+
+        with pytest.raises(
+            ValueError, match="got 1 lora_request for 2 conversations: pass one, or one per conversation"
+        ):
+            llm.chat(conversations, greedy(6), lora_request=[qv])
+        with pytest.raises(ValueError, match="got 3 lora_request for 2 prompts"):
+            llm.generate(prompts, greedy(6), lora_request=[qv, None, mlp])
+        assert not llm.engine.has_unfinished()
+    finally:
+        llm.engine.close()
+
+
+def test_adapter_slots_are_allocated_at_construction_in_every_token_linear_layer():
+    """Every linear layer but the LM head is wrapped when the engine is built, its slots allocated (before the KV
+    store sizes itself from the device's free memory), none loaded yet."""
+    eng = make_engine(PRESET, max_model_len=64, enable_lora=True, max_loras=3, max_lora_rank=8)
+    config = eng.model.config
+    widths = {
+        name: (m.base.in_features, m.base.out_features)
+        for name, m in eng.model.named_modules()
+        if isinstance(m, LoRALinear)
+    }
+    assert len(widths) == 7 * config.num_hidden_layers  # q k v o gate up down
+    assert eng.lora.num_layers == len(widths)
+    assert eng.lora.nbytes == sum(3 * 8 * (i + o) * 4 for i, o in widths.values())  # float32
+    assert eng.get_stats()["lora_loads"] == 0
+
+
+def test_a_layer_that_runs_on_a_subset_of_the_tokens_is_refused_at_registration(adapters):
+    """An MLP run on some tokens only (as mixture-of-experts experts are) cannot take a per-token adapter: an
+    adapter targeting it is refused when registered, naming the layer, not in the middle of a step; adapters of the
+    other layers are served."""
+    model, tok = build_preset(PRESET)
+    mlp = model.model.layers[0].mlp
+    full = mlp.forward
+
+    def first_half(x):  # the other tokens skip this MLP
+        half = x.shape[1] // 2 + 1
+        return torch.cat([full(x[:, :half]), torch.zeros_like(x[:, half:])], dim=1)
+
+    mlp.forward = first_half
+    eng = Engine(model, tok, device="cpu", dtype="float32", max_model_len=64, enable_lora=True)
+    with pytest.raises(
+        LoRAError, match=r"model\.layers\.0\.mlp\.(gate|up|down)_proj runs on a subset of the tokens"
+    ):
+        eng.add_request("m", PROMPTS[0][:8], greedy(2), lora_request=adapters["mlp"])
+    assert not eng.has_unfinished()
+    assert len(run(eng, [("qv", PROMPTS[0][:8], adapters["qv"])])["qv"]) == 8
+
+
+def test_the_step_mapping_gives_each_token_its_slots_columns_and_scaling():
+    eng = make_engine(PRESET, max_model_len=64, enable_lora=True, max_loras=4, max_lora_rank=2)
+    lora = eng.lora
+    lora._scaling[1:4] = [0.5, 0.0, 3.0]  # as loads set them
+    lora.begin_step([3, None, 1, 3], [1, 2, 3, 1])  # slots 1..3 present: columns of slots 1, 2, 3
+    step = lora.step
+    assert (step.num_tokens, step.first, step.last) == (7, 1, 4)
+    keep = ~step.drop
+    assert keep.tolist() == [
+        [False, False, False, False, True, True],  # slot 3
+        *[[False] * 6] * 2,  # the base model: nothing kept
+        *[[True, True, False, False, False, False]] * 3,  # slot 1
+        [False, False, False, False, True, True],
+    ]
+    assert step.scaling.squeeze(1).tolist() == [3.0, 0.0, 0.0, 0.5, 0.5, 0.5, 3.0]
+    assert step.scaling.dtype == torch.float32
+    lora.begin_step([None, None], [4, 1])
+    assert step.drop is None and step.num_tokens == 5
