@@ -14,10 +14,11 @@ cache. The `LoRAManager` owns everything about adapters:
   LM head, not mixture-of-experts experts that see a subset) is wrapped (`LoRALinear`) with its slots' buffers, so
   they are allocated before the KV store takes the device's free memory: the base layer's output plus each token's
   delta through its adapter's A then B, times the adapter's scaling, as PEFT computes `lora_B(lora_A(x)) *
-  scaling`. One forward serves a batch that mixes adapters and the base model, all of its adapters in two matmuls a
-  targeted layer, never a forward per adapter; a layer no adapter of the step targets costs nothing more.
+  scaling` (rose.engine.lora_layers). One forward serves a batch that mixes adapters and the base model, never a
+  forward per adapter; a layer no adapter of the step targets costs nothing more.
 
-The model runner sets the step's token → slot mapping (`begin_step`) around its forward.
+The model runner sets the step's token → slot mapping (`begin_step`) around its forward, with each adapter's decode
+rows together (its tokens then make a few runs of consecutive rows: `kernel` "runs", on CPU).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from rose.engine import loader
+from rose.engine.lora_layers import LoRALinear, StepMapping, token_linears
 
 log = logging.getLogger(__name__)
 
@@ -167,120 +169,13 @@ def read_adapter(
     return LoRAAdapter(request, rank, scaling, weights)
 
 
-@dataclass(slots=True)
-class StepMapping:
-    """The running forward's tokens by adapter slot, set by `LoRAManager.begin_step` (`drop` None: no adapter
-    runs). The slots present lie in [first, last): `drop` [tokens, (last - first) * max_rank] is False on the columns
-    of each token's slot (0 on a base-model token's row), `scaling` [tokens, 1] its adapter's scaling."""
-
-    num_tokens: int = 0
-    first: int = 0
-    last: int = 0
-    drop: torch.Tensor | None = None
-    scaling: torch.Tensor | None = None
-
-
-class LoRALinear(nn.Module):
-    """A linear layer with a slot of A / B weights per resident adapter (zero where an adapter does not target it,
-    and past an adapter's rank), B kept transposed ([rank, out] a slot).
-
-    Each token gets PEFT's `lora_B(lora_A(x)) * scaling` for its adapter, added to the base layer's output, every
-    adapter of the step in two matmuls: x against the A of every slot present ([tokens, slots * rank]), masked to
-    the token's own slot (the other products become exact zeros), against their B, times the token's scaling (the
-    S-LoRA / Punica batch in plain torch). Measured against a pair of matmuls per adapter present (the tokens of
-    each gathered): faster at 8 adapters, batch 64, widths 256 to 2,048 on CPU (benchmarks/README.md), and a fixed
-    number of kernels a layer on CUDA."""
-
-    def __init__(self, base: nn.Linear, max_loras: int, max_rank: int, step: StepMapping) -> None:
-        super().__init__()
-        self.base = base
-        self.step = step
-        w = base.weight
-        self.lora_a = torch.zeros(max_loras * max_rank, base.in_features, dtype=w.dtype, device=w.device)
-        self.lora_b = torch.zeros(max_loras * max_rank, base.out_features, dtype=w.dtype, device=w.device)
-        self.max_rank = max_rank
-        self.loaded = [False] * max_loras  # whether each slot's adapter targets this layer
-
-    def set_slot(self, slot: int, weights: tuple[torch.Tensor, torch.Tensor] | None) -> None:
-        if weights is None and not self.loaded[slot]:
-            return  # zero already
-        first = slot * self.max_rank
-        self.lora_a[first : first + self.max_rank].zero_()
-        self.lora_b[first : first + self.max_rank].zero_()
-        self.loaded[slot] = (
-            weights is not None
-        )  # before the copy: rows a failed copy wrote are zeroed next time
-        if weights is not None:
-            a, b = weights
-            r = a.shape[0]
-            self.lora_a[first : first + r].copy_(a)
-            self.lora_b[first : first + r].copy_(b.T)
-
-    @property
-    def nbytes(self) -> int:
-        return self.lora_a.nbytes + self.lora_b.nbytes
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base(x)
-        step = self.step
-        if step.drop is None or not any(self.loaded[step.first : step.last]):
-            return y
-        flat_x = x.reshape(-1, x.shape[-1])
-        if flat_x.shape[0] != step.num_tokens:
-            raise RuntimeError(f"LoRA layer saw {flat_x.shape[0]} tokens in a step of {step.num_tokens}")
-        rows = slice(step.first * self.max_rank, step.last * self.max_rank)
-        # filled, not multiplied: another slot's product that overflowed (inf * 0) must not become NaN
-        delta = ((flat_x @ self.lora_a[rows].T).masked_fill_(step.drop, 0) @ self.lora_b[rows]).mul_(
-            step.scaling
-        )
-        return y + delta.view(y.shape)
-
-
-TRACE_TOKENS = 8  # of the forward that tells which linear layers run on every token
-
-
-def token_linears(model: nn.Module) -> tuple[list[str], dict[str, str]]:
-    """The linear layers of `model` (but its LM head) that run on all of a forward's tokens in every call (one
-    forward of TRACE_TOKENS tokens, as transformers runs it), and why each other cannot take an adapter."""
-    head = model.get_output_embeddings()
-    rows: dict[str, list[int]] = {}
-    hooks = []
-    for name, module in model.named_modules():
-        if isinstance(module, nn.Linear) and module is not head:
-            calls = rows.setdefault(name, [])
-            hooks.append(
-                module.register_forward_pre_hook(
-                    lambda _, args, calls=calls: calls.append(
-                        args[0].numel() // args[0].shape[-1] if args else -1
-                    )
-                )
-            )
-    ids = torch.arange(TRACE_TOKENS) % model.config.get_text_config().vocab_size
-    device = next(model.parameters()).device
-    try:
-        with torch.inference_mode():
-            model(input_ids=ids[None].to(device), use_cache=False)
-    finally:
-        for hook in hooks:
-            hook.remove()
-    served, unservable = [], {}
-    for name, calls in rows.items():
-        if not calls:
-            unservable[name] = "does not run in the model's forward"
-        elif any(n != TRACE_TOKENS for n in calls):
-            unservable[name] = (
-                "runs on a subset of the tokens (e.g. a mixture-of-experts expert), which rose's LoRA does not serve"
-            )
-        else:
-            served.append(name)
-    return served, unservable
-
-
 class LoRAManager:
     """The adapters of one engine (this module's docstring): registered, resident in `max_loras` slots, and the
     wrapped layers with the step's token -> slot mapping."""
 
-    def __init__(self, model: nn.Module, max_loras: int, max_lora_rank: int) -> None:
+    def __init__(
+        self, model: nn.Module, max_loras: int, max_lora_rank: int, kernel: str | None = None
+    ) -> None:
         if max_loras < 1 or max_lora_rank < 1:
             raise ValueError(f"max_loras and max_lora_rank must be >= 1, got {max_loras} and {max_lora_rank}")
         if any(isinstance(m, LoRALinear) for m in model.modules()):
@@ -299,6 +194,12 @@ class LoRAManager:
         self._users: dict[str, int] = {}  # resident adapter -> sequences running with it
         self._idle: OrderedDict[str, None] = OrderedDict()  # resident, unused, least recently used first
         self._scaling = [0.0] * max_loras  # the resident adapter's, by slot
+        self._rank = [0] * max_loras
+        device = next(model.parameters()).device
+        # LoRALinear's forms: "runs" (CPU), "masked" (a fixed number of kernels: CUDA)
+        self.kernel = kernel or ("runs" if device.type == "cpu" else "masked")
+        if self.kernel not in ("runs", "masked"):
+            raise ValueError(f"kernel must be 'runs' or 'masked', got {self.kernel!r}")
         self.loads: Counter[str] = Counter()  # by adapter: loaded into a slot
         self.evictions: Counter[str] = Counter()  # by adapter: evicted from its slot for another
 
@@ -391,6 +292,7 @@ class LoRAManager:
             layer.set_slot(slot, adapter.weights.get(name))
         self._slots[slot] = adapter.request.lora_name
         self._scaling[slot] = adapter.scaling
+        self._rank[slot] = adapter.rank
         self.loads[adapter.request.lora_name] += 1
         log.info("LoRA adapter %r loaded into slot %d", adapter.request.lora_name, slot)
 
@@ -403,14 +305,24 @@ class LoRAManager:
 
     def begin_step(self, slots: list[int | None], lengths: list[int]) -> None:
         """The step's tokens: sequence i has `lengths[i]` consecutive tokens, with adapter slot `slots[i]` (None:
-        the base model). The mask is built on the layers' device from each token's slot (no loop over
-        sequences)."""
+        the base model). Consecutive sequences of one adapter make one run; the masked kernel's mask is built on the
+        layers' device from each token's slot (no loop over sequences)."""
         step = self.step
         step.num_tokens = sum(lengths)
         step.drop = step.scaling = None
-        present = [s for s in slots if s is not None]
-        if not present or not self._layers:
+        runs: list[tuple[int, int, int, int, float]] = []
+        start = 0
+        for slot, n in zip(slots, lengths, strict=True):
+            if slot is not None:
+                if runs and runs[-1][0] == slot and runs[-1][2] == start:
+                    runs[-1] = (slot, runs[-1][1], start + n, self._rank[slot], self._scaling[slot])
+                else:
+                    runs.append((slot, start, start + n, self._rank[slot], self._scaling[slot]))
+            start += n
+        step.runs = runs
+        if not runs or self.kernel != "masked":
             return
+        present = [run[0] for run in runs]
         step.first, step.last = min(present), max(present) + 1
         device = next(iter(self._layers.values())).lora_a.device
         rank = self.max_lora_rank
@@ -425,4 +337,5 @@ class LoRAManager:
         step.scaling = table[token_slot][:, None]
 
     def end_step(self) -> None:
+        self.step.runs = []
         self.step.drop = self.step.scaling = None

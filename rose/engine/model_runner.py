@@ -64,14 +64,26 @@ class ModelRunner:
         # models without it compute every token's logits; the sampled rows are picked out after the forward
         self.keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
 
-    def _lora_step(self, batch: ScheduledBatch) -> None:
+    def _slot(self, seq: Sequence) -> int | None:
+        return None if seq.lora_request is None else self.lora.slot_of(seq.lora_request.lora_name)
+
+    def _decode_rows(self, batch: ScheduledBatch) -> tuple[list[Sequence], list[int]]:
+        """The decode sequences in the forward's row order, and the row of each of `batch.decode`: with LoRA,
+        sorted by adapter slot (each adapter's rows one run: rose.engine.lora), else the batch's order."""
+        if self.lora is None:
+            return batch.decode, list(range(len(batch.decode)))
+        slots = [self._slot(seq) for seq in batch.decode]
+        order = sorted(range(len(slots)), key=lambda i: -1 if slots[i] is None else slots[i])
+        rows = [0] * len(order)
+        for row, i in enumerate(order):
+            rows[i] = row
+        return [batch.decode[i] for i in order], rows
+
+    def _lora_step(self, decode: list[Sequence], batch: ScheduledBatch) -> None:
         """Each token's adapter slot, in the forward's order: decode tokens, then prefill chunks."""
-        seqs = [*batch.decode, *(c.seq for c in batch.prefill)]
-        lengths = [1] * len(batch.decode) + [c.length for c in batch.prefill]
-        slots = [
-            None if s.lora_request is None else self.lora.slot_of(s.lora_request.lora_name) for s in seqs
-        ]
-        self.lora.begin_step(slots, lengths)
+        seqs = [*decode, *(c.seq for c in batch.prefill)]
+        lengths = [1] * len(decode) + [c.length for c in batch.prefill]
+        self.lora.begin_step([self._slot(s) for s in seqs], lengths)
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
@@ -91,8 +103,8 @@ class ModelRunner:
         sample_index: list[int] = []
         prompt_index: list[int] = []
         prompts: list[tuple[Sequence, int, int]] = []  # (seq, first prompt token predicted, rows)
-        for seq in batch.decode:
-            sample_index.append(len(ids))
+        decode, sample_index = self._decode_rows(batch)  # logits come back in batch.decode's order
+        for seq in decode:
             pos = seq.num_computed_tokens
             ids.append(seq.last_token_id)
             slots.append(seq.block_ids[pos // size] * size + pos % size)
@@ -119,7 +131,7 @@ class ModelRunner:
                 prompt_index.extend(range(offset + first - chunk.start, offset + stop - chunk.start))
                 prompts.append((seq, first + 1, stop - first))
 
-        num_decode = len(batch.decode)
+        num_decode = len(decode)
         meta = AttentionMetadata(
             slot_mapping=torch.from_numpy(
                 np.concatenate([np.asarray(slots, dtype=np.int64), *chunk_slots])
@@ -130,15 +142,15 @@ class ModelRunner:
             prefills=segments,
         )
         if num_decode:
-            width = max(len(seq.block_ids) for seq in batch.decode)
+            width = max(len(seq.block_ids) for seq in decode)
             tables = np.zeros((num_decode, width), dtype=np.int64)  # padded with block 0: never read unmasked
-            for i, seq in enumerate(batch.decode):
+            for i, seq in enumerate(decode):
                 tables[i, : len(seq.block_ids)] = seq.block_ids
             meta.decode_tables = tables
         keep = self._tensor(sample_index + prompt_index)
         self.context.begin(meta)
         if self.lora is not None:
-            self._lora_step(batch)
+            self._lora_step(decode, batch)
         try:
             with sdpa_backends(self.device):
                 out = self.model(

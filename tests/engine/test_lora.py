@@ -18,7 +18,8 @@ from safetensors.torch import load_file, save_file
 from rose import LLM
 from rose.engine.chat import ChatOptions, render_chat
 from rose.engine.engine import Engine
-from rose.engine.lora import LoRAError, LoRALinear, LoRARequest
+from rose.engine.lora import LoRAError, LoRARequest
+from rose.engine.lora_layers import LoRALinear
 from rose.engine.presets import build_preset
 from rose.harness.lora_adapters import make_adapter
 
@@ -63,10 +64,13 @@ def run(eng, jobs) -> dict[str, list[int]]:
     return done
 
 
-def test_a_mixed_batch_is_exact_per_adapter_and_swaps_beyond_max_loras(adapters):
+@pytest.mark.parametrize("kernel", ["runs", "masked"])  # CPU's form and CUDA's (rose.engine.lora.LoRALinear)
+def test_a_mixed_batch_is_exact_per_adapter_and_swaps_beyond_max_loras(adapters, kernel):
     loras = [None, adapters["qv"], adapters["mlp"], adapters["all"], None, adapters["qv"]]
     jobs = [(f"r{i}", p, lora) for i, (p, lora) in enumerate(zip(PROMPTS, loras, strict=True))]
     eng = make_engine(PRESET, max_model_len=128, enable_lora=True, max_loras=2, max_lora_rank=16)
+    assert eng.lora.kernel == "runs"  # on CPU
+    eng.lora.kernel = kernel
     done = run(eng, jobs)
     for rid, prompt, lora in jobs:
         assert done[rid] == reference(lora, prompt, 8), rid
@@ -292,17 +296,47 @@ def test_the_step_mapping_gives_each_token_its_slots_columns_and_scaling():
     eng = make_engine(PRESET, max_model_len=64, enable_lora=True, max_loras=4, max_lora_rank=2)
     lora = eng.lora
     lora._scaling[1:4] = [0.5, 0.0, 3.0]  # as loads set them
-    lora.begin_step([3, None, 1, 3], [1, 2, 3, 1])  # slots 1..3 present: columns of slots 1, 2, 3
+    lora._rank[1:4] = [2, 1, 1]
+    layout = ([3, None, 1, 1, 3], [1, 2, 3, 2, 1])
+    lora.begin_step(*layout)  # runs: consecutive tokens of one adapter
     step = lora.step
-    assert (step.num_tokens, step.first, step.last) == (7, 1, 4)
+    assert step.num_tokens == 9 and step.drop is None
+    assert step.runs == [(3, 0, 1, 1, 3.0), (1, 3, 8, 2, 0.5), (3, 8, 9, 1, 3.0)]
+    lora.kernel = "masked"  # slots 1..3 present: columns of slots 1, 2, 3
+    lora.begin_step(*layout)
+    assert (step.first, step.last) == (1, 4)
     keep = ~step.drop
     assert keep.tolist() == [
         [False, False, False, False, True, True],  # slot 3
         *[[False] * 6] * 2,  # the base model: nothing kept
-        *[[True, True, False, False, False, False]] * 3,  # slot 1
+        *[[True, True, False, False, False, False]] * 5,  # slot 1
         [False, False, False, False, True, True],
     ]
-    assert step.scaling.squeeze(1).tolist() == [3.0, 0.0, 0.0, 0.5, 0.5, 0.5, 3.0]
+    assert step.scaling.squeeze(1).tolist() == [3.0, 0.0, 0.0, *[0.5] * 5, 3.0]
     assert step.scaling.dtype == torch.float32
     lora.begin_step([None, None], [4, 1])
-    assert step.drop is None and step.num_tokens == 5
+    assert step.drop is None and step.runs == [] and step.num_tokens == 5
+
+
+def test_a_lora_steps_decode_rows_are_grouped_by_adapter_and_sampled_in_batch_order(adapters):
+    """The runner sorts decode rows by adapter slot (one run each); the logits still come back in the batch's order:
+    decoding sequences of alternating adapters give PEFT's tokens."""
+    eng = make_engine(PRESET, max_model_len=128, enable_lora=True, max_loras=2, max_num_seqs=6)
+    loras = [adapters["qv"], None, adapters["mlp"], adapters["qv"], None, adapters["mlp"]]
+    seen = []
+    real = eng.lora.begin_step
+
+    def spy(slots, lengths):
+        if set(lengths) == {1}:  # a decode step
+            seen.append(list(slots))
+        return real(slots, lengths)
+
+    eng.lora.begin_step = spy
+    done = run(eng, [(f"r{i}", PROMPTS[i], lora) for i, lora in enumerate(loras)])
+    decode_steps = [slots for slots in seen if len(slots) == 6]
+    assert decode_steps and all(
+        [s for s in slots if s is not None] == sorted(s for s in slots if s is not None)
+        for slots in decode_steps
+    )
+    for i, lora in enumerate(loras):
+        assert done[f"r{i}"] == reference(lora, PROMPTS[i], 8), i
