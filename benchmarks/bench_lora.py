@@ -32,7 +32,7 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 
 SHAPES = {
-    "tiny": "tiny-llama (hidden 256, 2 layers)",
+    "tiny": "tiny-llama (hidden 256, 4 layers)",
     "small": "Llama hidden 512, 4 layers",
     "qwen2.5-0.5b": "Qwen2.5-0.5B's shape (hidden 896, 24 layers, 151k vocabulary; random weights)",
 }
@@ -70,6 +70,9 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--shape", choices=SHAPES, default="tiny")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument(
+        "--kernel", choices=("runs", "masked"), default=None, help="LoRALinear's form (default: the device's)"
+    )
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     rng = random.Random(0)
@@ -88,6 +91,7 @@ def main() -> None:
             max_lora_rank=args.rank,
         )
         manager = lora.engine.lora
+        manager.kernel = args.kernel or manager.kernel
         start = time.perf_counter()
         for r in requests:
             manager.register(r)
@@ -117,7 +121,8 @@ def main() -> None:
     base = statistics.median(runs["base alone"])
     print(
         f"{SHAPES[args.shape]}, batch {args.batch}, {args.adapters} adapters of rank {args.rank} on {len(TARGETS)} "
-        f"modules a layer, prompt {args.prompt_len} + {args.max_tokens} tokens, {args.threads} threads, "
+        f"modules a layer, kernel {manager.kernel}, prompt {args.prompt_len} + {args.max_tokens} tokens, "
+        f"{args.threads} threads, "
         f"{args.repeats} repeats (medians)"
     )
     print("| run | tok/s | passes | vs base alone |\n|---|---:|---|---:|")

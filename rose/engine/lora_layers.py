@@ -56,9 +56,8 @@ class LoRALinear(nn.Module):
         first = slot * self.max_rank
         self.lora_a[first : first + self.max_rank].zero_()
         self.lora_b[first : first + self.max_rank].zero_()
-        self.loaded[slot] = (
-            weights is not None
-        )  # before the copy: rows a failed copy wrote are zeroed next time
+        # set before the copy: rows a failed copy wrote are zeroed next time
+        self.loaded[slot] = weights is not None
         if weights is not None:
             a, b = weights
             r = a.shape[0]
@@ -72,9 +71,8 @@ class LoRALinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
         step = self.step
-        runs = [
-            run for run in step.runs if self.loaded[run[0]]
-        ]  # the adapters of the step targeting this layer
+        # the runs of the step's adapters that target this layer
+        runs = [run for run in step.runs if self.loaded[run[0]]]
         if not runs:
             return y
         flat_x, flat_y = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
