@@ -42,7 +42,14 @@ class SimEngine:
     # ---- what the worker asks ------------------------------------------------------------------------------------
 
     def add_request(
-        self, request_id: str, prompt: Any, params: Any = None, *, priority: int = 0, lora_request: Any = None
+        self,
+        request_id: str,
+        prompt: Any,
+        params: Any = None,
+        *,
+        priority: int = 0,
+        lora_request: Any = None,
+        deadline: float | None = None,
     ) -> None:
         if request_id in self._requests:
             raise ValueError(f"duplicate request id {request_id}")

@@ -36,6 +36,7 @@ from rose.cli.batch_files import (
 from rose.cli.batch_progress import Throughput, progress_text
 from rose.cli.common import EXIT_FAILED, add_redis_args, connect, error
 from rose.cli.openai_batch import detect_format
+from rose.cli.request_args import add_placement_args, placement_kwargs
 from rose.cli.sampling_args import add_sampling_args, sampling_kwargs
 from rose.jobs import keys
 
@@ -51,7 +52,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description=(
             "Each input line is a JSON object with `prompt`, `prompt_token_ids` or chat `messages`, an optional "
             "`id` (default: the line number) and optional job fields (sampling fields, structured_outputs / "
-            "response_format, chat options, metadata, priority, stream, lora) that override the command-line "
+            "response_format, chat options, metadata, priority, stream, lora, tenant, deadline) that override the command-line "
             "defaults. Jobs are sent with stream: false (the workers publish each job's end, no token "
             "events) unless --stream or the line says otherwise. Each output line is {id, job_id, text, "
             "finish_reason, usage[, metadata]} or "
@@ -101,6 +102,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "own stream field wins",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_placement_args(p)
     add_sampling_args(p)
     p.set_defaults(func=run)
 
@@ -298,9 +300,13 @@ def _adopt(batch: Batch, conn: Any, job_id: str, entry: Entry) -> bool:
 
 def _job_defaults(args: argparse.Namespace) -> dict[str, Any]:
     """The job fields the command line sets for every line (a line's own fields override them): the sampling
-    flags, and `stream: false` unless --stream. Nobody reads a batch token by token, and a job without token
+    flags, --tenant / --deadline, and `stream: false` unless --stream. Nobody reads a batch token by token, and a job without token
     events costs Redis only its end; with --stream the field is left out (true is the job's default)."""
-    return {**sampling_kwargs(args), **({} if args.stream else {"stream": False})}
+    return {
+        **sampling_kwargs(args),
+        **placement_kwargs(args),
+        **({} if args.stream else {"stream": False}),
+    }
 
 
 def _entries(path: Path, fmt: LineFormat, defaults: dict[str, Any], done_keys: set[str]) -> Iterator[Entry]:

@@ -60,7 +60,8 @@ _VLLM_CHAT_EXTRAS = (
     "chat_template",
     "chat_template_kwargs",
 )
-# accepted and without effect on the output: identifiers, and storing (rose stores nothing but the result)
+# accepted and without effect on the output: identifiers (`user` is the job's tenant), and storing (rose stores
+# nothing but the result)
 _NO_EFFECT = ("user", "safety_identifier", "prompt_cache_key", "store")
 # accepted only with these values (the default); anything else is a feature rose does not have.
 # parallel_tool_calls (chat) is accepted as it is, as vLLM does: the model writes as many calls as it writes.
@@ -329,6 +330,13 @@ class OpenAIFormat:
         entry.context["model"] = model
         if model in self.lora_models:
             fields["lora"] = model
+        user = (line.get("body") or {}).get("user")
+        if user is not None:  # OpenAI's end-user id: the job's tenant (over --tenant)
+            if not isinstance(user, str) or not user.strip():
+                entry.error = f"'user' must be a non-empty string (the job's tenant), got {user!r}"
+                entry.context["param"], entry.context["code"] = "user", "invalid_value"
+                return entry
+            fields["tenant"] = user
         problem = validate({**defaults, **fields})
         if problem is not None:
             entry.error, param = problem

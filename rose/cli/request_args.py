@@ -12,7 +12,10 @@ merged into a job as it is. Values that are JSON can also be given as `@path` (r
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -213,6 +216,59 @@ def constraint_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         )
         raise ValueError(f"{flag}: {exc}") from None
     return {"structured_outputs": params.to_dict()}
+
+
+_DURATION = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_deadline(text: str) -> float:
+    """--deadline WHEN -> a Unix time: seconds from now (`600`, `90s`, `10m`, `2h`, `1d`), or an ISO 8601 time with
+    its zone (`2026-11-27T18:00:00+00:00`, `...Z`)."""
+    value = text.strip()
+    unit = _DURATION.get(value[-1:].lower(), 0)
+    number = value[:-1] if unit else value
+    try:
+        seconds = float(number) * (unit or 1)
+    except ValueError:
+        pass
+    else:
+        if not math.isfinite(seconds) or seconds <= 0:
+            raise argparse.ArgumentTypeError(f"{text!r}: a deadline from now must be > 0 seconds")
+        return time.time() + seconds
+    try:
+        when = datetime.datetime.fromisoformat(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: want seconds from now (600, 90s, 10m, 2h, 1d) or an ISO 8601 time with its zone "
+            "(2026-11-27T18:00:00+00:00)"
+        ) from None
+    if when.tzinfo is None:
+        raise argparse.ArgumentTypeError(f"{text!r}: give the time's zone (e.g. +00:00 or Z)")
+    return when.timestamp()
+
+
+def add_placement_args(parser: argparse.ArgumentParser) -> None:
+    """The job fields `tenant` and `deadline` (rose submit, rose batch)."""
+    parser.add_argument(
+        "--tenant",
+        default=None,
+        metavar="NAME",
+        help="the job field tenant: who the jobs are for (counted per tenant on the workers' /metrics); a batch "
+        "line's own tenant (an OpenAI line's body.user) wins",
+    )
+    parser.add_argument(
+        "--deadline",
+        type=parse_deadline,
+        default=None,
+        metavar="WHEN",
+        help="the job field deadline: seconds from now (600, 10m, 2h) or an ISO 8601 time with its zone; a job "
+        "not started by then fails with 'deadline exceeded', and among waiting jobs the earliest deadline starts "
+        "first",
+    )
+
+
+def placement_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    return {name: getattr(args, name) for name in ("tenant", "deadline") if getattr(args, name) is not None}
 
 
 def add_request_args(parser: argparse.ArgumentParser) -> None:

@@ -16,7 +16,15 @@ from rose.cli.common import (
     usage_line,
     workers_serving,
 )
-from rose.cli.request_args import add_request_args, add_tool_args, json_arg, request_kwargs, tool_kwargs
+from rose.cli.request_args import (
+    add_placement_args,
+    add_request_args,
+    add_tool_args,
+    json_arg,
+    placement_kwargs,
+    request_kwargs,
+    tool_kwargs,
+)
 from rose.cli.sampling_args import add_sampling_args, sampling_kwargs
 
 if TYPE_CHECKING:
@@ -73,6 +81,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--job-timeout", type=int, default=None, metavar="S", help="RQ job_timeout (default 180)")
     p.add_argument("--result-ttl", type=int, default=None, metavar="S", help="RQ result_ttl (default 500)")
+    add_placement_args(p)
     add_sampling_args(p)
     add_request_args(p)
     add_tool_args(p)
@@ -106,6 +115,7 @@ def run(args: argparse.Namespace) -> int:
         fields["priority"] = args.priority
     if args.lora is not None:
         fields["lora"] = args.lora
+    fields.update(placement_kwargs(args))
     if args.no_token_events:
         # only false is sent: true is the job's default, and a job without the field runs on older workers too
         fields["stream"] = False

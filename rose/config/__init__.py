@@ -191,6 +191,12 @@ class WorkerSettings(BaseSettings):
         "Each running job's status is read every 5 s (deletions, jobs taken over), and always before its result "
         "is stored.",
     )
+    deadline_policy: Literal["continue", "abort"] = Field(
+        "continue",
+        description="What becomes of a job whose deadline (the job field) passes while it runs: continue (it goes "
+        "on to its end) or abort (it fails with 'deadline exceeded', judged every --check-interval). A job whose "
+        "deadline passed before it started fails so either way.",
+    )
     stream_interval: float = Field(
         0.1,
         ge=0,

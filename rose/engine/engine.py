@@ -23,7 +23,7 @@ from rose.engine.kv_cache import KVCache
 from rose.engine.kv_cache_manager import KVCacheManager
 from rose.engine.layer_spec import first_needed
 from rose.engine.logprobs import prompt_logprobs
-from rose.engine.lora import LoRAManager, LoRARequest
+from rose.engine.lora import LoRARequest, lora_manager
 from rose.engine.model_runner import ModelRunner, model_context
 from rose.engine.outputs import RequestMetrics, RequestOutput, StepOutput
 from rose.engine.parallel_sampling import ParallelSampling, child_id, child_params
@@ -31,7 +31,7 @@ from rose.engine.prompts import tokenize_prompt
 from rose.engine.sampler import Sampler, SamplerOutput, checks_after
 from rose.engine.sampling_params import SamplingParams
 from rose.engine.scheduler import ScheduledBatch, Scheduler
-from rose.engine.sequence import PromptShare, Sequence
+from rose.engine.sequence import Placement, PromptShare, Sequence
 from rose.engine.stopping import eos_token_ids, request_output
 from rose.engine.structured_outputs import resolve_backend
 
@@ -82,7 +82,7 @@ class Engine:
         # refuses, before any request, a model rose cannot serve exactly
         layers = model_probe.probe(self.model)
         # adapter slots are allocated before the KV store takes its share of the device's free memory
-        self.lora = self._lora_manager(config)
+        self.lora = lora_manager(self.model, config)
         context = layers.exact_context(model_context(self.model.config), config.max_model_len)
         plan = plan_store(
             layers,
@@ -137,19 +137,6 @@ class Engine:
         self._structured: StructuredOutputManager | None = None  # built for the first constrained request
         self.parallel = ParallelSampling()  # requests of n > 1 choices
 
-    def _lora_manager(self, config: EngineConfig) -> LoRAManager | None:
-        if not config.enable_lora:
-            return None
-        lora = LoRAManager(self.model, config.max_loras, config.max_lora_rank)
-        logger.info(
-            "LoRA: %d slots of rank %d in %d linear layers (%.1f MiB)",
-            config.max_loras,
-            config.max_lora_rank,
-            lora.num_layers,
-            lora.nbytes / 2**20,
-        )
-        return lora
-
     # ----------------------------------------------------------------- requests
 
     def add_request(
@@ -161,6 +148,7 @@ class Engine:
         priority: int = 0,
         arrival_time: float | None = None,
         lora_request: LoRARequest | None = None,
+        deadline: float | None = None,
     ) -> None:
         """Queue a request. Raises ValueError (naming the problem) for one that can never run.
 
@@ -168,6 +156,8 @@ class Engine:
         `{"prompt_token_ids": [...], "prompt": text}` (ids used as they are; the text, e.g. a rendered chat, is
         only echoed in the output). `lora_request`: the LoRA adapter to run with (an engine built with
         `enable_lora`; read from disk the first time its name is seen, LoRAError when it does not fit the model).
+        `deadline` (Unix time): among waiting requests of one priority, those with a deadline are admitted first,
+        earliest first (rose.engine.scheduler); the engine never drops a request for it.
         """
         if request_id in self.scheduler.requests or request_id in self.parallel:
             raise ValueError(f"request id {request_id!r} is already in the engine")
@@ -199,11 +189,10 @@ class Engine:
                 f"max_model_len {self.max_model_len}: shorten the prompt or lower max_tokens"
             )
         arrival = time.time() if arrival_time is None else arrival_time
+        placement = Placement(priority, deadline, arrival, lora_request)
         if params.n == 1:
             self.scheduler.add(
-                self._sequence(
-                    request_id, text, ids, params, max_tokens, priority, arrival, bad_words, lora_request
-                )
+                self._sequence(request_id, text, ids, params, max_tokens, bad_words, placement)
             )
             return
         children = [child_id(request_id, i) for i in range(params.n)]
@@ -211,9 +200,7 @@ class Engine:
         if taken:
             raise ValueError(f"request id {taken[0]!r} (a choice of {request_id!r}) is already in the engine")
         seqs = [
-            self._sequence(
-                c, text, ids, child_params(params, i), max_tokens, priority, arrival, bad_words, lora_request
-            )
+            self._sequence(c, text, ids, child_params(params, i), max_tokens, bad_words, placement)
             for i, c in enumerate(children)
         ]  # all built before any is added: one that raises adds none
         share = PromptShare(pending=set(children))
@@ -230,12 +217,11 @@ class Engine:
         ids: list[int],
         params: SamplingParams,
         max_tokens: int,
-        priority: int,
-        arrival: float,
         bad_words: list[list[int]] | None,
-        lora_request: LoRARequest | None = None,
+        placement: Placement,
     ) -> Sequence:
-        """A sequence of the request (one choice of it), with its own grammar, generator and detokenizer."""
+        """A sequence of the request (one choice of it), with its own grammar, generator and detokenizer.
+        `placement`: its priority, deadline, LoRA adapter and arrival time."""
         structured = None
         if params.structured_outputs is not None:  # parsed here (invalid: ValueError), compiled on a thread
             structured = self.structured_outputs.make_request(params.structured_outputs)
@@ -258,15 +244,16 @@ class Engine:
             prompt_token_ids=list(ids),
             params=params,
             max_tokens=max_tokens,
-            metrics=RequestMetrics(arrival_time=arrival, num_prompt_tokens=len(ids)),
+            metrics=RequestMetrics(arrival_time=placement.arrival, num_prompt_tokens=len(ids)),
             detokenizer=detok,
-            priority=priority,
+            priority=placement.priority,
+            deadline=placement.deadline,
             generator=generator,
             logprobs=[] if params.logprobs is not None else None,
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
             structured=structured,
             bad_words_token_ids=bad_words,
-            lora_request=lora_request,
+            lora_request=placement.lora_request,
         )
 
     def abort(self, request_id: str) -> RequestOutput | None:

@@ -37,6 +37,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from rose.engine import loader
+from rose.engine.config import EngineConfig
 from rose.engine.lora_layers import LoRALinear, StepMapping, token_linears
 
 log = logging.getLogger(__name__)
@@ -339,3 +340,18 @@ class LoRAManager:
     def end_step(self) -> None:
         self.step.runs = []
         self.step.drop = self.step.scaling = None
+
+
+def lora_manager(model: nn.Module, config: EngineConfig) -> LoRAManager | None:
+    """The engine's LoRAManager (None without `enable_lora`), its slots allocated and logged."""
+    if not config.enable_lora:
+        return None
+    lora = LoRAManager(model, config.max_loras, config.max_lora_rank)
+    log.info(
+        "LoRA: %d slots of rank %d in %d linear layers (%.1f MiB)",
+        config.max_loras,
+        config.max_lora_rank,
+        lora.num_layers,
+        lora.nbytes / 2**20,
+    )
+    return lora

@@ -5,8 +5,8 @@ per-step token budget goes to prompt chunks (chunked prefill), first of sequence
 requests admitted while the pool has the blocks for their whole prefill (minus what the prefix cache already holds)
 above a small watermark, up to `max_num_seqs` running. Admission never preempts (as in vLLM V1): a waiting request
 of a better priority than running ones waits for blocks to come back. Waiting requests are served by priority, then
-FIFO: a lower `priority` value is served earlier (as in vLLM); a request that does not fit holds back those behind
-it. A LoRA request whose adapter has no free slot (rose.engine.lora) waits without holding back the base-model
+earliest deadline (requests without one after those with one), then FIFO: a lower `priority` value is served
+earlier (as in vLLM); a request that does not fit holds back those behind it. A LoRA request whose adapter has no free slot (rose.engine.lora) waits without holding back the base-model
 requests behind it; the LoRA requests behind it wait with it, so that a slot frees up.
 
 With a sliding window (or chunked attention) in every layer, the leading blocks of a sequence that no layer's query
@@ -15,7 +15,7 @@ about a window's worth of blocks however long it grows. Its block table keeps th
 position p still lives in entry p // block_size.
 
 When a decoding sequence needs a block and none is free, the least important running sequence (highest priority
-value, latest arrival) is preempted by recompute, as in vLLM V1: its blocks go back to the pool and it waits again,
+value, then no deadline or the latest, then latest arrival) is preempted by recompute, as in vLLM V1: its blocks go back to the pool and it waits again,
 ahead of later arrivals of its priority, with its generated tokens as part of what it prefills when readmitted. Its
 sampling state is untouched (nothing is sampled for the step it lost), so its stream and its seeded draws continue
 as if it had never been preempted.
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -104,7 +105,7 @@ class Scheduler:
         self.requests: dict[str, Sequence] = {}  # every unfinished request, by id
         self.running: list[Sequence] = []  # in admission order
         self._prefilling: list[Sequence] = []  # admitted, prefill not done, in admission order
-        self._waiting: list[tuple[int, int, Sequence]] = []
+        self._waiting: list[tuple[int, float, int, Sequence]] = []
         self._num_waiting = 0
         self._counter = itertools.count()
         self.num_preemptions = 0
@@ -156,13 +157,14 @@ class Scheduler:
         return max(0, min(room, free // per_request))
 
     def _push(self, seq: Sequence) -> None:
-        heapq.heappush(self._waiting, (seq.priority, seq.queue_order, seq))
+        heapq.heappush(self._waiting, (*self._importance(seq), seq))
         self._num_waiting += 1
 
     @staticmethod
-    def _importance(seq: Sequence) -> tuple[int, int]:
-        """Sort key, most important first: the order waiting requests are served in."""
-        return seq.priority, seq.queue_order
+    def _importance(seq: Sequence) -> tuple[int, float, int]:
+        """Sort key, most important first: the order waiting requests are served in (priority, then the earliest
+        deadline, one without last, then arrival)."""
+        return seq.priority, math.inf if seq.deadline is None else seq.deadline, seq.queue_order
 
     # ----------------------------------------------------------------- scheduling
 
@@ -190,7 +192,7 @@ class Scheduler:
                 if entry is None:
                     break
                 held.append(entry)
-                seq = entry[2]
+                seq = entry[-1]
                 if seq.status is SequenceStatus.WAITING_FOR_GRAMMAR:
                     if not seq.structured.is_ready:
                         continue
@@ -267,21 +269,21 @@ class Scheduler:
             seq.metrics.first_scheduled_time = time.time()
         return length
 
-    def _pop_waiting(self) -> tuple[int, int, Sequence] | None:
+    def _pop_waiting(self) -> tuple[int, float, int, Sequence] | None:
         while self._waiting:
             entry = heapq.heappop(self._waiting)
-            if entry[2].status in _WAITING:  # finished ones stay in the heap until popped
+            if entry[-1].status in _WAITING:  # finished ones stay in the heap until popped
                 self._num_waiting -= 1
                 return entry
         return None
 
     def waiting_seqs(self) -> list[Sequence]:
         """The requests still waiting to be admitted (in no particular order)."""
-        return [e[2] for e in self._waiting if e[2].status in _WAITING]
+        return [e[-1] for e in self._waiting if e[-1].status in _WAITING]
 
     def waiting_for_grammar(self) -> list[Sequence]:
         """The waiting requests whose grammar has not compiled (yet, or ever)."""
-        return [e[2] for e in self._waiting if e[2].status is SequenceStatus.WAITING_FOR_GRAMMAR]
+        return [e[-1] for e in self._waiting if e[-1].status is SequenceStatus.WAITING_FOR_GRAMMAR]
 
     def waiting_blocks(self) -> int:
         """Blocks the waiting requests' prefills will take (before any prefix hit)."""

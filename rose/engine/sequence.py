@@ -43,6 +43,17 @@ class PromptShare:
     blocks: list[int] = field(default_factory=list)  # the prompt's computed full blocks, while held
 
 
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """A request's standing among the others (Engine.add_request's): its priority, deadline and arrival time, and the
+    LoRA adapter it runs with (rose.engine.lora.LoRARequest; None: the base model)."""
+
+    priority: int
+    deadline: float | None
+    arrival: float
+    lora_request: LoRARequest | None = None
+
+
 @dataclass(eq=False)
 class Sequence:
     request_id: str
@@ -53,6 +64,9 @@ class Sequence:
     metrics: RequestMetrics
     detokenizer: IncrementalDetokenizer | None
     priority: int = 0
+    deadline: float | None = (
+        None  # Unix time: among equal priorities, earliest deadline first (None: after those)
+    )
     generator: torch.Generator | None = None  # only for seeded requests
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None

@@ -92,10 +92,15 @@ class AsyncJob:
 class AsyncClient:
     """asyncio twin of `Client` for web applications (streams and waits use redis.asyncio)."""
 
-    def __init__(self, redis_url: str = "redis://localhost:6379/0", queue: str = keys.DEFAULT_QUEUE):
+    def __init__(
+        self,
+        redis_url: str = "redis://localhost:6379/0",
+        queue: str = keys.DEFAULT_QUEUE,
+        tenant: str | None = None,
+    ):
         self.redis = connect_async(redis_url)
         # RQ is synchronous: enqueue/cancel (short, one round trip) run in a thread with their own connection.
-        self._sync = Client(redis_url, queue=queue)
+        self._sync = Client(redis_url, queue=queue, tenant=tenant)
 
     async def submit(self, prompt: str | list[int] | None = None, **options: Any) -> AsyncJob:
         """Enqueue one job (see `Client.submit`): invalid arguments raise InvalidRequest (a ValueError, with the

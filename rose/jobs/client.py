@@ -198,13 +198,23 @@ class Job:
 
 
 class Client:
-    """`Client("redis://localhost:6379/0", queue="rose")`: submit jobs to rose-worker."""
+    """`Client("redis://localhost:6379/0", queue="rose")`: submit jobs to rose-worker. `tenant`: the job field
+    `tenant` of every job this client submits that does not set its own."""
 
     def __init__(
-        self, redis_url: str | redis.Redis = "redis://localhost:6379/0", queue: str = keys.DEFAULT_QUEUE
+        self,
+        redis_url: str | redis.Redis = "redis://localhost:6379/0",
+        queue: str = keys.DEFAULT_QUEUE,
+        tenant: str | None = None,
     ):
         self.redis = connect(redis_url) if isinstance(redis_url, str) else redis_url
         self.queue = Queue(queue, connection=self.redis, serializer=JSONSerializer)
+        self.tenant = tenant
+
+    def _kwargs(self, prompt: str | list[int] | None, fields: dict[str, Any]) -> dict[str, Any]:
+        if self.tenant is not None:
+            fields.setdefault("tenant", self.tenant)
+        return _request_kwargs(prompt, fields)
 
     def submit(self, prompt: str | list[int] | None = None, **options: Any) -> Job:
         """Enqueue one job. `options`: GenerateRequest fields (max_tokens, temperature, metadata, ...) and RQ's
@@ -214,7 +224,7 @@ class Client:
         the worker would fail the job with (`unknown field 'max_token' (did you mean 'max_tokens'?)`). It is not
         pydantic's ValidationError: catch InvalidRequest or ValueError."""
         rq_opts, fields = _split(dict(options))
-        rq_job = self.queue.enqueue(keys.FUNC_PATH, kwargs=_request_kwargs(prompt, fields), **rq_opts)
+        rq_job = self.queue.enqueue(keys.FUNC_PATH, kwargs=self._kwargs(prompt, fields), **rq_opts)
         return Job(self, rq_job.id)
 
     def chat(self, messages: list[dict[str, Any]], **options: Any) -> Job:
@@ -243,7 +253,7 @@ class Client:
             if "job_timeout" in rq_opts:
                 rq_opts["timeout"] = rq_opts.pop("job_timeout")
             prepared.append(
-                Queue.prepare_data(keys.FUNC_PATH, kwargs=_request_kwargs(prompt, fields), **rq_opts)
+                Queue.prepare_data(keys.FUNC_PATH, kwargs=self._kwargs(prompt, fields), **rq_opts)
             )
         with self.redis.pipeline() as pipe:
             jobs = self.queue.enqueue_many(prepared, pipeline=pipe)

@@ -13,6 +13,7 @@ rose.jobs.schemas and rose.jobs.tools: sampling params, chat rendering, tool cal
 
 from __future__ import annotations
 
+import datetime
 import json
 import time
 from typing import TYPE_CHECKING, Any, TypedDict
@@ -251,3 +252,9 @@ def failure_message(output: RequestOutput | CompletionOutput) -> str:
         f"{INVALID_STRUCTURED_OUTPUT}: {output.structured_output_error}; "
         f"the output ({len(output.text)} characters): {text}"
     )
+
+
+def deadline_exceeded(deadline: float, when: str) -> str:
+    """The failure message of a job whose deadline (the job field, Unix time) passed `when`."""
+    at = datetime.datetime.fromtimestamp(deadline, datetime.UTC).isoformat(timespec="milliseconds")
+    return f"deadline exceeded: the job's deadline {at} (Unix {deadline:.3f}) passed {when}"

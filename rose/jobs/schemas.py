@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -74,6 +75,18 @@ class GenerateRequest(BaseModel):
     )
     metadata: dict[str, Any] | None = Field(None, description="Any JSON object, echoed into the result.")
     priority: int = Field(0, description="Engine scheduling priority among waiting jobs (lower runs first).")
+    tenant: str | None = Field(
+        None,
+        description="Who the job is for (a team, a customer): counted per tenant on the workers' /metrics; none: "
+        "the default tenant.",
+    )
+    deadline: float | None = Field(
+        None,
+        description="Unix time (seconds) by which the job must be done. Among the engine's waiting jobs of one "
+        "priority, those with a deadline start first, earliest deadline first; a job whose deadline passed "
+        "before it started fails with 'deadline exceeded' (no tokens, no retry); one whose deadline passes while "
+        "it runs goes on, or fails so on workers started with --deadline-policy abort.",
+    )
     stream: bool = Field(
         True,
         description="Publish the tokens as they are generated; false: only the job's end is published (its "
@@ -109,6 +122,7 @@ class GenerateRequest(BaseModel):
     def _check(self, info: ValidationInfo) -> GenerateRequest:
         for name in (
             "prompt", "messages", "stop", "bad_words", "chat_template", "chat_template_kwargs", "tools", "lora",
+            "tenant",
         ):  # fmt: skip
             where = _lone_surrogate(getattr(self, name), name)
             if where is not None:  # the tokenizer would raise a TypeError deep down, on every retry alike
@@ -128,6 +142,10 @@ class GenerateRequest(BaseModel):
             raise ValueError(
                 "'lora' is empty: name an adapter the workers serve, or leave it out (the base model)"
             )
+        if self.tenant is not None and not self.tenant.strip():
+            raise ValueError("'tenant' is empty: name the tenant, or leave it out (the default tenant)")
+        if self.deadline is not None and not (math.isfinite(self.deadline) and self.deadline > 0):
+            raise ValueError(f"'deadline' must be a Unix time in seconds (> 0), got {self.deadline!r}")
         if self.prompt_token_ids is not None:
             if not self.prompt_token_ids:
                 raise ValueError("'prompt_token_ids' is empty")

@@ -70,6 +70,7 @@ _FLAGS: list[tuple[str, str, dict[str, Any]]] = [
     ("--recovery-interval", "recovery_interval", {"type": float, "metavar": "SECONDS"}),
     ("--check-interval", "check_interval", {"type": float, "metavar": "SECONDS"}),
     ("--stream-interval", "stream_interval", {"type": float, "metavar": "SECONDS"}),
+    ("--deadline-policy", "deadline_policy", {"choices": ["continue", "abort"]}),
 ]
 
 

@@ -32,6 +32,10 @@ class RoseJobTimeout(RoseJobError):
     """The job ran past its RQ job timeout."""
 
 
+class DeadlineExceeded(RoseJobError):
+    """The job's deadline passed before it started, or while it ran on a worker with --deadline-policy abort."""
+
+
 class Endings:
     """The ends of this worker's jobs (`completed`: how many it stored as finished). What comes before a job's end
     (taken, first token) is rose.worker.milestones; the result's and the failure message's shapes are the job

@@ -32,8 +32,10 @@ class WorkerEngine(Protocol):
         *,
         priority: int = 0,
         lora_request: LoRARequest | None = None,
+        deadline: float | None = None,
     ) -> None:
-        """Queue a request (the job's id), with the job's LoRA adapter (None: the base model; rose.worker.adapters).
+        """Queue a request (the job's id), with the job's LoRA adapter (None: the base model; rose.worker.adapters)
+        and deadline (Unix time: earliest first among waiting requests of one priority).
         Raises ValueError for one that can never run: the job fails without retry; anything else fails it with
         RQ's Retry."""
 

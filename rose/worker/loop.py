@@ -4,7 +4,7 @@
 
     take     jobs while the engine has room (rose.worker.intake; blocking on the queues only when idle)
     step     the engine; each job's tokens queued as events (rose.worker.step_outputs, rose.worker.outbox)
-    watch    cancels, deletions, lost jobs, timeouts, stop commands (rose.worker.watch: findings applied here)
+    watch    cancels, deletions, lost jobs, timeouts, deadlines, stop commands (rose.worker.watch: applied here)
     retire   finished jobs: batched by the retirer (rose.worker.retirer), or by RQ's handler once checked
     publish  the iteration's events (rose.worker.publisher: sent at once, acknowledged at the next send)
 
@@ -28,7 +28,7 @@ from typing import Any
 from rose.config import WorkerSettings
 from rose.jobs import contract, tools
 from rose.worker import adapters, faults, probe, rq_store, step_outputs
-from rose.worker.endings import Endings, RoseJobTimeout
+from rose.worker.endings import DeadlineExceeded, Endings, RoseJobTimeout
 from rose.worker.engine_protocol import WorkerEngine
 from rose.worker.intake import Intake
 from rose.worker.isolate import isolate
@@ -80,7 +80,7 @@ class JobLoop:
         self._next_retire = 0.0  # monotonic time the next retirement batch may go
         self.milestones = Milestones(outbox, metrics)
         self.intake = Intake(rq)
-        self.watch = Watch(probe.target(rq), settings.check_interval)
+        self.watch = Watch(probe.target(rq), settings.check_interval, settings.deadline_policy == "abort")
         self.retirer = Retirer(rq, outbox.done_commands)
         # reads the calls of jobs with tools and tool_choice "auto" (rose.jobs.tools); None: such jobs fail
         chat_template = getattr(engine.tokenizer, "chat_template", None)
@@ -192,6 +192,9 @@ class JobLoop:
             return
         run.request = request
         run.choices = step_outputs.choices(request)
+        if request.deadline is not None and request.deadline <= time.time():
+            self._fail_deadline(run, "before it started")
+            return
         try:
             self._add_to_engine(run)
         except ValueError as exc:  # prompt too long for the context, an adapter not served here, ...
@@ -213,6 +216,7 @@ class JobLoop:
             tools.sampling_params(request, self.tool_parser),
             priority=request.priority,
             lora_request=self.adapters.request_for(request.lora),
+            deadline=request.deadline,
         )
 
     # ---- step ----------------------------------------------------------------------------------------------------
@@ -288,6 +292,8 @@ class JobLoop:
         elif verdict is Verdict.TIMED_OUT:
             message = f"Job exceeded maximum timeout value ({run.timeout} seconds)"
             self._fail(run, message, exc_class=RoseJobTimeout)
+        elif verdict is Verdict.DEADLINE:
+            self._fail_deadline(run, "while it ran (rose-worker --deadline-policy abort)")
         elif verdict is Verdict.STOP:
             self._leave_engine(run)
             run.phase = Phase.STOPPING  # stored as stopped by `_stop_commanded`
@@ -379,6 +385,12 @@ class JobLoop:
         tokens go out before its error event, or are dropped if RQ retries it (rose.worker.endings)."""
         self._let_go(run, forget=False)
         self.guard.run("failure", functools.partial(self.endings.fail, run, message, retry=retry, **kwargs))
+
+    def _fail_deadline(self, run: Running, when: str) -> None:
+        assert run.request is not None and run.request.deadline is not None
+        self.metrics.on_deadline_exceeded(started=run.phase is Phase.GENERATING)
+        message = contract.deadline_exceeded(run.request.deadline, when)
+        self._fail(run, message, retry=False, exc_class=DeadlineExceeded)
 
     # ---- publish -------------------------------------------------------------------------------------------------
 

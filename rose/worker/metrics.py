@@ -135,6 +135,16 @@ class WorkerMetrics:
             ln,
             registry=reg,
         ).labels(*lv)
+        deadline_exceeded = Counter(
+            "rose_request_deadline_exceeded",
+            "Jobs failed for their deadline: passed before they started (when=queued) or while they ran "
+            "(when=running, --deadline-policy abort).",
+            [*ln, "when"],
+            registry=reg,
+        )
+        self.deadline_exceeded = {
+            when: deadline_exceeded.labels(model, when) for when in ("queued", "running")
+        }
         self.canceled = Counter(
             "rose_request_canceled", "Jobs canceled, deleted or stopped while running.", ln, registry=reg
         ).labels(*lv)
@@ -270,6 +280,9 @@ class WorkerMetrics:
         return self.tokens_per_s
 
     # ---- per job ------------------------------------------------------------------------------------------
+
+    def on_deadline_exceeded(self, started: bool) -> None:
+        self.deadline_exceeded["running" if started else "queued"].inc()
 
     def on_started(self, queue_s: float | None) -> None:
         if queue_s is not None:

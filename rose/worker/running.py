@@ -130,6 +130,11 @@ class Running:
         """How long the job's StartedJobRegistry entry and execution live without a heartbeat."""
         return (self.timeout or 0) + ORPHAN_GRACE_S
 
+    def past_deadline(self, now: float) -> bool:
+        """Whether the job's deadline (Unix time) passed while it runs."""
+        deadline = self.request.deadline if self.request is not None else None
+        return deadline is not None and self.phase in (Phase.TAKEN, Phase.GENERATING) and now >= deadline
+
     def timed_out(self, now_mono: float) -> bool:
         """Whether the job ran past its timeout without finishing (a finished job's result is stored regardless)."""
         return (

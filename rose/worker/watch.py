@@ -48,6 +48,7 @@ class Verdict(enum.Enum):
     STORED = "stored"  # finished by our own retirement, whose reply was lost: only its announcement is left
     LOST = "lost"  # another worker runs it now (this one was taken for dead): drop our copy
     TIMED_OUT = "timed_out"  # ran past its RQ job timeout
+    DEADLINE = "deadline"  # ran past its deadline, on a worker that aborts such jobs
     STOP = "stop"  # an `rq` stop command names it
 
 
@@ -69,8 +70,11 @@ def owed(runs: Iterable[Running]) -> bool:
 
 
 class Watch:
-    def __init__(self, target: probe.Target, check_interval: float) -> None:
+    def __init__(
+        self, target: probe.Target, check_interval: float, abort_past_deadline: bool = False
+    ) -> None:
         self.check_interval = check_interval
+        self.abort_past_deadline = abort_past_deadline  # --deadline-policy abort
         self._target = target
         self._probe = probe.InFlightProbe(target)
         self._next_check = 0.0  # monotonic time the next signals are due
@@ -132,7 +136,7 @@ class Watch:
         return self._probe.pending or (not engine_busy and (self._status_asked or owed(running.values())))
 
     def check(self, running: dict[str, Running]) -> Checked:
-        """Cancels, deletions, lost ownership and timeouts. Reads the probe in flight, or probes now (one round trip,
+        """Cancels, deletions, lost ownership, timeouts and deadlines. Reads the probe in flight, or probes now (one round trip,
         which also sizes the queues for the next intake)."""
         if self._probe.pending:
             asked = self._owed
@@ -152,10 +156,14 @@ class Watch:
         for item in reply.found:
             result.findings.append(_judge(item, self._target.worker_name))
         seen = {finding.run.id for finding in result.findings}
-        t = time.monotonic()
+        t, now = time.monotonic(), time.time()
         for run in running.values():
-            if run.id not in seen and run.timed_out(t):
+            if run.id in seen:
+                continue
+            if run.timed_out(t):
                 result.findings.append(Finding(run, Verdict.TIMED_OUT))
+            elif self.abort_past_deadline and run.past_deadline(now):
+                result.findings.append(Finding(run, Verdict.DEADLINE))
         return result
 
     # ---- queue lengths for the intake -----------------------------------------------------------------------------

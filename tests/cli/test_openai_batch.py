@@ -897,3 +897,18 @@ def test_stream_true_lines_stream_their_tokens_and_keep_the_normal_output(
     for custom_id, param in (("bad-stream", "stream"), ("bad-options", "stream_options")):
         response = by_id[custom_id]["response"]
         assert response["status_code"] == 400 and response["body"]["error"]["param"] == param
+
+
+def test_user_is_the_jobs_tenant_over_the_command_lines() -> None:
+    fmt = OpenAIFormat()
+    for line in (chat(user="acme"), completion(user="acme")):
+        entry = fmt.parse(1, json.dumps(line), {"tenant": "default-team"})
+        assert entry.error is None and entry.request["tenant"] == "acme"
+    entry = fmt.parse(1, json.dumps(chat()), {"tenant": "default-team"})
+    assert (
+        "tenant" not in entry.request
+    )  # the command line's default applies (merged under the line's fields)
+    for bad in (5, "  "):
+        entry = fmt.parse(1, json.dumps(chat(user=bad)), {})
+        assert entry.error.startswith("'user' must be a non-empty string (the job's tenant)")
+        assert (entry.context["param"], entry.context["code"]) == ("user", "invalid_value")

@@ -153,6 +153,26 @@ def test_priority_applies_to_requests_arriving_later(tokenizer):
     assert run.finish_order == ["first", "high", "low"]
 
 
+def test_within_a_priority_the_earliest_deadline_is_served_first(tokenizer):
+    """Earliest deadline first among waiting requests of one priority, those without a deadline after them (in
+    arrival order); a better priority still comes first."""
+    engine = make_engine("tiny-gpt2", max_num_seqs=1, max_model_len=32)
+    engine.add_request("first", text_prompt(3), greedy(3))
+    engine.step()  # "first" holds the only slot
+    for rid, priority, deadline in [
+        ("none", 0, None),
+        ("d300", 0, 300.0),
+        ("d100", 0, 100.0),
+        ("none-2", 0, None),
+        ("p1-d50", 1, 50.0),
+        ("m1", -1, None),
+        ("d200", 0, 200.0),
+    ]:
+        engine.add_request(rid, text_prompt(3), greedy(2), priority=priority, deadline=deadline)
+    run = drain(engine, stepped_before=True)
+    assert run.finish_order == ["first", "m1", "d100", "d200", "d300", "none", "none-2", "p1-d50"]
+
+
 # ----------------------------------------------------------------------------------------------- seeds
 
 

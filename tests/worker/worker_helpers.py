@@ -156,9 +156,10 @@ class FakeEngine:
         self.added: list[str] = []
         self.aborted: list[str] = []
         self.loras: dict[str, object] = {}  # request id -> the LoRARequest it was added with (None: base)
+        self.deadlines: dict[str, float | None] = {}  # request id -> the deadline it was added with
         self.steps = 0
 
-    def add_request(self, request_id, prompt, params=None, *, priority=0, lora_request=None):
+    def add_request(self, request_id, prompt, params=None, *, priority=0, lora_request=None, deadline=None):
         params = params or SamplingParams()
         ids = list(prompt) if isinstance(prompt, list) else list(range(len(prompt.split())))
         if not ids:
@@ -179,6 +180,7 @@ class FakeEngine:
             "metrics": RequestMetrics(arrival_time=time.time(), num_prompt_tokens=len(ids)),
         }
         self.loras[request_id] = lora_request
+        self.deadlines[request_id] = deadline
         self.order.append(request_id)
         self.added.append(request_id)
 
