@@ -234,6 +234,10 @@ def parse_deadline(text: str) -> float:
     else:
         if not math.isfinite(seconds) or seconds <= 0:
             raise argparse.ArgumentTypeError(f"{text!r}: a deadline from now must be > 0 seconds")
+        if seconds >= 1e9:  # ~32 years: a Unix time given for a duration
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: want seconds from now, not a Unix time (give a time as ISO 8601 with its zone)"
+            )
         return time.time() + seconds
     try:
         when = datetime.datetime.fromisoformat(value)
@@ -244,6 +248,8 @@ def parse_deadline(text: str) -> float:
         ) from None
     if when.tzinfo is None:
         raise argparse.ArgumentTypeError(f"{text!r}: give the time's zone (e.g. +00:00 or Z)")
+    if when.timestamp() <= time.time():
+        raise argparse.ArgumentTypeError(f"{text!r} is in the past: the jobs would fail at once")
     return when.timestamp()
 
 
@@ -253,8 +259,8 @@ def add_placement_args(parser: argparse.ArgumentParser) -> None:
         "--tenant",
         default=None,
         metavar="NAME",
-        help="the job field tenant: who the jobs are for (counted per tenant on the workers' /metrics); a batch "
-        "line's own tenant (an OpenAI line's body.user) wins",
+        help="the job field tenant: who the jobs are for (a team, a customer); a batch line's own tenant (an OpenAI "
+        "line's body.user) wins",
     )
     parser.add_argument(
         "--deadline",

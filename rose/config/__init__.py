@@ -195,7 +195,7 @@ class WorkerSettings(BaseSettings):
         "continue",
         description="What becomes of a job whose deadline (the job field) passes while it runs: continue (it goes "
         "on to its end) or abort (it fails with 'deadline exceeded', judged every --check-interval). A job whose "
-        "deadline passed before it started fails so either way.",
+        "deadline passed before a worker started it fails so either way.",
     )
     stream_interval: float = Field(
         0.1,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 import time
 from dataclasses import replace
@@ -83,20 +84,25 @@ class Engine:
         layers = model_probe.probe(self.model)
         # adapter slots are allocated before the KV store takes its share of the device's free memory
         self.lora = lora_manager(self.model, config)
-        context = layers.exact_context(model_context(self.model.config), config.max_model_len)
-        plan = plan_store(
-            layers,
-            self.device,
-            self.dtype,
-            context=context,
-            max_num_seqs=config.max_num_seqs,
-            max_model_len=config.max_model_len,
-            max_kv_cache_bytes=config.max_kv_cache_bytes,
-            num_gpu_blocks_override=config.num_gpu_blocks_override,
-            block_size=config.block_size,
-        )
-        self.max_model_len, self.block_size = plan.max_model_len, plan.block_size
-        self.cache = KVCache(layers.specs, plan.num_blocks, plan.block_size, self.dtype, self.device)
+        try:
+            context = layers.exact_context(model_context(self.model.config), config.max_model_len)
+            plan = plan_store(
+                layers,
+                self.device,
+                self.dtype,
+                context=context,
+                max_num_seqs=config.max_num_seqs,
+                max_model_len=config.max_model_len,
+                max_kv_cache_bytes=config.max_kv_cache_bytes,
+                num_gpu_blocks_override=config.num_gpu_blocks_override,
+                block_size=config.block_size,
+            )
+            self.max_model_len, self.block_size = plan.max_model_len, plan.block_size
+            self.cache = KVCache(layers.specs, plan.num_blocks, plan.block_size, self.dtype, self.device)
+        except BaseException:
+            if self.lora is not None:
+                self.lora.unwrap()  # the caller's model as it was: it may build an engine again
+            raise
         logger.info(
             "KV store: %d blocks x %d tokens (%d tokens, %.1f MiB), max_model_len %d, up to %d sequences",
             plan.num_blocks,
@@ -165,6 +171,10 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         params.verify(self.vocab_size, self.max_logprobs)
+        if deadline is not None and (
+            isinstance(deadline, bool) or not isinstance(deadline, int | float) or not math.isfinite(deadline)
+        ):
+            raise ValueError(f"deadline must be a Unix time in seconds (a finite number), got {deadline!r}")
         if lora_request is not None:
             if self.lora is None:
                 raise ValueError("a LoRA request needs an engine built with enable_lora=True")

@@ -297,6 +297,15 @@ class LoRAManager:
         self.loads[adapter.request.lora_name] += 1
         log.info("LoRA adapter %r loaded into slot %d", adapter.request.lora_name, slot)
 
+    def unwrap(self) -> None:
+        """Put the model's own linear layers back: an engine that failed to build leaves the caller's model as it
+        was."""
+        for name, layer in self._layers.items():
+            parent_name, _, child = name.rpartition(".")
+            parent = self.model.get_submodule(parent_name) if parent_name else self.model
+            setattr(parent, child, layer.base)
+        self._layers = {}
+
     def _wrap(self, name: str) -> LoRALinear:
         parent_name, _, child = name.rpartition(".")
         parent = self.model.get_submodule(parent_name) if parent_name else self.model

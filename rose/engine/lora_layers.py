@@ -92,7 +92,7 @@ class LoRALinear(nn.Module):
         return y + delta.view(y.shape)
 
 
-TRACE_TOKENS = 8  # of the forward that tells which linear layers run on every token
+TRACE_TOKENS = 16  # of the forward that tells which linear layers run on every token
 
 
 def token_linears(model: nn.Module) -> tuple[list[str], dict[str, str]]:
@@ -111,7 +111,8 @@ def token_linears(model: nn.Module) -> tuple[list[str], dict[str, str]]:
                     )
                 )
             )
-    ids = torch.arange(TRACE_TOKENS) % model.config.get_text_config().vocab_size
+    # spread over the vocabulary: the first ids (special, byte tokens) could all route to the same experts
+    ids = (torch.arange(TRACE_TOKENS) * 7919 + 3) % model.config.get_text_config().vocab_size
     device = next(model.parameters()).device
     try:
         with torch.inference_mode():

@@ -207,6 +207,10 @@ class Client:
         queue: str = keys.DEFAULT_QUEUE,
         tenant: str | None = None,
     ):
+        if tenant is not None and (not isinstance(tenant, str) or not tenant.strip()):
+            raise ValueError(
+                f"tenant must be a non-empty string (or None: the default tenant), got {tenant!r}"
+            )
         self.redis = connect(redis_url) if isinstance(redis_url, str) else redis_url
         self.queue = Queue(queue, connection=self.redis, serializer=JSONSerializer)
         self.tenant = tenant

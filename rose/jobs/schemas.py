@@ -77,15 +77,14 @@ class GenerateRequest(BaseModel):
     priority: int = Field(0, description="Engine scheduling priority among waiting jobs (lower runs first).")
     tenant: str | None = Field(
         None,
-        description="Who the job is for (a team, a customer): counted per tenant on the workers' /metrics; none: "
-        "the default tenant.",
+        description="Who the job is for (a team, a customer); none: the default tenant.",
     )
     deadline: float | None = Field(
         None,
         description="Unix time (seconds) by which the job must be done. Among the engine's waiting jobs of one "
         "priority, those with a deadline start first, earliest deadline first; a job whose deadline passed "
-        "before it started fails with 'deadline exceeded' (no tokens, no retry); one whose deadline passes while "
-        "it runs goes on, or fails so on workers started with --deadline-policy abort.",
+        "before a worker started it (this attempt) fails with 'deadline exceeded' (no retry); one whose deadline "
+        "passes while it runs goes on, or fails so on workers started with --deadline-policy abort.",
     )
     stream: bool = Field(
         True,
@@ -144,8 +143,8 @@ class GenerateRequest(BaseModel):
             )
         if self.tenant is not None and not self.tenant.strip():
             raise ValueError("'tenant' is empty: name the tenant, or leave it out (the default tenant)")
-        if self.deadline is not None and not (math.isfinite(self.deadline) and self.deadline > 0):
-            raise ValueError(f"'deadline' must be a Unix time in seconds (> 0), got {self.deadline!r}")
+        if self.deadline is not None:
+            check_deadline(self.deadline)
         if self.prompt_token_ids is not None:
             if not self.prompt_token_ids:
                 raise ValueError("'prompt_token_ids' is empty")
@@ -299,3 +298,20 @@ def format_validation_error(exc: ValidationError, also: Iterable[str] = ()) -> s
         else:
             lines.append(err["msg"].removeprefix("Value error, "))
     return "invalid rose.jobs.generate arguments: " + "; ".join(lines)
+
+
+# Unix times in seconds between these (2001 and 5138): below, a duration given for a time; above, milliseconds
+_DEADLINE_RANGE = (1e9, 1e11)
+
+
+def check_deadline(deadline: float) -> None:
+    """ValueError unless `deadline` reads as a Unix time in seconds."""
+    if not math.isfinite(deadline) or deadline <= 0:
+        raise ValueError(f"'deadline' must be a Unix time in seconds (> 0), got {deadline!r}")
+    if deadline < _DEADLINE_RANGE[0]:
+        raise ValueError(
+            f"'deadline' {deadline!r} looks like a duration: it is a Unix time in seconds (time.time() + "
+            f"{deadline:g})"
+        )
+    if deadline > _DEADLINE_RANGE[1]:
+        raise ValueError(f"'deadline' {deadline!r} looks like milliseconds: it is a Unix time in seconds")

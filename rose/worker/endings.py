@@ -33,7 +33,7 @@ class RoseJobTimeout(RoseJobError):
 
 
 class DeadlineExceeded(RoseJobError):
-    """The job's deadline passed before it started, or while it ran on a worker with --deadline-policy abort."""
+    """The job's deadline passed before this attempt started, or while it ran (--deadline-policy abort)."""
 
 
 class Endings:

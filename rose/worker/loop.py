@@ -193,7 +193,7 @@ class JobLoop:
         run.request = request
         run.choices = step_outputs.choices(request)
         if request.deadline is not None and request.deadline <= time.time():
-            self._fail_deadline(run, "before it started")
+            self._fail_deadline(run, "before this attempt started")
             return
         try:
             self._add_to_engine(run)

@@ -270,6 +270,27 @@ def test_adapter_slots_are_allocated_at_construction_in_every_token_linear_layer
     assert eng.get_stats()["lora_loads"] == 0
 
 
+def test_an_engine_that_fails_to_build_gives_the_model_its_layers_back(adapters):
+    """The slots are allocated before the KV store is sized: a store that cannot be built leaves the caller's model
+    as it was, and another engine can take it."""
+    model, tok = build_preset(PRESET)
+    with pytest.raises(ValueError, match="max_kv_cache_bytes"):
+        Engine(
+            model,
+            tok,
+            device="cpu",
+            dtype="float32",
+            max_model_len=64,
+            enable_lora=True,
+            max_kv_cache_bytes=1,
+        )
+    assert not any(isinstance(m, LoRALinear) for m in model.modules())
+    eng = Engine(model, tok, device="cpu", dtype="float32", max_model_len=64, enable_lora=True)
+    assert run(eng, [("a", PROMPTS[0][:8], adapters["qv"])])["a"] == reference(
+        adapters["qv"], PROMPTS[0][:8], 8
+    )
+
+
 def test_a_layer_that_runs_on_a_subset_of_the_tokens_is_refused_at_registration(adapters):
     """An MLP run on some tokens only (as mixture-of-experts experts are) cannot take a per-token adapter: an
     adapter targeting it is refused when registered, naming the layer, not in the middle of a step; adapters of the

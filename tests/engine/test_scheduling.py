@@ -171,6 +171,10 @@ def test_within_a_priority_the_earliest_deadline_is_served_first(tokenizer):
         engine.add_request(rid, text_prompt(3), greedy(2), priority=priority, deadline=deadline)
     run = drain(engine, stepped_before=True)
     assert run.finish_order == ["first", "m1", "d100", "d200", "d300", "none", "none-2", "p1-d50"]
+    for bad in ("soon", float("nan"), float("inf"), True):
+        with pytest.raises(ValueError, match="deadline must be a Unix time in seconds"):
+            engine.add_request(f"bad-{bad}", text_prompt(3), greedy(2), deadline=bad)
+    assert not engine.has_unfinished()  # nothing of them stays
 
 
 # ----------------------------------------------------------------------------------------------- seeds
