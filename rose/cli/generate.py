@@ -95,7 +95,9 @@ def _lora(args: argparse.Namespace) -> tuple[LoRARequest | None, dict[str, Any]]
     if rank is None:
         rank = DEFAULTS.max_lora_rank
         try:
-            config = json.loads((adapter_dir(request.lora_path, name) / "adapter_config.json").read_text())
+            config = json.loads(
+                (adapter_dir(request.lora_path, f"--lora {args.lora}") / "adapter_config.json").read_text()
+            )
         except (LoRAError, OSError, ValueError):
             config = {}
         if isinstance(config, dict) and isinstance(config.get("r"), int) and config["r"] >= 1:

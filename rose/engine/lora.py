@@ -38,7 +38,7 @@ from torch import nn
 
 from rose.engine import loader
 from rose.engine.config import EngineConfig
-from rose.engine.lora_layers import LoRALinear, StepMapping, token_linears
+from rose.engine.lora_layers import KERNELS, LoRALinear, StepMapping, masked_mapping, step_runs, token_linears
 
 log = logging.getLogger(__name__)
 
@@ -199,8 +199,6 @@ class LoRAManager:
         device = next(model.parameters()).device
         # LoRALinear's forms: "runs" (CPU), "masked" (a fixed number of kernels: CUDA)
         self.kernel = kernel or ("runs" if device.type == "cpu" else "masked")
-        if self.kernel not in ("runs", "masked"):
-            raise ValueError(f"kernel must be 'runs' or 'masked', got {self.kernel!r}")
         self.loads: Counter[str] = Counter()  # by adapter: loaded into a slot
         self.evictions: Counter[str] = Counter()  # by adapter: evicted from its slot for another
 
@@ -280,6 +278,17 @@ class LoRAManager:
             self._idle[name] = None  # stays resident until its slot is needed
 
     @property
+    def kernel(self) -> str:
+        """LoRALinear's form (rose.engine.lora_layers): "runs" or "masked"."""
+        return self._kernel
+
+    @kernel.setter
+    def kernel(self, value: str) -> None:
+        if value not in KERNELS:
+            raise ValueError(f"kernel must be one of {', '.join(KERNELS)}, got {value!r}")
+        self._kernel = value
+
+    @property
     def num_layers(self) -> int:
         return len(self._layers)
 
@@ -315,36 +324,16 @@ class LoRAManager:
 
     def begin_step(self, slots: list[int | None], lengths: list[int]) -> None:
         """The step's tokens: sequence i has `lengths[i]` consecutive tokens, with adapter slot `slots[i]` (None:
-        the base model). Consecutive sequences of one adapter make one run; the masked kernel's mask is built on the
-        layers' device from each token's slot (no loop over sequences)."""
+        the base model)."""
         step = self.step
         step.num_tokens = sum(lengths)
+        step.runs = step_runs(slots, lengths, self._rank, self._scaling)
         step.drop = step.scaling = None
-        runs: list[tuple[int, int, int, int, float]] = []
-        start = 0
-        for slot, n in zip(slots, lengths, strict=True):
-            if slot is not None:
-                if runs and runs[-1][0] == slot and runs[-1][2] == start:
-                    runs[-1] = (slot, runs[-1][1], start + n, self._rank[slot], self._scaling[slot])
-                else:
-                    runs.append((slot, start, start + n, self._rank[slot], self._scaling[slot]))
-            start += n
-        step.runs = runs
-        if not runs or self.kernel != "masked":
-            return
-        present = [run[0] for run in runs]
-        step.first, step.last = min(present), max(present) + 1
-        device = next(iter(self._layers.values())).lora_a.device
-        rank = self.max_lora_rank
-        per_seq = torch.tensor([-1 if s is None else s for s in slots]).to(device, non_blocking=True)
-        repeats = torch.tensor(lengths).to(device, non_blocking=True)
-        token_slot = torch.repeat_interleave(per_seq, repeats, output_size=step.num_tokens)
-        column_slot = torch.arange(step.first * rank, step.last * rank, device=device) // rank
-        # past a layer's rank its A and B are zero; a base-model token (-1) drops every column
-        step.drop = token_slot[:, None] != column_slot[None, :]
-        # float32, as PEFT's Python float (bf16 would round it); index -1: the base model's 0
-        table = torch.tensor([*self._scaling, 0.0]).to(device, non_blocking=True)
-        step.scaling = table[token_slot][:, None]
+        if step.runs and self.kernel == "masked":
+            device = next(iter(self._layers.values())).lora_a.device
+            step.first, step.last, step.drop, step.scaling = masked_mapping(
+                slots, lengths, self.max_lora_rank, self._scaling, device
+            )
 
     def end_step(self) -> None:
         self.step.runs = []

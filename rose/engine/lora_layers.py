@@ -5,20 +5,33 @@ mapping they read (`StepMapping`, set by `LoRAManager.begin_step`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
+KERNELS = ("runs", "masked")  # LoRALinear's forms
+
+
+class Run(NamedTuple):
+    """Consecutive tokens of one adapter in a step: rows [start, stop), its slot, rank and scaling."""
+
+    slot: int
+    start: int
+    stop: int
+    rank: int
+    scaling: float
+
 
 @dataclass(slots=True)
 class StepMapping:
-    """The running forward's tokens by adapter slot, set by `LoRAManager.begin_step`. `runs`: (slot, first row, end
-    row, rank, scaling) of each run of consecutive tokens of one adapter (empty: no adapter runs). For the masked
-    kernel, the slots present lie in [first, last): `drop` [tokens, (last - first) * max_rank] is False on the
-    columns of each token's slot (0 on a base-model token's row), `scaling` [tokens, 1] its adapter's scaling."""
+    """The running forward's tokens by adapter slot, set by `LoRAManager.begin_step`. `runs`: each run of
+    consecutive tokens of one adapter (empty: no adapter runs). For the masked kernel, the slots present lie in
+    [first, last): `drop` [tokens, (last - first) * max_rank] is False on the columns of each token's slot (0 on a
+    base-model token's row), `scaling` [tokens, 1] its adapter's scaling."""
 
     num_tokens: int = 0
-    runs: list[tuple[int, int, int, int, float]] = field(default_factory=list)
+    runs: list[Run] = field(default_factory=list)
     first: int = 0
     last: int = 0
     drop: torch.Tensor | None = None
@@ -72,7 +85,7 @@ class LoRALinear(nn.Module):
         y = self.base(x)
         step = self.step
         # the runs of the step's adapters that target this layer
-        runs = [run for run in step.runs if self.loaded[run[0]]]
+        runs = [run for run in step.runs if self.loaded[run.slot]]
         if not runs:
             return y
         flat_x, flat_y = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
@@ -90,6 +103,41 @@ class LoRALinear(nn.Module):
             step.scaling
         )
         return y + delta.view(y.shape)
+
+
+def step_runs(
+    slots: list[int | None], lengths: list[int], ranks: list[int], scalings: list[float]
+) -> list[Run]:
+    """The runs of a step whose sequence i has `lengths[i]` consecutive tokens with adapter slot `slots[i]` (None:
+    the base model); `ranks` / `scalings`: the adapters' by slot. Consecutive sequences of one adapter make one run."""
+    runs: list[Run] = []
+    start = 0
+    for slot, n in zip(slots, lengths, strict=True):
+        if slot is not None:
+            if runs and runs[-1].slot == slot and runs[-1].stop == start:
+                runs[-1] = runs[-1]._replace(stop=start + n)
+            else:
+                runs.append(Run(slot, start, start + n, ranks[slot], scalings[slot]))
+        start += n
+    return runs
+
+
+def masked_mapping(
+    slots: list[int | None], lengths: list[int], max_rank: int, scalings: list[float], device: torch.device
+) -> tuple[int, int, torch.Tensor, torch.Tensor]:
+    """The masked kernel's (first, last, drop, scaling) for such a step (StepMapping), built on `device` from each
+    token's slot, without a loop over sequences."""
+    present = [s for s in slots if s is not None]
+    first, last = min(present), max(present) + 1
+    per_seq = torch.tensor([-1 if s is None else s for s in slots]).to(device, non_blocking=True)
+    repeats = torch.tensor(lengths).to(device, non_blocking=True)
+    token_slot = torch.repeat_interleave(per_seq, repeats, output_size=sum(lengths))
+    column_slot = torch.arange(first * max_rank, last * max_rank, device=device) // max_rank
+    # past a layer's rank its A and B are zero; a base-model token (-1) drops every column
+    drop = token_slot[:, None] != column_slot[None, :]
+    # float32, as PEFT's Python float (bf16 would round it); index -1: the base model's 0
+    table = torch.tensor([*scalings, 0.0]).to(device, non_blocking=True)
+    return first, last, drop, table[token_slot][:, None]
 
 
 TRACE_TOKENS = 16  # of the forward that tells which linear layers run on every token

@@ -39,6 +39,7 @@ from transformers.masking_utils import AttentionMaskInterface
 from rose.engine import model_limits
 from rose.engine.attention import spec_eager
 from rose.engine.layer_spec import LayerSpec, first_visible
+from rose.engine.position_check import positions_matter, positions_reach_layers
 
 logger = logging.getLogger(__name__)
 
@@ -47,11 +48,6 @@ PROBE_TOKENS = 8
 POSITION_SHIFT = (
     1  # of the second probe forward's positions (still consecutive: not packed sequences to transformers)
 )
-REORDER = [
-    *range(PROBE_TOKENS - 2, -1, -1),
-    PROBE_TOKENS - 1,
-]  # the third forward's tokens: the last stays last
-
 # attention kwargs that carry nothing rose must apply (the mask, window and scale are read elsewhere)
 _IGNORED_KWARGS = {
     "dropout",
@@ -169,7 +165,7 @@ def probe(model: PreTrainedModel) -> AttentionLayers:
             f"{name}: no layer of it attends through transformers' AttentionInterface (recurrent or state-space "
             "layers keep a state instead), so rose has no KV cache to attach"
         )
-    if not _positions_reach_layers(recorder, shifted) and _positions_matter(repeated):
+    if not positions_reach_layers(recorder.keys, shifted.keys) and positions_matter(repeated.keys):
         raise UnsupportedModelError(
             f"{name}: its forward does not pass position_ids on (the positions it is given do not change what its "
             "attention layers receive), so rose cannot give each batched sequence its own positions"
@@ -257,35 +253,12 @@ def _check_architecture(model: PreTrainedModel, name: str) -> None:
                 f"{field_name}={served!r} exactly: set it in the model's config"
             )
     # a forward that cannot even be called with position_ids; one that takes them (or **kwargs) is judged by whether
-    # they reach its attention layers (_positions_reach_layers)
+    # they reach its attention layers (rose.engine.position_check)
     params = inspect.signature(model.forward).parameters.values()
     if not any(p.name == "position_ids" or p.kind is p.VAR_KEYWORD for p in params):
         raise UnsupportedModelError(
             f"{name}: its forward takes no position_ids, so rose cannot give each batched sequence its own positions"
         )
-
-
-def _positions_reach_layers(recorder: _Recorder, shifted: _Recorder) -> bool:
-    """Whether shifting the probe's positions changed the keys some attention call received (rotary or learned
-    positions; a forward that drops position_ids leaves every key bitwise the same)."""
-    if len(recorder.keys) != len(shifted.keys):  # the positions changed what the forward does
-        return True
-    return any(
-        a.shape != b.shape or not torch.equal(a, b) for a, b in zip(recorder.keys, shifted.keys, strict=True)
-    )
-
-
-def _positions_matter(repeated: _Recorder) -> bool:
-    """Whether the keys of a forward of one token repeated differ between positions in some attention call: rotary or
-    learned positions, whoever computes them. Without any, every position of such a forward computes the same (the
-    same token, attending over copies of the same values), up to rounding."""
-    for keys in repeated.keys:
-        keys = keys.float()
-        first = keys[:, :, :1].expand_as(keys)
-        tolerance = 1e-4 if repeated.keys[0].dtype == torch.float32 else 2e-2
-        if (keys - first).norm() > tolerance * max(keys.norm().item(), 1e-6):
-            return True
-    return not repeated.keys
 
 
 def _has_state_space_config(config) -> bool:

@@ -64,20 +64,20 @@ class ModelRunner:
         # models without it compute every token's logits; the sampled rows are picked out after the forward
         self.keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
 
-    def _slot(self, seq: Sequence) -> int | None:
-        return None if seq.lora_request is None else self.lora.slot_of(seq.lora_request.lora_name)
-
     def _decode_rows(self, batch: ScheduledBatch) -> tuple[list[Sequence], list[int]]:
         """The decode sequences in the forward's row order, and the row of each of `batch.decode`: with LoRA,
         sorted by adapter slot (each adapter's rows one run: rose.engine.lora), else the batch's order."""
         if self.lora is None:
             return batch.decode, list(range(len(batch.decode)))
-        slots = [self._slot(seq) for seq in batch.decode]
-        order = sorted(range(len(slots)), key=lambda i: -1 if slots[i] is None else slots[i])
+        order = sorted(range(len(batch.decode)), key=lambda i: self._slot(batch.decode[i], -1))
         rows = [0] * len(order)
         for row, i in enumerate(order):
             rows[i] = row
         return [batch.decode[i] for i in order], rows
+
+    def _slot(self, seq: Sequence, base: int | None = None) -> int | None:
+        """The sequence's adapter slot; `base` for the base model."""
+        return base if seq.lora_request is None else self.lora.slot_of(seq.lora_request.lora_name)
 
     def _lora_step(self, decode: list[Sequence], batch: ScheduledBatch) -> None:
         """Each token's adapter slot, in the forward's order: decode tokens, then prefill chunks."""

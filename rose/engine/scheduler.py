@@ -6,8 +6,9 @@ requests admitted while the pool has the blocks for their whole prefill (minus w
 above a small watermark, up to `max_num_seqs` running. Admission never preempts (as in vLLM V1): a waiting request
 of a better priority than running ones waits for blocks to come back. Waiting requests are served by priority, then
 earliest deadline (requests without one after those with one), then FIFO: a lower `priority` value is served
-earlier (as in vLLM); a request that does not fit holds back those behind it. A LoRA request whose adapter has no free slot (rose.engine.lora) waits without holding back the base-model
-requests behind it; the LoRA requests behind it wait with it, so that a slot frees up.
+earlier (as in vLLM); a request that does not fit holds back those behind it. A LoRA request whose adapter has no
+free slot (rose.engine.lora) waits without holding back the base-model requests behind it; the LoRA requests behind
+it wait with it, so that a slot frees up.
 
 With a sliding window (or chunked attention) in every layer, the leading blocks of a sequence that no layer's query
 will read again are given back as it advances (vLLM's sliding-window manager does the same): a sequence then holds
@@ -15,8 +16,9 @@ about a window's worth of blocks however long it grows. Its block table keeps th
 position p still lives in entry p // block_size.
 
 When a decoding sequence needs a block and none is free, the least important running sequence (highest priority
-value, then no deadline or the latest, then latest arrival) is preempted by recompute, as in vLLM V1: its blocks go back to the pool and it waits again,
-ahead of later arrivals of its priority, with its generated tokens as part of what it prefills when readmitted. Its
+value, then no deadline or the latest, then latest arrival) is preempted by recompute, as in vLLM V1: its blocks go
+back to the pool and it waits again in its place (ahead of later arrivals of its priority and deadline), with its
+generated tokens as part of what it prefills when readmitted. Its
 sampling state is untouched (nothing is sampled for the step it lost), so its stream and its seeded draws continue
 as if it had never been preempted.
 

@@ -64,9 +64,8 @@ class Sequence:
     metrics: RequestMetrics
     detokenizer: IncrementalDetokenizer | None
     priority: int = 0
-    deadline: float | None = (
-        None  # Unix time: among equal priorities, earliest deadline first (None: after those)
-    )
+    # Unix time: among equal priorities, earliest deadline first (None: after those)
+    deadline: float | None = None
     generator: torch.Generator | None = None  # only for seeded requests
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None

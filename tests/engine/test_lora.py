@@ -19,7 +19,7 @@ from rose import LLM
 from rose.engine.chat import ChatOptions, render_chat
 from rose.engine.engine import Engine
 from rose.engine.lora import LoRAError, LoRARequest
-from rose.engine.lora_layers import LoRALinear
+from rose.engine.lora_layers import LoRALinear, masked_mapping, step_runs
 from rose.engine.presets import build_preset
 from rose.harness.lora_adapters import make_adapter
 
@@ -314,29 +314,23 @@ def test_a_layer_that_runs_on_a_subset_of_the_tokens_is_refused_at_registration(
 
 
 def test_the_step_mapping_gives_each_token_its_slots_columns_and_scaling():
-    eng = make_engine(PRESET, max_model_len=64, enable_lora=True, max_loras=4, max_lora_rank=2)
-    lora = eng.lora
-    lora._scaling[1:4] = [0.5, 0.0, 3.0]  # as loads set them
-    lora._rank[1:4] = [2, 1, 1]
+    ranks, scalings = [0, 2, 1, 1], [0.0, 0.5, 0.0, 3.0]  # by slot, as loads set them
     layout = ([3, None, 1, 1, 3], [1, 2, 3, 2, 1])
-    lora.begin_step(*layout)  # runs: consecutive tokens of one adapter
-    step = lora.step
-    assert step.num_tokens == 9 and step.drop is None
-    assert step.runs == [(3, 0, 1, 1, 3.0), (1, 3, 8, 2, 0.5), (3, 8, 9, 1, 3.0)]
-    lora.kernel = "masked"  # slots 1..3 present: columns of slots 1, 2, 3
-    lora.begin_step(*layout)
-    assert (step.first, step.last) == (1, 4)
-    keep = ~step.drop
-    assert keep.tolist() == [
+    assert step_runs(*layout, ranks, scalings) == [(3, 0, 1, 1, 3.0), (1, 3, 8, 2, 0.5), (3, 8, 9, 1, 3.0)]
+    assert step_runs([None, None], [4, 1], ranks, scalings) == []
+    first, last, drop, scaling = masked_mapping(*layout, 2, scalings, torch.device("cpu"))
+    assert (first, last) == (1, 4)  # slots 1..3 present: columns of slots 1, 2, 3
+    assert (~drop).tolist() == [
         [False, False, False, False, True, True],  # slot 3
         *[[False] * 6] * 2,  # the base model: nothing kept
         *[[True, True, False, False, False, False]] * 5,  # slot 1
         [False, False, False, False, True, True],
     ]
-    assert step.scaling.squeeze(1).tolist() == [3.0, 0.0, 0.0, *[0.5] * 5, 3.0]
-    assert step.scaling.dtype == torch.float32
-    lora.begin_step([None, None], [4, 1])
-    assert step.drop is None and step.runs == [] and step.num_tokens == 5
+    assert scaling.squeeze(1).tolist() == [3.0, 0.0, 0.0, *[0.5] * 5, 3.0]
+    assert scaling.dtype == torch.float32
+    eng = make_engine(PRESET, max_model_len=64, enable_lora=True)
+    with pytest.raises(ValueError, match="kernel must be one of runs, masked, got 'fast'"):
+        eng.lora.kernel = "fast"
 
 
 def test_a_lora_steps_decode_rows_are_grouped_by_adapter_and_sampled_in_batch_order(adapters):

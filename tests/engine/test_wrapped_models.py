@@ -180,7 +180,7 @@ def test_the_dropping_wrapper_would_be_wrong_if_served(monkeypatch):
 
     model = as_subclass("llama", subclass_popping)
     expected = reference(model)
-    monkeypatch.setattr(model_probe, "_positions_reach_layers", lambda *_: True)
+    monkeypatch.setattr(model_probe, "positions_reach_layers", lambda *_: True)
     assert greedy_tokens(model) != expected
 
 
@@ -212,3 +212,13 @@ def test_a_dropping_wrapper_is_refused_where_any_layer_has_positions(no_rope_lay
     with pytest.raises(UnsupportedModelError, match=rf"^smollm3: {DROPS}"):
         engine(smollm3(no_rope_layers, drop=True))
     assert_exact(smollm3(no_rope_layers))  # the same model unwrapped is served
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_the_position_checks_hold_in_half_precision(dtype):
+    def build(model):
+        return Engine(model, None, device="cpu", dtype=dtype, max_num_seqs=2, max_model_len=64, block_size=4)
+
+    build(smollm3([0, 0, 0, 0], drop=True))  # no positions anywhere: served
+    with pytest.raises(UnsupportedModelError, match=rf"^smollm3: {DROPS}"):
+        build(smollm3([0, 0, 0, 1], drop=True))
