@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 import os
 import time
 from dataclasses import replace
@@ -171,10 +170,6 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         params.verify(self.vocab_size, self.max_logprobs)
-        if deadline is not None and (
-            isinstance(deadline, bool) or not isinstance(deadline, int | float) or not math.isfinite(deadline)
-        ):
-            raise ValueError(f"deadline must be a Unix time in seconds (a finite number), got {deadline!r}")
         if lora_request is not None:
             if self.lora is None:
                 raise ValueError("a LoRA request needs an engine built with enable_lora=True")
@@ -199,7 +194,7 @@ class Engine:
                 f"max_model_len {self.max_model_len}: shorten the prompt or lower max_tokens"
             )
         arrival = time.time() if arrival_time is None else arrival_time
-        placement = Placement(priority, deadline, arrival, lora_request)
+        placement = Placement(priority, deadline, arrival, lora_request)  # checked before anything is queued
         if params.n == 1:
             self.scheduler.add(
                 self._sequence(request_id, text, ids, params, max_tokens, bad_words, placement)

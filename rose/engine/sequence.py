@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -52,6 +53,13 @@ class Placement:
     deadline: float | None
     arrival: float
     lora_request: LoRARequest | None = None
+
+    def __post_init__(self) -> None:
+        deadline = self.deadline
+        if deadline is not None and (
+            isinstance(deadline, bool) or not isinstance(deadline, int | float) or not math.isfinite(deadline)
+        ):
+            raise ValueError(f"deadline must be a Unix time in seconds (a finite number), got {deadline!r}")
 
 
 @dataclass(eq=False)
