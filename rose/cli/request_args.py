@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rose.jobs.schemas import check_deadline
+
 __all__ = [
     "add_chat_args",
     "add_constraint_args",
@@ -223,7 +225,8 @@ _DURATION = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
 def parse_deadline(text: str) -> float:
     """--deadline WHEN -> a Unix time: seconds from now (`600`, `90s`, `10m`, `2h`, `1d`), or an ISO 8601 time with
-    its zone (`2026-11-27T18:00:00+00:00`, `...Z`)."""
+    its zone (`2036-11-27T18:00:00+00:00`, `...Z`); a time the job field would refuse is refused here
+    (rose.jobs.schemas.check_deadline)."""
     value = text.strip()
     unit = _DURATION.get(value[-1:].lower(), 0)
     number = value[:-1] if unit else value
@@ -244,12 +247,16 @@ def parse_deadline(text: str) -> float:
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"{text!r}: want seconds from now (600, 90s, 10m, 2h, 1d) or an ISO 8601 time with its zone "
-            "(2026-11-27T18:00:00+00:00)"
+            "(2036-11-27T18:00:00+00:00)"
         ) from None
     if when.tzinfo is None:
         raise argparse.ArgumentTypeError(f"{text!r}: give the time's zone (e.g. +00:00 or Z)")
     if when.timestamp() <= time.time():
         raise argparse.ArgumentTypeError(f"{text!r} is in the past: the jobs would fail at once")
+    try:
+        check_deadline(when.timestamp())
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r}: {exc}") from None
     return when.timestamp()
 
 

@@ -32,7 +32,7 @@ from rose.engine.sampler import Sampler, SamplerOutput, checks_after
 from rose.engine.sampling_params import SamplingParams
 from rose.engine.scheduler import ScheduledBatch, Scheduler
 from rose.engine.sequence import Placement, PromptShare, Sequence
-from rose.engine.stopping import eos_token_ids, request_output
+from rose.engine.stopping import eos_token_ids, request_output, sampled_vocab
 from rose.engine.structured_outputs import resolve_backend
 
 if TYPE_CHECKING:
@@ -84,24 +84,28 @@ class Engine:
         # adapter slots are allocated before the KV store takes its share of the device's free memory
         self.lora = lora_manager(self.model, config)
         try:
-            context = layers.exact_context(model_context(self.model.config), config.max_model_len)
-            plan = plan_store(
-                layers,
-                self.device,
-                self.dtype,
-                context=context,
-                max_num_seqs=config.max_num_seqs,
-                max_model_len=config.max_model_len,
-                max_kv_cache_bytes=config.max_kv_cache_bytes,
-                num_gpu_blocks_override=config.num_gpu_blocks_override,
-                block_size=config.block_size,
-            )
-            self.max_model_len, self.block_size = plan.max_model_len, plan.block_size
-            self.cache = KVCache(layers.specs, plan.num_blocks, plan.block_size, self.dtype, self.device)
+            self._build(config, layers)
         except BaseException:
             if self.lora is not None:
                 self.lora.unwrap()  # the caller's model as it was: it may build an engine again
             raise
+
+    def _build(self, config: EngineConfig, layers: model_probe.AttentionLayers) -> None:
+        """The KV store, the runner, the scheduler and the sampler, for the probed `layers`."""
+        context = layers.exact_context(model_context(self.model.config), config.max_model_len)
+        plan = plan_store(
+            layers,
+            self.device,
+            self.dtype,
+            context=context,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=config.max_model_len,
+            max_kv_cache_bytes=config.max_kv_cache_bytes,
+            num_gpu_blocks_override=config.num_gpu_blocks_override,
+            block_size=config.block_size,
+        )
+        self.max_model_len, self.block_size = plan.max_model_len, plan.block_size
+        self.cache = KVCache(layers.specs, plan.num_blocks, plan.block_size, self.dtype, self.device)
         logger.info(
             "KV store: %d blocks x %d tokens (%d tokens, %.1f MiB), max_model_len %d, up to %d sequences",
             plan.num_blocks,
@@ -111,7 +115,6 @@ class Engine:
             self.max_model_len,
             config.max_num_seqs,
         )
-        self.runner = ModelRunner(self.model, layers, self.cache, self.lora)
         # every layer windowed or chunked: blocks that all windows have passed are given back early
         visibilities = frozenset(spec.visibility for spec in layers.specs)
         windowed = (None, None) not in visibilities
@@ -121,12 +124,7 @@ class Engine:
             watermark_blocks=plan.watermark_blocks,
             first_needed=functools.partial(first_needed, visibilities) if windowed else None,
         )
-        config_vocab = self.model.config.get_text_config().vocab_size
-        vocab = config_vocab
-        # ids past the tokenizer are padding rows of the embedding: never sample them
-        if self.tokenizer is not None and 0 < len(self.tokenizer) < config_vocab:
-            vocab = len(self.tokenizer)
-        self.vocab_size = vocab
+        self.vocab_size = vocab = sampled_vocab(self.model, self.tokenizer)
         self.eos_token_ids = eos_token_ids(self.model, self.tokenizer)
         self.scheduler = Scheduler(
             config.max_num_seqs,
@@ -137,6 +135,8 @@ class Engine:
             lora=self.lora,
         )
         self.sampler = Sampler(vocab, self.device, self.eos_token_ids, seed=config.seed)
+        # last: it binds the model's attention to the store (a config error above leaves the model as it was)
+        self.runner = ModelRunner(self.model, layers, self.cache, self.lora)
         self._num_steps = 0  # forwards run
         self._undelivered: list[StepOutput] = []  # finished by a step that then raised (see step)
         self._structured: StructuredOutputManager | None = None  # built for the first constrained request
@@ -170,6 +170,8 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         params.verify(self.vocab_size, self.max_logprobs)
+        arrival = time.time() if arrival_time is None else arrival_time
+        placement = Placement(priority, deadline, arrival, lora_request)  # its deadline checked
         if lora_request is not None:
             if self.lora is None:
                 raise ValueError("a LoRA request needs an engine built with enable_lora=True")
@@ -193,8 +195,6 @@ class Engine:
                 f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) = {len(ids) + max_tokens} exceeds "
                 f"max_model_len {self.max_model_len}: shorten the prompt or lower max_tokens"
             )
-        arrival = time.time() if arrival_time is None else arrival_time
-        placement = Placement(priority, deadline, arrival, lora_request)  # checked before anything is queued
         if params.n == 1:
             self.scheduler.add(
                 self._sequence(request_id, text, ids, params, max_tokens, bad_words, placement)

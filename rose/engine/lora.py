@@ -189,8 +189,6 @@ class LoRAManager:
         self.max_lora_rank = max_lora_rank
         self.step = StepMapping()
         self._adapters: dict[str, LoRAAdapter] = {}  # registered (read from disk), by name
-        served, self._unservable = token_linears(model)
-        self._layers = {name: self._wrap(name) for name in served}  # by module path
         self._slots: list[str | None] = [None] * max_loras  # the adapter resident in each slot
         self._users: dict[str, int] = {}  # resident adapter -> sequences running with it
         self._idle: OrderedDict[str, None] = OrderedDict()  # resident, unused, least recently used first
@@ -199,6 +197,14 @@ class LoRAManager:
         device = next(model.parameters()).device
         # LoRALinear's forms: "runs" (CPU), "masked" (a fixed number of kernels: CUDA)
         self.kernel = kernel or ("runs" if device.type == "cpu" else "masked")
+        served, self._unservable = token_linears(model)
+        self._layers: dict[str, LoRALinear] = {}  # by module path
+        try:
+            for name in served:
+                self._layers[name] = self._wrap(name)
+        except BaseException:  # e.g. out of memory for the slots: the model as it was
+            self.unwrap()
+            raise
         self.loads: Counter[str] = Counter()  # by adapter: loaded into a slot
         self.evictions: Counter[str] = Counter()  # by adapter: evicted from its slot for another
 

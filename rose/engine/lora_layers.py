@@ -4,6 +4,7 @@ mapping they read (`StepMapping`, set by `LoRAManager.begin_step`)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -160,7 +161,9 @@ def token_linears(model: nn.Module) -> tuple[list[str], dict[str, str]]:
                 )
             )
     # spread over the vocabulary: the first ids (special, byte tokens) could all route to the same experts
-    ids = (torch.arange(TRACE_TOKENS) * 7919 + 3) % model.config.get_text_config().vocab_size
+    vocab = model.config.get_text_config().vocab_size
+    stride = 7919 if math.gcd(7919, vocab) == 1 else 1
+    ids = (torch.arange(TRACE_TOKENS) * stride + 3) % vocab
     device = next(model.parameters()).device
     try:
         with torch.inference_mode():

@@ -74,6 +74,15 @@ def append_token(
     return StepOutput(seq.request_id, [token], delta, True, reason, new_logprobs=new_logprobs, output=output)
 
 
+def sampled_vocab(model: Any, tokenizer: Any) -> int:
+    """The ids a request may sample: the model's vocabulary, cut to the tokenizer's where that is smaller (ids past
+    it are padding rows of the embedding)."""
+    vocab = model.config.get_text_config().vocab_size
+    if tokenizer is not None and 0 < len(tokenizer) < vocab:
+        return len(tokenizer)
+    return vocab
+
+
 def eos_token_ids(model: Any, tokenizer: Any) -> set[int]:
     """Every EOS id the model's generation config, its config and the tokenizer name (transformers' `generate`
     stops at any of them)."""

@@ -193,7 +193,7 @@ class JobLoop:
         run.request = request
         run.choices = step_outputs.choices(request)
         if request.deadline is not None and request.deadline <= time.time():
-            self._fail_deadline(run, "before this attempt started")
+            self._fail_deadline(run, "before this attempt started", started=False)
             return
         try:
             self._add_to_engine(run)
@@ -293,7 +293,7 @@ class JobLoop:
             message = f"Job exceeded maximum timeout value ({run.timeout} seconds)"
             self._fail(run, message, exc_class=RoseJobTimeout)
         elif verdict is Verdict.DEADLINE:
-            self._fail_deadline(run, "while it ran (rose-worker --deadline-policy abort)")
+            self._fail_deadline(run, "while it ran (rose-worker --deadline-policy abort)", started=True)
         elif verdict is Verdict.STOP:
             self._leave_engine(run)
             run.phase = Phase.STOPPING  # stored as stopped by `_stop_commanded`
@@ -386,9 +386,9 @@ class JobLoop:
         self._let_go(run, forget=False)
         self.guard.run("failure", functools.partial(self.endings.fail, run, message, retry=retry, **kwargs))
 
-    def _fail_deadline(self, run: Running, when: str) -> None:
+    def _fail_deadline(self, run: Running, when: str, started: bool) -> None:
         assert run.request is not None and run.request.deadline is not None
-        self.metrics.on_deadline_exceeded(started=run.phase is Phase.GENERATING)
+        self.metrics.on_deadline_exceeded(started)
         message = contract.deadline_exceeded(run.request.deadline, when)
         self._fail(run, message, retry=False, exc_class=DeadlineExceeded)
 

@@ -271,21 +271,15 @@ def test_adapter_slots_are_allocated_at_construction_in_every_token_linear_layer
 
 
 def test_an_engine_that_fails_to_build_gives_the_model_its_layers_back(adapters):
-    """The slots are allocated before the KV store is sized: a store that cannot be built leaves the caller's model
-    as it was, and another engine can take it."""
+    """The slots are allocated before the KV store is sized: a store that cannot be built, or options the scheduler
+    refuses, leave the caller's model as it was, and another engine can take it."""
     model, tok = build_preset(PRESET)
-    with pytest.raises(ValueError, match="max_kv_cache_bytes"):
-        Engine(
-            model,
-            tok,
-            device="cpu",
-            dtype="float32",
-            max_model_len=64,
-            enable_lora=True,
-            max_kv_cache_bytes=1,
-        )
-    assert not any(isinstance(m, LoRALinear) for m in model.modules())
-    eng = Engine(model, tok, device="cpu", dtype="float32", max_model_len=64, enable_lora=True)
+    common = dict(device="cpu", dtype="float32", max_model_len=64, enable_lora=True)
+    for bad in ({"max_kv_cache_bytes": 1}, {"max_num_seqs": 8, "max_num_batched_tokens": 4}):
+        with pytest.raises(ValueError, match="max_kv_cache_bytes|max_num_batched_tokens"):
+            Engine(model, tok, **common, **bad)
+        assert not any(isinstance(m, LoRALinear) for m in model.modules()), bad
+    eng = Engine(model, tok, **common)
     assert run(eng, [("a", PROMPTS[0][:8], adapters["qv"])])["a"] == reference(
         adapters["qv"], PROMPTS[0][:8], 8
     )
