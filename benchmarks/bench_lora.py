@@ -73,12 +73,14 @@ def main() -> None:
     p.add_argument(
         "--kernel", choices=("runs", "masked"), default=None, help="LoRALinear's form (default: the device's)"
     )
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 8000) for _ in range(args.prompt_len)] for _ in range(args.batch)]
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True, detokenize=False)
-    common = dict(device="cpu", dtype="float32", max_num_seqs=args.batch, max_model_len=256)
+    common = dict(device=args.device, dtype=args.dtype, max_num_seqs=args.batch, max_model_len=256)
     with tempfile.TemporaryDirectory() as tmp:
         plain = LLM(*base_model(args.shape), **common)
         requests = write_adapters(plain.engine.model, Path(tmp), args.adapters + 1, args.rank)
@@ -122,7 +124,7 @@ def main() -> None:
     print(
         f"{SHAPES[args.shape]}, batch {args.batch}, {args.adapters} adapters of rank {args.rank} on {len(TARGETS)} "
         f"modules a layer, kernel {manager.kernel}, prompt {args.prompt_len} + {args.max_tokens} tokens, "
-        f"{args.threads} threads, "
+        f"{args.device} {args.dtype}, {args.threads} threads, "
         f"{args.repeats} repeats (medians)"
     )
     print("| run | tok/s | passes | vs base alone |\n|---|---:|---|---:|")

@@ -35,4 +35,6 @@ step worker 100 $B worker --model qwen2.5-0.5b --device cuda --dtype bfloat16 --
 KEEP="FAILED|ERROR|passed|failed" TAILN=40 step pytest 160 python3 -m pytest -v -p xdist -n 12 --timeout 90 -rfE tests/engine tests/worker tests/cli tests/jobs tests/bench
 wait
 TAILN=20 step structured 70 $B engine --structured --model .gpu/qwen-real/config.json --device cuda --dtype bfloat16 --repeats 1 --plain --json-out $W/structured.json
+# LoRA (issue 27): 8 adapters mixed at batch 64 against the base model, a real shape in bf16, CUDA's masked form
+TAILN=12 step lora 60 python3 benchmarks/bench_lora.py --shape qwen2.5-0.5b --device cuda --dtype bfloat16 --repeats 2
 log "done"; pack
