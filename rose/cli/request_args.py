@@ -120,13 +120,16 @@ def add_chat_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def given(args: argparse.Namespace, names: tuple[str, ...]) -> dict[str, Any]:
+    """The flags among `names` the user set (unset ones are None), by name: their job fields."""
+    return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
+
+
 def chat_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The chat fields the user set (job field names). They are valid on `messages` jobs only."""
-    out: dict[str, Any] = {}
-    for name in ("chat_template", "chat_template_kwargs", "add_generation_prompt", "continue_final_message"):
-        value = getattr(args, name, None)
-        if value is not None:
-            out[name] = value
+    out = given(
+        args, ("chat_template", "chat_template_kwargs", "add_generation_prompt", "continue_final_message")
+    )
     if out.get("continue_final_message"):
         out.setdefault("add_generation_prompt", False)
     return out
@@ -156,8 +159,7 @@ def add_tool_args(parser: argparse.ArgumentParser) -> None:
 
 def tool_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The tool fields the user set (job field names); valid on `messages` jobs only."""
-    names = ("tools", "tool_choice")
-    return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
+    return given(args, ("tools", "tool_choice"))
 
 
 def add_constraint_args(parser: argparse.ArgumentParser) -> None:
@@ -281,7 +283,7 @@ def add_placement_args(parser: argparse.ArgumentParser) -> None:
 
 
 def placement_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    return {name: getattr(args, name) for name in ("tenant", "deadline") if getattr(args, name) is not None}
+    return given(args, ("tenant", "deadline"))
 
 
 def add_request_args(parser: argparse.ArgumentParser) -> None:
