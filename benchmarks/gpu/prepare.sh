@@ -8,12 +8,12 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 grep -qx '/.whl/' .git/info/exclude 2>/dev/null || printf '/.whl/\n/.gpu/\n' >> .git/info/exclude
 ver() { python3 -m pip show "$1" 2>/dev/null | awk '/^Version:/{print $2}'; }
-pkgs="redis hiredis rq croniter fakeredis lupa xgrammar apache-tvm-ffi openai jiter httpx2 httpcore2 truststore sniffio
+pkgs="redis hiredis rq croniter fakeredis lupa xgrammar llguidance apache-tvm-ffi openai jiter httpx2 httpcore2 truststore sniffio
 pydantic pydantic_core pydantic-settings python-dotenv annotated-types typing-inspection typing_extensions jsonschema
-jsonschema-specifications referencing rpds-py transformers tokenizers"
+jsonschema-specifications referencing rpds-py transformers tokenizers huggingface_hub"
 specs=(); for p in $pkgs; do v=$(ver "$p"); [ -n "$v" ] && specs+=("$p==$v"); done
 mkdir -p .whl && python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-  --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+  --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
   --platform manylinux2014_x86_64 -d .whl "${specs[@]}"
 mkdir -p .gpu/bin .gpu/lib
 cp "$(command -v redis-server)" .gpu/lib/redis-server

@@ -65,8 +65,12 @@ def acl(new_redis_server):
 
 def rq_cli(*args: str, url: str) -> subprocess.CompletedProcess:
     rq = [sys.executable, "-c", "import sys; from rq.cli import main; sys.exit(main())"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(CHECKOUT), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run([*rq, *args, "-u", url], capture_output=True, text=True, timeout=60, env=env)
+    return subprocess.run([*rq, *args, "-u", url], capture_output=True, text=True, timeout=60, env=checkout_env())
+
+
+def checkout_env() -> dict[str, str]:
+    """This checkout first on the path, ahead of whatever PYTHONPATH already names (a GPU machine's wheels)."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(CHECKOUT), os.environ.get("PYTHONPATH", "")])}
 
 
 def test_documented_acl_lines_allow_every_documented_operation(acl):
@@ -103,13 +107,12 @@ def test_documented_acl_lines_allow_every_documented_operation(acl):
     wait_status(operator, failed, "failed")
     info = rq_cli("info", "-S", "json", url=acl.urls["operator"])
     assert info.returncode == 0 and "acl-worker" in info.stdout, info.stderr
-    env = {**os.environ, "PYTHONPATH": str(CHECKOUT)}
     status = subprocess.run(
         [sys.executable, "-m", "rose", "status", "--redis-url", acl.urls["operator"]],
         capture_output=True,
         text=True,
         timeout=60,
-        env=env,
+        env=checkout_env(),
     )
     assert status.returncode == 0 and "acl-worker" in status.stdout, status.stdout + status.stderr
     requeue = rq_cli("requeue", "-S", "json", "--queue", "rose", failed.id, url=acl.urls["operator"])
