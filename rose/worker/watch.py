@@ -101,6 +101,8 @@ class Watch:
             run = running.get(job_id)
             if run is not None and execution_id in ("", run.execution.id):
                 found.append(Finding(run, Verdict.STOP))
+            else:  # as RQ's worker does: a job that ended first (or is storing its result) is left as it is
+                log.info("stop command for job %s, which is not running here: ignored", job_id)
         return found
 
     # ---- the probe ----------------------------------------------------------------------------------------------
