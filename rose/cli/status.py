@@ -97,7 +97,37 @@ def collect(conn: Any, only: list[str] | None = None) -> dict[str, Any]:
         if only and not set(info["queues"]) & set(only):
             continue
         workers.append(info)
-    return {"queues": queues, "workers": workers}
+    return {
+        "queues": queues,
+        "workers": workers,
+        "tenants": _tenants(conn, [q["name"] for q in queues], workers),
+    }
+
+
+def _tenants(conn: Any, queue_names: list[str], workers: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A row per tenant: waiting in the queues' fair-share indexes, the fleet's counter (service in tokens /
+    weight), and from the workers' info: running, tokens served, the worst worker's p50 / p99 queue wait."""
+    from rose.worker import fair_queue
+
+    rows: dict[str, dict[str, Any]] = {}
+
+    def row(tenant: str) -> dict[str, Any]:
+        return rows.setdefault(tenant, {"tenant": tenant, "queued": 0, "running": 0, "tokens": 0})
+
+    for name in queue_names:
+        for tenant, n in fair_queue.waiting(conn, name).items():
+            row(tenant)["queued"] += n
+    for tenant, service in fair_queue.counters(conn).items():
+        row(tenant)["service"] = round(service, 1)
+    for w in workers:
+        for tenant, report in (w.get("tenants") if isinstance(w.get("tenants"), dict) else {}).items():
+            r = row(tenant)
+            r["running"] += int(report.get("running", 0))
+            r["tokens"] += int(report.get("tokens", 0))
+            for key in ("wait_p50", "wait_p99"):
+                if key in report:
+                    r[key] = max(r.get(key, 0.0), float(report[key]))
+    return sorted(rows.values(), key=lambda r: r["tenant"])
 
 
 def _running_by_worker(conn: Any, queues: list[Any]) -> dict[str, int]:
@@ -126,7 +156,7 @@ def _number(key: str, value: str) -> Any:
             return float(value)
     except ValueError:
         pass
-    if value.startswith(("[", "{")):  # queues, lora_tokens / lora_loads / lora_evictions (by adapter)
+    if value.startswith(("[", "{")):  # queues; lora_tokens / _loads / _evictions (by adapter); tenants
         try:
             return json.loads(value)
         except ValueError:
@@ -198,6 +228,15 @@ def render(data: dict[str, Any]) -> None:
                 counts = [_count(w, key, name) for key in ("lora_loads", "lora_evictions")]
                 lt.add_row(w["name"], name, str(tokens), *counts)
         console.print(lt)
+    if data.get("tenants"):  # the fair-share policy's accounts
+        tt = Table(title="tenants")
+        for col in ("tenant", "queued", "running", "tokens", "service", "wait p50", "wait p99"):
+            tt.add_column(col, justify="left" if col == "tenant" else "right")
+        for t in data["tenants"]:
+            counts = (str(t[k]) for k in ("queued", "running", "tokens"))
+            waits = (_cell(t, k, "{:.2f}s") for k in ("wait_p50", "wait_p99"))
+            tt.add_row(t["tenant"], *counts, _cell(t, "service", "{:,.0f}"), *waits)
+        console.print(tt)
 
 
 def _count(worker: dict[str, Any], key: str, adapter: str) -> str:

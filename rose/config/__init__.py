@@ -197,6 +197,18 @@ class WorkerSettings(BaseSettings):
         "on to its end) or abort (it fails with 'deadline exceeded', judged every --check-interval). A job whose "
         "deadline passed before a worker started it fails so either way.",
     )
+    intake_policy: Literal["fair", "fcfs"] = Field(
+        "fair",
+        description="How a worker picks the next jobs of a queue: fair (each tenant's jobs in turn by the tokens "
+        "served to it, weighted by --tenant-weight, across the fleet; jobs with a deadline first, earliest first) "
+        "or fcfs (the queue's order, as RQ). Queues keep their order either way (the first queue's jobs first).",
+    )
+    tenant_weights: Annotated[dict[str, float], NoDecode] = Field(
+        default_factory=dict,
+        description="A tenant's share of the fleet under the fair policy, as NAME=W (default 1: tenant a=2 is "
+        "served twice the tokens of a tenant of weight 1 while both wait). Give every worker the same weights "
+        "(env: items separated by spaces or commas).",
+    )
     stream_interval: float = Field(
         0.1,
         ge=0,
@@ -238,6 +250,25 @@ class WorkerSettings(BaseSettings):
                 raise ValueError(f"adapter name {name!r} is given twice ({modules[name]} and {path})")
             modules[name] = path
         return modules
+
+    @field_validator("tenant_weights", mode="before")
+    @classmethod
+    def _parse_tenant_weights(cls, value: object) -> object:
+        if isinstance(value, str):
+            value = value.replace(",", " ").split()
+        if not isinstance(value, list | tuple):
+            return value
+        weights: dict[str, float] = {}
+        for item in value:
+            name, sep, number = str(item).partition("=")
+            try:
+                weight = float(number)
+            except ValueError:
+                weight = float("nan")
+            if not sep or not name.strip() or not weight > 0 or weight == float("inf"):
+                raise ValueError(f"tenant weight {item!r}: want NAME=W with W a number > 0 (e.g. team-a=2)")
+            weights[name.strip()] = weight
+        return weights
 
     @field_validator("log_level", mode="before")
     @classmethod

@@ -13,6 +13,9 @@ FUNC_PATH = "rose.jobs.generate"
 TOKENS_CHANNEL_PREFIX = "rose:tokens:"
 STREAM_PREFIX = "rose:stream:"
 WORKER_INFO_PREFIX = "rose:worker:"
+FAIR_PREFIX = (
+    "rose:fair:"  # the fair-share index of each queue, and the fleet's counters (rose.worker.fair_queue)
+)
 # Jobs whose end is stored in RQ but whose terminal event may not be in their stream yet: job id -> worker name
 # (rose.worker.seal). Normally empty but for the jobs ending this instant.
 SEALS_KEY = "rose:seals"
@@ -37,6 +40,21 @@ def stream_key(job_id: str) -> str:
 def worker_info_key(worker_name: str) -> str:
     """Hash with the engine's description and live counters of one rose-worker."""
     return f"{WORKER_INFO_PREFIX}{worker_name}"
+
+
+def fair_key(queue_name: str, part: str) -> str:
+    """A key of `queue_name`'s fair-share index: mark, indexed, tenants, deadlines (rose.worker.fair_queue)."""
+    return f"{FAIR_PREFIX}{queue_name}:{part}"
+
+
+def fair_tenant_key(queue_name: str, tenant: str) -> str:
+    """The list of `tenant`'s waiting job ids in `queue_name`'s fair-share index."""
+    return f"{FAIR_PREFIX}{queue_name}:tenant:{tenant}"
+
+
+def fair_counters_key() -> str:
+    """Hash: each tenant's service, tokens / weight, counted by every worker of the fleet."""
+    return f"{FAIR_PREFIX}counters"
 
 
 # ---- RQ's keys, for producers ---------------------------------------------------------------------------------

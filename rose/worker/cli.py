@@ -71,6 +71,8 @@ _FLAGS: list[tuple[str, str, dict[str, Any]]] = [
     ("--check-interval", "check_interval", {"type": float, "metavar": "SECONDS"}),
     ("--stream-interval", "stream_interval", {"type": float, "metavar": "SECONDS"}),
     ("--deadline-policy", "deadline_policy", {"choices": ["continue", "abort"]}),
+    ("--intake-policy", "intake_policy", {"choices": ["fair", "fcfs"]}),
+    ("--tenant-weight", "tenant_weights", {"nargs": "+", "action": "extend", "metavar": "NAME=W"}),
 ]
 
 
@@ -94,8 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
                 f"Queue to serve; repeat for several, highest priority first. [env ROSE_QUEUES, "
                 f"comma-separated; default: {','.join(default)}]"
             )
-        elif name == "lora_modules":
-            help_text = f"{info.description} [env ROSE_LORA_MODULES; default: none]"
+        elif name in ("lora_modules", "tenant_weights"):
+            help_text = f"{info.description} [env ROSE_{name.upper()}; default: none]"
         # argparse formats help with %: a literal one (a percentage) is written %%
         parser.add_argument(flag, dest=name, default=None, help=help_text.replace("%", "%%"), **extra)
     parser.add_argument(

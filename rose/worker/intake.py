@@ -1,7 +1,8 @@
 """Taking jobs off the queues and starting them.
 
 `Intake.take(room, lengths, block_s)` returns the jobs it started, as `Running` records (phase TAKEN): ids are moved
-into RQ's intermediate list of their queue (rq_start.dequeue), and starting a job removes its id from there in the
+into RQ's intermediate list of their queue (rq_start.dequeue, the queue's order; or rose.worker.fair_queue, by tenant
+and deadline), and starting a job removes its id from there in the
 same transaction that records its execution, so a crash at any point leaves the job findable (rose.worker.recovery
 puts it back). A start whose reply was lost (Redis dropped the connection) stays in limbo and is settled by the next
 take: the jobs that did start are carried on, the others started. The job loop then holds each job to the job
@@ -18,6 +19,7 @@ from rq.queue import Queue
 
 from rose.jobs import keys
 from rose.worker import rq_start, rq_store
+from rose.worker.fair_queue import FairQueue
 from rose.worker.rq_worker import RQWorker
 from rose.worker.running import Running, job_timeout
 
@@ -29,10 +31,12 @@ Taken = list[tuple[str, Queue]]  # dequeued ids, each with its queue
 
 
 class Intake:
-    """Starts jobs for the worker `rq` (whose connection and queues it uses). Owns the ids in limbo."""
+    """Starts jobs for the worker `rq` (whose connection and queues it uses). Owns the ids in limbo. `fair`: the
+    fair-share policy's taker (None: the queues' order)."""
 
-    def __init__(self, rq: RQWorker) -> None:
+    def __init__(self, rq: RQWorker, fair: FairQueue | None = None) -> None:
         self.rq = rq
+        self.fair = fair
         self._limbo: Taken = []  # dequeued ids whose start may not have gone through
         self._drained = False  # the last dequeue found the queues empty
 
@@ -72,7 +76,10 @@ class Intake:
     def _dequeue(self, limit: int) -> list[tuple[str, Queue, Job | None]]:
         """Up to `limit` jobs without blocking, in one round trip (ids moved and their hashes read together). Fewer
         than asked: the queues are empty now, and no dequeue is tried until a probe says otherwise."""
-        fetched = rq_start.dequeue(self.rq.connection, self.rq.queues, limit, self.rq.serializer)
+        if self.fair is not None:
+            fetched = self.fair.take(self.rq.queues, limit)
+        else:
+            fetched = rq_start.dequeue(self.rq.connection, self.rq.queues, limit, self.rq.serializer)
         self._drained = len(fetched) < limit
         return fetched
 

@@ -2,7 +2,8 @@
 
 `JobLoop.iterate` reads top to bottom, like an engine step:
 
-    take     jobs while the engine has room (rose.worker.intake; blocking on the queues only when idle)
+    take     jobs while the engine has room (rose.worker.intake, by tenant and deadline: rose.worker.fair_queue;
+             blocking on the queues only when idle), each held to the contract (rose.worker.admission)
     step     the engine; each job's tokens queued as events (rose.worker.step_outputs, rose.worker.outbox)
     watch    cancels, deletions, lost jobs, timeouts, deadlines, stop commands (rose.worker.watch: applied here)
     retire   finished jobs: batched by the retirer (rose.worker.retirer), or by RQ's handler once checked
@@ -27,9 +28,11 @@ from typing import Any
 
 from rose.config import WorkerSettings
 from rose.jobs import contract, tools
-from rose.worker import adapters, faults, probe, rq_store, step_outputs
+from rose.worker import adapters, faults, probe, rq_store
+from rose.worker.admission import Admission
 from rose.worker.endings import DeadlineExceeded, Endings, RoseJobTimeout
 from rose.worker.engine_protocol import WorkerEngine
+from rose.worker.fair_queue import FairQueue
 from rose.worker.intake import Intake
 from rose.worker.isolate import isolate
 from rose.worker.metrics import WorkerMetrics
@@ -40,6 +43,7 @@ from rose.worker.retirer import Retired, Retirer
 from rose.worker.rq_worker import RQWorker
 from rose.worker.running import CHECKED_PHASE, STORE_RETRY_PHASE, Phase, Running
 from rose.worker.step_outputs import StepOutputs
+from rose.worker.tenants import Tenants
 from rose.worker.watch import Finding, Verdict, Watch, owed
 
 log = logging.getLogger(__name__)
@@ -79,15 +83,29 @@ class JobLoop:
         self._reconcile = False  # set by an iteration that found events refused or lost
         self._next_retire = 0.0  # monotonic time the next retirement batch may go
         self.milestones = Milestones(outbox, metrics)
-        self.intake = Intake(rq)
+        self.tenants = Tenants(settings.tenant_weights, metrics)
+        fair = None
+        if settings.intake_policy == "fair":
+            fair = FairQueue(rq.connection, rq.serializer, settings.tenant_weights, self.tenants)
+        self.intake = Intake(rq, fair)
         self.watch = Watch(probe.target(rq), settings.check_interval, settings.deadline_policy == "abort")
         self.retirer = Retirer(rq, outbox.done_commands)
         # reads the calls of jobs with tools and tool_choice "auto" (rose.jobs.tools); None: such jobs fail
         chat_template = getattr(engine.tokenizer, "chat_template", None)
         self.tool_parser = tools.resolve_parser(settings.tool_call_parser, chat_template)
         self.adapters = adapters.Adapters(settings, metrics)  # a job's `lora` -> its LoRARequest
+        self.admission = Admission(
+            engine, settings, rq.queue_names, self.tool_parser, self.adapters, self.tenants, self.milestones
+        )
         self.step_outputs = StepOutputs(
-            outbox, self.milestones, metrics, engine.tokenizer, rq.name, self.tool_parser, self.adapters
+            outbox,
+            self.milestones,
+            metrics,
+            engine.tokenizer,
+            rq.name,
+            self.tool_parser,
+            self.adapters,
+            self.tenants,
         )
 
     @property
@@ -128,6 +146,8 @@ class JobLoop:
         self.guard.run("stops", self._stop_commanded)
         if self.running:
             self.guard.run("retire", self._retire)
+        if self.tenants.pending:
+            self.guard.run("fair share", self.tenants.flush, self.rq.connection)
         if not self.busy and not self.intake.limbo_ids():
             self.guard.run("state", self.rq.sync_state, False)  # busy since the first start (rq_store)
         self._publish()
@@ -178,46 +198,16 @@ class JobLoop:
         stale = self.running.get(run.id)
         if stale is not None:  # requeued behind our back (we were taken for dead) and dequeued by us again
             self._let_go(stale)
-        self.milestones.taken(run)
-        request = contract.parse(
-            run.job,
-            run.queue.name,
-            self.rq.queue_names(),
-            self.settings.trust_request_chat_template,
-            self.settings.structured_outputs_backend,
-            self.tool_parser,
-        )
-        if isinstance(request, str):
-            self._fail(run, request, retry=False, callbacks=contract.may_run_callbacks(run.job))
-            return
-        run.request = request
-        run.choices = step_outputs.choices(request)
-        if request.deadline is not None and request.deadline <= time.time():
+        refusal = self.admission.admit(run)
+        if refusal is None:
+            run.phase = Phase.GENERATING
+            self.running[run.id] = run
+        elif refusal.deadline:
             self._fail_deadline(run, "before this attempt started", started=False)
-            return
-        try:
-            self._add_to_engine(run)
-        except ValueError as exc:  # prompt too long for the context, an adapter not served here, ...
-            self._fail(run, str(exc), retry=False)
-            return
-        except Exception as exc:
-            log.exception("engine refused job %s", run.id)
-            self._fail(run, f"engine error while adding the job: {exc!r}")
-            return
-        run.phase = Phase.GENERATING
-        self.running[run.id] = run
-
-    def _add_to_engine(self, run: Running) -> None:
-        request = run.request
-        assert request is not None
-        self.engine.add_request(
-            run.id,
-            request.engine_prompt(self.engine.tokenizer),
-            tools.sampling_params(request, self.tool_parser),
-            priority=request.priority,
-            lora_request=self.adapters.request_for(request.lora),
-            deadline=request.deadline,
-        )
+        elif refusal.callbacks is not None:
+            self._fail(run, refusal.message, retry=refusal.retry, callbacks=refusal.callbacks)
+        else:
+            self._fail(run, refusal.message, retry=refusal.retry)
 
     # ---- step ----------------------------------------------------------------------------------------------------
 
@@ -242,7 +232,10 @@ class JobLoop:
         # newest first: a fresh admission is the likeliest culprit; jobs with tokens passed earlier steps
         fresh = [run.id for run in reversed(in_engine) if not run.num_tokens]
         found = isolate(
-            self.engine.step, fresh, self.engine.abort, lambda rid: self._add_to_engine(self.running[rid])
+            self.engine.step,
+            fresh,
+            self.engine.abort,
+            lambda rid: self.admission.add_to_engine(self.running[rid]),
         )
         failed = dict(found.culprits)
         if found.error is not None:  # not the fresh jobs: the others (or the engine) fail, as step errors did

@@ -11,11 +11,14 @@ keys they share).
 
 from __future__ import annotations
 
+import contextlib
+import zlib
 from typing import TYPE_CHECKING, Any
 
 from rq.executions import Execution
 from rq.job import Job, JobStatus
 from rq.queue import Queue
+from rq.serializers import resolve_serializer
 from rq.worker import BaseWorker, WorkerStatus
 
 from rose.worker.coalesce import coalesced
@@ -56,16 +59,40 @@ def dequeue(
     the job as its hash was, None if it has none). A crash before the start leaves the ids in the intermediate
     lists, findable (`requeue_stuck`)."""
     keys = [key for q in queues for key in (q.key, q.intermediate_queue_key)]
-    flat = conn.eval(_DEQUEUE, len(keys), *keys, limit, Job.redis_job_namespace_prefix)
+    flat = conn.eval(_DEQUEUE, len(keys), *keys, limit, job_hash_prefix())
     taken: list[tuple[str, Queue, Job | None]] = []
     for i in range(0, len(flat), 3):
-        queue, job_id, fields = queues[int(flat[i]) - 1], decoded(flat[i + 1]), flat[i + 2]
-        job = None
-        if fields:
-            job = Job(job_id, connection=conn, serializer=serializer)
-            job.restore(dict(zip(fields[::2], fields[1::2], strict=True)))
-        taken.append((job_id, queue, job))
+        queue, job_id = queues[int(flat[i]) - 1], decoded(flat[i + 1])
+        taken.append((job_id, queue, restored(conn, job_id, flat[i + 2], serializer)))
     return taken
+
+
+def job_hash_prefix() -> str:
+    """What a job's id follows in the key of its hash (`rq:job:`)."""
+    return Job.redis_job_namespace_prefix
+
+
+def restored(conn: Redis, job_id: str, fields: list[bytes], serializer: Any) -> Job | None:
+    """The job from its hash as HGETALL gave it (flat), None if it has none."""
+    if not fields:
+        return None
+    job = Job(job_id, connection=conn, serializer=serializer)
+    job.restore(dict(zip(fields[::2], fields[1::2], strict=True)))
+    return job
+
+
+def job_kwargs(data: bytes, serializer: Any) -> dict[str, Any] | None:
+    """A job's kwargs from its hash's `data` field (RQ: the serialized (func, instance, args, kwargs), zlib-compressed
+    unless it was written raw); None if it will not read."""
+    if not data:
+        return None
+    try:
+        with contextlib.suppress(zlib.error):
+            data = zlib.decompress(data)
+        kwargs = resolve_serializer(serializer).loads(data)[3]
+    except Exception:
+        return None
+    return kwargs if isinstance(kwargs, dict) else None
 
 
 def dequeue_blocking(conn: Redis, queue: Queue, timeout: float) -> str | None:

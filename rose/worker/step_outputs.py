@@ -33,6 +33,7 @@ from rose.worker.metrics import WorkerMetrics
 from rose.worker.milestones import Milestones
 from rose.worker.outbox import Outbox
 from rose.worker.running import Choice, Phase, Running
+from rose.worker.tenants import Tenants, tenant_of
 
 if TYPE_CHECKING:
     from rose.engine.outputs import StepOutput
@@ -77,6 +78,7 @@ class StepOutputs:
         worker: str,
         tool_parser: ToolParser | None,
         adapters: Adapters,
+        tenants: Tenants,
     ) -> None:
         self.outbox = outbox
         self.milestones = milestones
@@ -85,6 +87,7 @@ class StepOutputs:
         self.worker = worker  # its name, in results
         self.tool_parser = tool_parser  # the worker's, which reads the calls of a job with tools
         self.adapters = adapters  # tokens counted per LoRA adapter
+        self.tenants = tenants  # tokens served per tenant (fair share)
 
     @functools.cached_property
     def _token_bytes(self) -> TokenBytes | None:
@@ -105,6 +108,7 @@ class StepOutputs:
                 tokens += n
                 if run.request is not None and run.request.lora is not None:
                     self.adapters.on_tokens(run.request.lora, n)
+                self.tenants.on_tokens(tenant_of(run), n)
                 if run.num_tokens:
                     steady += n
                 elif n:
@@ -132,6 +136,8 @@ class StepOutputs:
         """How a finished job ends: "error" (any choice's) fails it, else its result is built."""
         output = out.output  # set on a finished output
         assert output is not None
+        generated = sum(len(c.token_ids) for c in output.outputs)
+        self.tenants.on_ended(tenant_of(run), len(output.prompt_token_ids), generated)
         error = next((c for c in output.outputs if c.finish_reason == "error"), None)
         if error is None:
             run.output = output

@@ -217,11 +217,12 @@ class RoseWorker:
         )  # our predecessor's (same name) jobs are orphans now: requeued before anything
         self._next_recovery = time.monotonic() + self.settings.recovery_interval
         log.info(
-            "worker %s: serving %s with %s (max %d jobs at once)",
+            "worker %s: serving %s with %s (max %d jobs at once), %s",
             self.name,
             ", ".join(self.queue_names()),
             self.engine.model_name,
             self.jobs.max_jobs(),
+            _policy(self.settings),
         )
         parser = self.jobs.tool_parser  # rose.jobs.tools.resolve_parser
         how = (
@@ -348,6 +349,8 @@ class RoseWorker:
     def _heartbeat(self) -> bool:
         busy = WorkerStatus.BUSY if self.jobs.busy else WorkerStatus.IDLE
         state = WorkerStatus.SUSPENDED if self.rq.suspended else busy
+        if self.settings.intake_policy == "fair":
+            self.jobs.tenants.read_queued(self.connection, self.queue_names())
         with self.connection.pipeline(transaction=False) as pipe:
             rq_store.heartbeat(pipe, self.rq, self.running.values(), state)  # reply 1: the key had lapsed
             pipe.hset(keys.worker_info_key(self.name), mapping=self._info())
@@ -384,4 +387,12 @@ class RoseWorker:
             "queues": ",".join(self.queue_names()),
             "version": __version__,
             **self.jobs.adapters.info(),
+            **self.jobs.tenants.info(self.running.values()),
         }
+
+
+def _policy(settings: WorkerSettings) -> str:
+    if settings.intake_policy == "fcfs":
+        return "each queue first come, first served"
+    weights = ", ".join(f"{name}={w:g}" for name, w in settings.tenant_weights.items())
+    return f"tenants in fair share ({'weights ' + weights if weights else 'equal weights'}), deadlines first"

@@ -245,3 +245,14 @@ def test_help_mentions_every_flag():
 def test_redact_url():
     assert redact_url("redis://u:secret@h:1/0") == "redis://u:***@h:1/0"
     assert redact_url("redis://h:1/0") == "redis://h:1/0"
+
+
+def test_intake_policy_and_tenant_weights(monkeypatch):
+    s, _ = load_settings(["--tenant-weight", "a=2", "b=0.5", "--tenant-weight", "c=1", "--intake-policy", "fcfs"])
+    assert s.tenant_weights == {"a": 2.0, "b": 0.5, "c": 1.0} and s.intake_policy == "fcfs"
+    assert WorkerSettings().intake_policy == "fair" and WorkerSettings().tenant_weights == {}
+    monkeypatch.setenv("ROSE_TENANT_WEIGHTS", "team-a=3, team-b=1")
+    assert WorkerSettings().tenant_weights == {"team-a": 3.0, "team-b": 1.0}
+    for bad in ("a", "a=0", "a=-1", "=2", "a=x", "a=inf"):
+        with pytest.raises(ValueError, match=f"tenant weight '{bad}': want NAME=W"):
+            WorkerSettings(tenant_weights=[bad])

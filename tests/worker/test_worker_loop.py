@@ -323,16 +323,19 @@ def test_idle_worker_on_several_queues_takes_jobs_from_each_without_losing_any(r
 def test_a_busy_loop_asks_empty_queues_nothing_until_a_probe_sees_jobs(run_worker, r, q, monkeypatch):
     """While jobs run and the queues are empty, the intake sends no dequeue (the last one came back short, and the
     probes read zero lengths); a job arriving mid-run is seen by the next probe and starts."""
-    from rose.worker import rq_start
+    from rose.worker import fair_queue, rq_start
 
     dequeues = []
-    real_dequeue = rq_start.dequeue
 
-    def dequeue(*args, **kwargs):
-        dequeues.append(time.monotonic())
-        return real_dequeue(*args, **kwargs)
+    def spying(real):  # either policy's dequeue (fair, the default; fcfs)
+        def dequeue(*args, **kwargs):
+            dequeues.append(time.monotonic())
+            return real(*args, **kwargs)
 
-    monkeypatch.setattr(rq_start, "dequeue", dequeue)
+        return dequeue
+
+    monkeypatch.setattr(rq_start, "dequeue", spying(rq_start.dequeue))
+    monkeypatch.setattr(fair_queue.FairQueue, "take", spying(fair_queue.FairQueue.take))
     engine = FakeEngine(max_num_seqs=4, max_model_len=512, step_delay=0.01)
     first = enqueue(q, prompt="x", max_tokens=400)
     run_worker(engine=engine, check_interval=0.05)

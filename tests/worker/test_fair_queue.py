@@ -1,0 +1,159 @@
+"""rose.worker.fair_queue on a real redis-server: jobs enqueued by plain producers to one queue are taken by tenant,
+lowest weighted service first, deadline jobs earliest first ahead of the rest; the queue's list stays RQ's (claimed
+ids move to RQ's intermediate list, canceled ones are never taken); VTC's lift; several workers share the index."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from rq import Queue
+from rq.job import Job
+from rq.serializers import JSONSerializer
+
+from rose.jobs import keys
+from rose.jobs.client import Client
+from rose.worker import fair_queue
+from rose.worker.fair_queue import FairQueue, placement
+
+pytestmark = pytest.mark.timeout(60)
+
+ESTIMATE = 100.0  # tokens a take counts for each job it gives a tenant
+
+
+def submit(r, n: int, tenant: str | None = None, **fields) -> list[str]:
+    client = Client(r, queue="rose", tenant=tenant)
+    return [client.submit(f"{tenant} {i}", max_tokens=2, **fields).id for i in range(n)]
+
+
+class Accounts:
+    """A worker's accounts as a take sees them: a fixed estimate, nothing pending."""
+
+    def __init__(self, estimate: float) -> None:
+        self._estimate = estimate
+
+    def estimate(self) -> float:
+        return self._estimate
+
+    def take_pending(self) -> dict[str, float]:
+        return {}
+
+    def put_back(self, charges) -> None:
+        raise AssertionError("no take fails here")
+
+
+def taker(r, weights=None, estimate=ESTIMATE) -> FairQueue:
+    return FairQueue(r, JSONSerializer, weights or {}, Accounts(estimate))
+
+
+def tenants_of(r, ids: list[str]) -> list[str]:
+    return [
+        Job.fetch(i, connection=r, serializer=JSONSerializer).kwargs.get("tenant") or "default" for i in ids
+    ]
+
+
+def take_served(r, fair: FairQueue, queue: Queue, n: int, cost: float = ESTIMATE, weights=None) -> list[str]:
+    """Take one job at a time `n` times, charging each job's tenant `cost` tokens (over its weight) as a worker
+    serving it would: the tenants in the order they were served."""
+    order: list[str] = []
+    for _ in range(n):
+        taken = fair.take([queue], 1)
+        if not taken:
+            break
+        tenant = tenants_of(r, [taken[0][0]])[0]
+        order.append(tenant)
+        fair_queue.charge(r, {tenant: cost / (weights or {}).get(tenant, 1.0)})
+    return order
+
+
+def test_a_small_tenant_behind_a_backlog_is_served_in_turn(r):
+    queue = Queue("rose", connection=r)
+    big = submit(r, 30, "big")
+    small = submit(r, 5, "small")
+    order = take_served(r, taker(r), queue, 14)
+    # both lifted to 0 on arrival, then equal service: turns until the small tenant runs out
+    assert order == ["big", "small"] * 5 + ["big"] * 4
+    # claimed ids moved to RQ's intermediate list (recovery finds them there), the rest still on the queue in order
+    inter = [i.decode() for i in r.lrange(queue.intermediate_queue_key, 0, -1)]
+    assert set(inter) <= set(big + small) and len(inter) == 14
+    assert queue.get_job_ids() == [i for i in big + small if i not in inter]
+    assert queue.count == 21  # rq info's count: what still waits
+
+
+def test_weights_give_shares_in_their_ratio(r):
+    queue = Queue("rose", connection=r)
+    submit(r, 40, "a")
+    submit(r, 40, "b")
+    weights = {"a": 2.0}
+    order = take_served(r, taker(r, weights), queue, 30, weights=weights)
+    assert order.count("a") == 20 and order.count("b") == 10
+    # within one take several jobs at once: each counts `estimate` tokens over its weight
+    r.delete(keys.fair_counters_key())
+    many = taker(r, weights).take([queue], 9)
+    assert tenants_of(r, [i for i, _, _ in many]).count("a") == 6
+
+
+def test_deadline_jobs_go_first_earliest_first(r):
+    queue = Queue("rose", connection=r)
+    backlog = submit(r, 10, "big")
+    now = time.time()
+    later = submit(r, 1, "small", deadline=now + 600)
+    sooner = submit(r, 1, "other", deadline=now + 60)
+    taken = [i for i, _, _ in taker(r).take([queue], 3)]
+    assert taken == sooner + later + backlog[:1]
+
+
+def test_canceled_and_deleted_jobs_are_never_taken(r):
+    queue = Queue("rose", connection=r)
+    ids = submit(r, 4, "a")
+    fair = taker(r)
+    assert fair.take([queue], 0) == []  # indexes the four, takes none
+    Job.fetch(ids[1], connection=r, serializer=JSONSerializer).cancel()
+    Job.fetch(ids[2], connection=r, serializer=JSONSerializer).delete()
+    taken = [i for i, _, _ in fair.take([queue], 4)]
+    assert taken == [ids[0], ids[3]]
+    assert r.scard(keys.fair_key("rose", "indexed")) == 0  # the index holds nothing stale
+    assert fair.take([queue], 4) == []
+
+
+def test_a_tenant_back_from_idle_is_lifted_not_credited(r):
+    queue = Queue("rose", connection=r)
+    fair = taker(r)
+    submit(r, 20, "a")
+    assert take_served(r, fair, queue, 10) == ["a"] * 10  # a alone: 1,000 tokens served
+    submit(r, 10, "b")  # b arrives with no service: lifted to a's 1,000, not 1,000 tokens ahead
+    assert take_served(r, fair, queue, 6) == ["a", "b"] * 3
+    assert fair_queue.counters(r) == {"a": 1300.0, "b": 1300.0}
+
+
+def test_workers_share_the_index_and_take_each_job_once(r):
+    queue = Queue("rose", connection=r)
+    ids = submit(r, 20, "a") + submit(r, 20, "b")
+    one, two = taker(r), taker(r)
+    taken: list[str] = []
+    while batch := one.take([queue], 3) + two.take([queue], 4):
+        taken += [i for i, _, _ in batch]
+    assert sorted(taken) == sorted(ids)
+    assert queue.count == 0 and r.llen(queue.intermediate_queue_key) == 40
+
+
+def test_jobs_pushed_to_the_front_and_a_look_that_fell_behind(r, monkeypatch):
+    queue = Queue("rose", connection=r)
+    monkeypatch.setattr(fair_queue, "LOOK_LIMIT", 4)
+    ids = submit(r, 10, "a")
+    fair = taker(r)
+    assert [i for i, _, _ in fair.take([queue], 2)] == ids[:2]
+    front = Client(r, queue="rose", tenant="a").submit("urgent", max_tokens=2, at_front=True).id
+    assert [i for i, _, _ in fair.take([queue], 1)] == [front]
+    # the index has caught up 4 ids at a take: the rest come in the queue's order all the same
+    rest: list[str] = []
+    while batch := fair.take([queue], 3):
+        rest += [i for i, _, _ in batch]
+    assert rest == ids[2:]
+
+
+def test_placement_reads_what_the_contract_would():
+    assert placement({"tenant": "t", "deadline": 2e9}) == fair_queue.Placement("t", 2e9)
+    assert placement({"tenant": " ", "deadline": 5}) == fair_queue.Placement()  # refused at start: no place
+    assert placement({"deadline": True}) == fair_queue.Placement()
+    assert placement(None) == fair_queue.Placement()
