@@ -24,7 +24,7 @@ from rose.worker.adapters import Adapters
 from rose.worker.engine_protocol import WorkerEngine
 from rose.worker.milestones import Milestones
 from rose.worker.running import Running
-from rose.worker.tenants import Tenants, tenant_of
+from rose.worker.tenants import Tenants
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +41,8 @@ class Refusal:
 
 
 class Admission:
+    """Admits the jobs of one worker into its engine (the module's docstring has the contract)."""
+
     def __init__(
         self,
         engine: WorkerEngine,
@@ -73,7 +75,7 @@ class Admission:
             return Refusal(request, retry=False, callbacks=contract.may_run_callbacks(run.job))
         run.request = request
         run.choices = step_outputs.choices(request)
-        self.tenants.on_taken(tenant_of(run), run.queue_s)
+        self.tenants.on_taken(run)
         if request.deadline is not None and request.deadline <= time.time():
             return Refusal(deadline=True)
         try:

@@ -4,28 +4,31 @@ Producers enqueue to the RQ queue as ever, and its list stays the truth: `rq inf
 `Job.get_position` read it as they always did. Beside it rose keeps an index of the queue's waiting jobs in Redis,
 shared by the fleet (`keys.fair_key`):
 
-    rose:fair:<queue>:mark          the newest id indexed: the next look at the queue starts after it
+    rose:fair:<queue>:mark          the newest id indexed, while it waits: the next look starts after it
     rose:fair:<queue>:indexed       set: the ids in the index
     rose:fair:<queue>:tenant:<T>    list: tenant T's waiting ids, in queue order
     rose:fair:<queue>:tenants       set: the tenants whose list may hold ids
-    rose:fair:<queue>:deadlines     sorted set: waiting ids with a deadline, by deadline
-    rose:fair:counters              hash: each tenant's service in tokens / its weight (the fleet, every queue)
+    rose:fair:<queue>:deadlines     sorted set: "<id>|<tenant>" of the waiting jobs with a deadline, by deadline
+    rose:fair:counters              sorted set: each tenant's service in tokens / its weight (the fleet, all queues)
 
-`FairQueue.take` is two round trips: `look` reads what the queue holds past the mark (and its head, where ids
-pushed to the front land) with each new job's data, the worker reads each one's tenant and deadline
-(rq_start.job_placement), then one script indexes them (unless another worker indexed meanwhile) and claims up to
-`room` jobs: the deadline jobs earliest first, then one at a time the oldest job of the tenant with the lowest
-counter (plus `estimate` tokens for each job this take already gave it). A claim is LREM from the queue's list and
-RPUSH to RQ's intermediate list in one script, as RQ's own dequeue moves ids, so a crash at any point loses nothing
-and rose.worker.recovery applies unchanged; an id no longer on the queue (canceled, deleted, taken by a worker
-that reads the head) is dropped from the index when its turn comes. If the index is empty while the queue is not
-(a look that fell behind a burst), the queue's head is taken first come, first served.
+`FairQueue.take` is two round trips a queue: `look` reads what the queue holds past the mark (found from the tail;
+when the mark's job has left the queue, the newest indexed id found from the tail stands for it) and at its head
+(where ids pushed to the front land), with each new job's data; the worker reads each one's tenant and deadline
+(`placement`); then one script indexes them (unless another worker moved the mark meanwhile: it indexed the same
+ids) and claims up to `room` jobs: the deadline jobs earliest first, then one at a time the oldest job of the tenant
+with the lowest counter (a heap). A claim is LREM from the queue's list and RPUSH to RQ's intermediate list in one
+script, as RQ's own dequeue moves ids, so a crash at any point loses nothing and rose.worker.recovery applies
+unchanged; a job no longer `queued` (canceled, deleted) is dropped from the index when its turn comes, at the cost
+of one HGET; taking the mark's job moves the mark to the id before it. A take pops at most `POPS` index entries per
+job it may take plus `EXTRA_POPS`; an index found with the queue empty is dropped whole. If the index is empty while
+the queue is not (a look that fell behind a burst), the queue's head is taken first come, first served.
 
-VTC's lift: a tenant whose list was empty when one of its jobs is indexed has its counter raised to the lowest
-counter among the tenants with waiting jobs (to the highest of all when none waits), so the service it did not ask
-for while idle is no credit later. Counters grow by what the workers `charge` them: a job's generated tokens as
-they come, its prompt tokens when it ends, each divided by its tenant's weight; each take first adds what its
-worker owes them, so it picks by the service given up to that moment.
+Counters: a claim charges the job's tenant the worker's `estimate` of a job's tokens in advance (so that workers
+taking at the same moment see each other's picks); the worker settles each job as it is served (rose.worker.tenants:
+the tokens beyond the advance, a refund of what it did not use) and each take first adds what the worker owes
+(`Accounts.take_pending`). VTC's lift: a tenant whose list was empty when one of its jobs is indexed has its counter
+raised to the lowest counter among the tenants with waiting jobs in this queue (to the highest of all when none
+waits), so the service it did not ask for while idle is no credit later.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from rose.jobs import keys
-from rose.worker import rq_start
+from rose.worker import rq_start, rq_store
 from rose.worker.rq_store import decoded
 
 if TYPE_CHECKING:
@@ -46,16 +49,33 @@ if TYPE_CHECKING:
 DEFAULT_TENANT = "default"  # the tenant of jobs that name none
 LOOK_LIMIT = 512  # new ids indexed per take at most: a burst is indexed over a few takes
 HEAD = 16  # ids at the queue's head looked at for ones pushed to the front
-MAX_POPS = 8  # a take pops at most this many index entries per job it may take (stale ones included)
+SCAN_BACK = (
+    4096  # ids looked at from the tail for the newest indexed one, when the mark's job has left the queue
+)
+POPS = 64  # a take pops at most this many index entries per job it may take, stale ones included,
+EXTRA_POPS = 4096  # and this many more
 
-# KEYS: queue, mark, indexed. ARGV: limit, head, job hash prefix. Returns {mark, newest id looked at, then
-# (id, front "1"/"0", the job's data) for each id not in the index}.
+# KEYS: queue, mark, indexed. ARGV: limit, head, job hash prefix, scan back. Returns {mark, newest id looked at,
+# then (id, front "1"/"0", the job's data) for each id not in the index}.
 _LOOK = """
 local mark = redis.call('GET', KEYS[2])
-local start = 0
+local start = nil
 if mark then
-  local p = redis.call('LPOS', KEYS[1], mark, 'RANK', -1)
+  local p = redis.call('LPOS', KEYS[1], mark, 'RANK', -1)  -- from the tail: as far as the new ids go
   if p then start = p + 1 end
+end
+if start == nil then  -- no mark, or its job left the queue: after the newest indexed id, found from the tail
+  start = 0
+  local n, back = redis.call('LLEN', KEYS[1]), tonumber(ARGV[4])
+  local i = n - 1
+  while i >= 0 and i >= n - back and start == 0 do
+    local lo = math.max(0, i - 255, n - back)
+    local chunk = redis.call('LRANGE', KEYS[1], lo, i)
+    for j = #chunk, 1, -1 do
+      if redis.call('SISMEMBER', KEYS[3], chunk[j]) == 1 then start = lo + j; break end
+    end
+    i = lo - 1
+  end
 end
 local limit = tonumber(ARGV[1])
 local tail = redis.call('LRANGE', KEYS[1], start, start + limit - 1)
@@ -76,36 +96,39 @@ end
 return out
 """
 
-# KEYS: queue, intermediate, mark, indexed, tenants, deadlines, counters.
-# ARGV: tenant list prefix, job hash prefix, expected mark, new mark, room, estimate, max pops, n weights,
-# (tenant, weight) x n, c charges, (tenant, amount) x c, m entries, (id, tenant, deadline or '', front '1'/'0') x m.
-# Returns {id, the job's hash (flat), ...} of the jobs claimed.
+# KEYS: queue, intermediate, mark, indexed, tenants, deadlines, counters (a sorted set: tenant -> service).
+# ARGV: tenant list prefix, job hash prefix, expected mark, new mark, room, estimate, max pops, job status field,
+# its queued value, n weights, (tenant, weight) x n, c charges, (tenant, amount) x c, m entries,
+# (id, tenant, deadline or '', front '1'/'0') x m.
+# Returns {jobs still on the queue, then (id, tenant charged in advance or '', the job's hash (flat)) per job taken}.
 _TAKE = """
-local prefix, counters = ARGV[1], KEYS[7]
-local function counter(t) return tonumber(redis.call('HGET', counters, t) or '0') end
+local queue, prefix, counters = KEYS[1], ARGV[1], KEYS[7]
+local function counter(t) return tonumber(redis.call('ZSCORE', counters, t) or '0') end
 local weight = {}
-local n = tonumber(ARGV[8])
-local a = 9
-for _ = 1, n do weight[ARGV[a]] = tonumber(ARGV[a + 1]); a = a + 2 end
+local a = 11
+for _ = 1, tonumber(ARGV[10]) do weight[ARGV[a]] = tonumber(ARGV[a + 1]); a = a + 2 end
 local c = tonumber(ARGV[a]); a = a + 1
-for _ = 1, c do redis.call('HINCRBYFLOAT', counters, ARGV[a], ARGV[a + 1]); a = a + 2 end
-local function waiting_but(t)
-  local lowest = nil
-  for _, u in ipairs(redis.call('SMEMBERS', KEYS[5])) do
-    if u ~= t and redis.call('LLEN', prefix .. u) > 0 then
-      local c = counter(u)
-      if lowest == nil or c < lowest then lowest = c end
+for _ = 1, c do redis.call('ZINCRBY', counters, ARGV[a + 1], ARGV[a]); a = a + 2 end
+-- VTC's lift: the lowest counter among the tenants with waiting jobs (found once), else the highest of all
+local lowest = false
+local function lift(t)
+  if lowest == false then
+    lowest = nil
+    for _, u in ipairs(redis.call('SMEMBERS', KEYS[5])) do
+      if redis.call('LLEN', prefix .. u) > 0 then
+        local cu = counter(u)
+        if lowest == nil or cu < lowest then lowest = cu end
+      end
     end
   end
-  return lowest
-end
-local function lift(t)
-  local target = waiting_but(t)
+  local target = lowest
   if target == nil then
-    target = 0
-    for _, v in ipairs(redis.call('HVALS', counters)) do target = math.max(target, tonumber(v)) end
+    local top = redis.call('ZREVRANGE', counters, 0, 0, 'WITHSCORES')
+    target = tonumber(top[2] or '0')
   end
-  if counter(t) < target then redis.call('HSET', counters, t, tostring(target)) end
+  local ct = math.max(counter(t), target)
+  if ct > counter(t) then redis.call('ZADD', counters, ct, t) end
+  if lowest == nil or ct < lowest then lowest = ct end  -- t waits now
 end
 -- index what the look found, unless another worker moved the mark meanwhile (it indexed the same ids)
 local m = tonumber(ARGV[a]); a = a + 1
@@ -115,7 +138,7 @@ if (redis.call('GET', KEYS[3]) or '') == ARGV[3] then
     a = a + 4
     if redis.call('SADD', KEYS[4], id) == 1 then
       if deadline ~= '' then
-        redis.call('ZADD', KEYS[6], deadline, id)
+        redis.call('ZADD', KEYS[6], deadline, id .. '|' .. t)
       else
         local list = prefix .. t
         if redis.call('LLEN', list) == 0 then lift(t) end
@@ -126,61 +149,101 @@ if (redis.call('GET', KEYS[3]) or '') == ARGV[3] then
   end
   if ARGV[4] ~= '' then redis.call('SET', KEYS[3], ARGV[4]) end
 end
--- claim
-local out, left, pops = {}, tonumber(ARGV[5]), tonumber(ARGV[7])
-local function claim(id)
+if redis.call('LLEN', queue) == 0 then  -- nothing waits: whatever the index holds is stale (canceled, emptied)
+  for _, t in ipairs(redis.call('SMEMBERS', KEYS[5])) do redis.call('DEL', prefix .. t) end
+  redis.call('DEL', KEYS[3], KEYS[4], KEYS[5], KEYS[6])
+  return {0}
+end
+local out, left, pops, estimate = {0}, tonumber(ARGV[5]), tonumber(ARGV[7]), tonumber(ARGV[6])
+local function claim(id, t)
   redis.call('SREM', KEYS[4], id)
-  if redis.call('LREM', KEYS[1], 1, id) == 0 then return false end
+  if redis.call('HGET', ARGV[2] .. id, ARGV[8]) ~= ARGV[9] then return false end  -- canceled, deleted, ended
+  if id == redis.call('GET', KEYS[3]) then  -- the mark moves to the id before it (none: look from the head)
+    local p = redis.call('LPOS', queue, id)
+    local before = p and p > 0 and redis.call('LINDEX', queue, p - 1)
+    if before then redis.call('SET', KEYS[3], before) else redis.call('DEL', KEYS[3]) end
+  end
+  if redis.call('LREM', queue, 1, id) == 0 then return false end
   redis.call('RPUSH', KEYS[2], id)
+  if t ~= '' then redis.call('ZINCRBY', counters, estimate / (weight[t] or 1), t) end  -- in advance
   out[#out + 1] = id
+  out[#out + 1] = t
   out[#out + 1] = redis.call('HGETALL', ARGV[2] .. id)
   return true
 end
-while left > 0 and pops > 0 do
+while left > 0 and pops > 0 do  -- deadline jobs first, earliest first
   local first = redis.call('ZPOPMIN', KEYS[6])
   if #first == 0 then break end
   pops = pops - 1
-  if claim(first[1]) then left = left - 1 end
+  local id, t = string.match(first[1], '^([^|]*)|(.*)$')  -- RQ's job ids have no |
+  if claim(id, t) then left = left - 1 end
 end
-local tenants, served = redis.call('SMEMBERS', KEYS[5]), {}
-for _, t in ipairs(tenants) do served[t] = counter(t) end
-local estimate = tonumber(ARGV[6])
-while left > 0 and pops > 0 and #tenants > 0 do
-  local best = 1
-  for i = 2, #tenants do
-    local t, b = tenants[i], tenants[best]
-    if served[t] < served[b] or (served[t] == served[b] and t < b) then best = i end
+-- then the tenant with the lowest counter, plus what this take gave it: a heap of (counter, tenant)
+local heap = {}
+local function less(x, y) return x[1] < y[1] or (x[1] == y[1] and x[2] < y[2]) end
+local function push(x)
+  heap[#heap + 1] = x
+  local i = #heap
+  while i > 1 do
+    local p = math.floor(i / 2)
+    if not less(heap[i], heap[p]) then break end
+    heap[i], heap[p] = heap[p], heap[i]
+    i = p
   end
-  local t = tenants[best]
-  local id = redis.call('LPOP', prefix .. t)
+end
+local function pop()
+  local top, last = heap[1], table.remove(heap)
+  if #heap > 0 then
+    heap[1] = last
+    local i = 1
+    while true do
+      local l, r, s = 2 * i, 2 * i + 1, i
+      if l <= #heap and less(heap[l], heap[s]) then s = l end
+      if r <= #heap and less(heap[r], heap[s]) then s = r end
+      if s == i then break end
+      heap[i], heap[s] = heap[s], heap[i]
+      i = s
+    end
+  end
+  return top
+end
+if left > 0 then
+  for _, t in ipairs(redis.call('SMEMBERS', KEYS[5])) do push({counter(t), t}) end
+end
+while left > 0 and pops > 0 and #heap > 0 do
+  local e = pop()
+  local id = redis.call('LPOP', prefix .. e[2])
   if not id then
-    redis.call('SREM', KEYS[5], t)
-    table.remove(tenants, best)
+    redis.call('SREM', KEYS[5], e[2])
   else
     pops = pops - 1
-    if claim(id) then
+    if claim(id, e[2]) then
       left = left - 1
-      served[t] = served[t] + estimate / (weight[t] or 1)
+      e[1] = counter(e[2])
     end
+    push(e)
   end
 end
 -- the index is empty but the queue is not (the look fell behind): its head, first come first served
-if pops > 0 and #tenants == 0 and redis.call('ZCARD', KEYS[6]) == 0 then
+if left > 0 and pops > 0 and redis.call('SCARD', KEYS[5]) == 0 and redis.call('ZCARD', KEYS[6]) == 0 then
   while left > 0 do
-    local id = redis.call('LMOVE', KEYS[1], KEYS[2], 'LEFT', 'RIGHT')
+    local id = redis.call('LMOVE', queue, KEYS[2], 'LEFT', 'RIGHT')
     if not id then break end
     redis.call('SREM', KEYS[4], id)
+    if id == redis.call('GET', KEYS[3]) then redis.call('DEL', KEYS[3]) end
     out[#out + 1] = id
+    out[#out + 1] = ''
     out[#out + 1] = redis.call('HGETALL', ARGV[2] .. id)
     left = left - 1
   end
 end
+out[1] = redis.call('LLEN', queue)
 return out
 """
 
 # KEYS: counters. ARGV: (tenant, amount) pairs.
 _CHARGE = """
-for i = 1, #ARGV, 2 do redis.call('HINCRBYFLOAT', KEYS[1], ARGV[i], ARGV[i + 1]) end
+for i = 1, #ARGV, 2 do redis.call('ZINCRBY', KEYS[1], ARGV[i + 1], ARGV[i]) end
 return 0
 """
 
@@ -208,7 +271,7 @@ def placement(kwargs: Mapping[str, Any] | None) -> Placement:
 
 
 def charge(conn: Redis, amounts: Mapping[str, float]) -> None:
-    """Add `amounts` (tokens / weight, by tenant) to the fleet's counters."""
+    """Add `amounts` (tokens / weight, by tenant; negative: a refund) to the fleet's counters."""
     if amounts:
         args = [x for tenant, amount in amounts.items() for x in (tenant, repr(float(amount)))]
         conn.eval(_CHARGE, 1, keys.fair_counters_key(), *args)
@@ -216,34 +279,39 @@ def charge(conn: Redis, amounts: Mapping[str, float]) -> None:
 
 def counters(conn: Redis) -> dict[str, float]:
     """The fleet's counters: each tenant's service in tokens / weight."""
-    return {decoded(k): float(v) for k, v in conn.hgetall(keys.fair_counters_key()).items()}  # type: ignore[union-attr]
+    pairs = conn.zrange(keys.fair_counters_key(), 0, -1, withscores=True)
+    return {decoded(t): float(v) for t, v in pairs}  # type: ignore[union-attr]
 
 
 def waiting(conn: Redis, queue_name: str) -> dict[str, int]:
-    """Each tenant's jobs in `queue_name`'s index (ids canceled since may still count), and `deadline` jobs."""
+    """Each tenant's jobs in `queue_name`'s index, deadline jobs included (a job canceled while it waits counts
+    until a worker reaches it)."""
     tenants = sorted(decoded(t) for t in conn.smembers(keys.fair_key(queue_name, "tenants")))  # type: ignore[union-attr]
     with conn.pipeline(transaction=False) as pipe:
         for tenant in tenants:
             pipe.llen(keys.fair_tenant_key(queue_name, tenant))
-        pipe.zcard(keys.fair_key(queue_name, "deadlines"))
+        pipe.zrange(keys.fair_key(queue_name, "deadlines"), 0, -1)
         *lengths, deadlines = pipe.execute()
     found = {t: int(n) for t, n in zip(tenants, lengths, strict=True) if n}
-    return {**found, "(deadlines)": int(deadlines)} if deadlines else found
+    for member in deadlines:
+        tenant = decoded(member).partition("|")[2]
+        found[tenant] = found.get(tenant, 0) + 1
+    return found
 
 
 class Accounts(Protocol):
     """What a take asks of the worker's accounts (rose.worker.tenants.Tenants)."""
 
     def estimate(self) -> float:
-        """A job's expected tokens: what a take counts for each job it gives a tenant."""
+        """A job's expected tokens: what a take charges its tenant in advance."""
         ...
 
     def take_pending(self) -> dict[str, float]:
         """The charges not yet added to the counters (tokens / weight, by tenant), handed over."""
         ...
 
-    def put_back(self, charges: Mapping[str, float]) -> None:
-        """Charges a failed take did not add."""
+    def prepaid(self, job_id: str, tenant: str, tokens: float) -> None:
+        """A job taken whose tenant was charged `tokens` in advance (settled as it is served)."""
         ...
 
 
@@ -263,23 +331,30 @@ class FairQueue:
         self._take = conn.register_script(_TAKE)
 
     def take(self, queues: list[Queue], room: int) -> list[tuple[str, Queue, Job | None]]:
-        """Up to `room` jobs, the queues in order (a queue's jobs all come before the next queue's): (id, queue, the
-        job as its hash was, None if it has none), as rq_start.dequeue gives them."""
+        """Up to `room` jobs, the queues in order (a queue's jobs all come before the next queue's: a queue that
+        still holds jobs after a short take ends it): (id, queue, the job as its hash was, None if it has none), as
+        rq_start.dequeue gives them. A Redis error after a queue's jobs were taken returns those (the next take
+        meets the error again)."""
         taken: list[tuple[str, Queue, Job | None]] = []
         for queue in queues:
             if len(taken) >= room:
                 break
-            pending = self.accounts.take_pending()
             try:
-                flat = self._take_from(queue, room - len(taken), pending)
-            except BaseException:
-                self.accounts.put_back(pending)
+                flat = self._take_from(queue, room - len(taken), self.accounts.take_pending())
+            except Exception:
+                if taken:  # theirs started as usual; a lost reply's charges stay counted, not twice
+                    return taken
                 raise
-            for i in range(0, len(flat), 2):
-                job_id = decoded(flat[i])
+            estimate = self.accounts.estimate()
+            for i in range(1, len(flat), 3):
+                job_id, tenant = decoded(flat[i]), decoded(flat[i + 1])
+                if tenant:
+                    self.accounts.prepaid(job_id, tenant, estimate)
                 taken.append(
-                    (job_id, queue, rq_start.restored(self.conn, job_id, flat[i + 1], self.serializer))
+                    (job_id, queue, rq_start.restored(self.conn, job_id, flat[i + 2], self.serializer))
                 )
+            if flat[0] and len(taken) < room:
+                break  # jobs still wait here that this take did not reach: no lower queue goes first
         return taken
 
     def _take_from(self, queue: Queue, room: int, pending: Mapping[str, float]) -> list[Any]:
@@ -287,7 +362,7 @@ class FairQueue:
         name = queue.name
         mark, indexed = keys.fair_key(name, "mark"), keys.fair_key(name, "indexed")
         prefix = rq_start.job_hash_prefix()
-        looked = self._look(keys=[queue.key, mark, indexed], args=[LOOK_LIMIT, HEAD, prefix])
+        looked = self._look(keys=[queue.key, mark, indexed], args=[LOOK_LIMIT, HEAD, prefix, SCAN_BACK])
         expected, newest, found = decoded(looked[0]), decoded(looked[1]), looked[2:]
         entries: list[str] = []
         for i in range(0, len(found), 3):
@@ -313,7 +388,9 @@ class FairQueue:
                 newest,
                 room,
                 repr(float(self.accounts.estimate())),
-                MAX_POPS * room + 64,
+                POPS * room + EXTRA_POPS,
+                rq_store.JOB_STATUS_FIELD,
+                rq_store.QUEUED,
                 len(self.weights) // 2,
                 *self.weights,
                 len(charges) // 2,

@@ -147,7 +147,7 @@ class JobLoop:
         if self.running:
             self.guard.run("retire", self._retire)
         if self.tenants.pending:
-            self.guard.run("fair share", self.tenants.flush, self.rq.connection)
+            self.guard.run("fair share", self.tenants.flush, self.rq.connection, time.monotonic())
         if not self.busy and not self.intake.limbo_ids():
             self.guard.run("state", self.rq.sync_state, False)  # busy since the first start (rq_store)
         self._publish()
@@ -168,6 +168,7 @@ class JobLoop:
         left = sorted(self.running.values(), key=lambda r: r.started_mono)
         for run in left:
             self._let_go(run)
+        self.guard.run("fair share", self.tenants.flush, self.rq.connection)
         self._publish()
         return left
 
@@ -370,6 +371,7 @@ class JobLoop:
         self._leave_engine(run)
         if forget:
             self.outbox.forget(run)
+        self.tenants.release(run.id)
         rq_store.release(self.rq, run.execution)  # RQ 3's in-memory `worker.executions`
 
     def _fail(self, run: Running, message: str, retry: bool = True, **kwargs: Any) -> None:

@@ -37,10 +37,16 @@ def requeue_stuck(conn: Redis, queue: Queue, job_id: str) -> bool:
         return False
     if status != QUEUED:
         return False  # started (the registry covers it) or ended: RQ's cleanup removes the id
-    if conn.lrem(queue.intermediate_queue_key, 1, job_id):
-        conn.lpush(queue.key, job_id)
-        return True
-    return False
+    # one script: a worker killed between the two writes would leave the id on neither list
+    return bool(conn.eval(_MOVE_BACK, 2, queue.intermediate_queue_key, queue.key, job_id))
+
+
+# KEYS: intermediate list, queue. ARGV: id. LREM is the claim; the id goes back to the front of the queue.
+_MOVE_BACK = """
+if redis.call('LREM', KEYS[1], 1, ARGV[1]) == 0 then return 0 end
+redis.call('LPUSH', KEYS[2], ARGV[1])
+return 1
+"""
 
 
 def started_entries(conn: Redis, queue: Queue) -> list[tuple[str, str]]:

@@ -33,7 +33,7 @@ from rose.worker.metrics import WorkerMetrics
 from rose.worker.milestones import Milestones
 from rose.worker.outbox import Outbox
 from rose.worker.running import Choice, Phase, Running
-from rose.worker.tenants import Tenants, tenant_of
+from rose.worker.tenants import Tenants
 
 if TYPE_CHECKING:
     from rose.engine.outputs import StepOutput
@@ -108,7 +108,7 @@ class StepOutputs:
                 tokens += n
                 if run.request is not None and run.request.lora is not None:
                     self.adapters.on_tokens(run.request.lora, n)
-                self.tenants.on_tokens(tenant_of(run), n)
+                self.tenants.on_tokens(run, n)
                 if run.num_tokens:
                     steady += n
                 elif n:
@@ -137,7 +137,7 @@ class StepOutputs:
         output = out.output  # set on a finished output
         assert output is not None
         generated = sum(len(c.token_ids) for c in output.outputs)
-        self.tenants.on_ended(tenant_of(run), len(output.prompt_token_ids), generated)
+        self.tenants.on_ended(run, len(output.prompt_token_ids), generated)
         error = next((c for c in output.outputs if c.finish_reason == "error"), None)
         if error is None:
             run.output = output

@@ -248,7 +248,9 @@ def test_redact_url():
 
 
 def test_intake_policy_and_tenant_weights(monkeypatch):
-    s, _ = load_settings(["--tenant-weight", "a=2", "b=0.5", "--tenant-weight", "c=1", "--intake-policy", "fcfs"])
+    s, _ = load_settings(
+        ["--tenant-weight", "a=2", "b=0.5", "--tenant-weight", "c=1", "--intake-policy", "fcfs"]
+    )
     assert s.tenant_weights == {"a": 2.0, "b": 0.5, "c": 1.0} and s.intake_policy == "fcfs"
     assert WorkerSettings().intake_policy == "fair" and WorkerSettings().tenant_weights == {}
     monkeypatch.setenv("ROSE_TENANT_WEIGHTS", "team-a=3, team-b=1")

@@ -65,7 +65,9 @@ def acl(new_redis_server):
 
 def rq_cli(*args: str, url: str) -> subprocess.CompletedProcess:
     rq = [sys.executable, "-c", "import sys; from rq.cli import main; sys.exit(main())"]
-    return subprocess.run([*rq, *args, "-u", url], capture_output=True, text=True, timeout=60, env=checkout_env())
+    return subprocess.run(
+        [*rq, *args, "-u", url], capture_output=True, text=True, timeout=60, env=checkout_env()
+    )
 
 
 def checkout_env() -> dict[str, str]:

@@ -27,10 +27,11 @@ def submit(r, n: int, tenant: str | None = None, **fields) -> list[str]:
 
 
 class Accounts:
-    """A worker's accounts as a take sees them: a fixed estimate, nothing pending."""
+    """A worker's accounts as a take sees them: a fixed estimate, nothing pending; records the advances."""
 
     def __init__(self, estimate: float) -> None:
         self._estimate = estimate
+        self.advances: dict[str, tuple[str, float]] = {}
 
     def estimate(self) -> float:
         return self._estimate
@@ -38,8 +39,8 @@ class Accounts:
     def take_pending(self) -> dict[str, float]:
         return {}
 
-    def put_back(self, charges) -> None:
-        raise AssertionError("no take fails here")
+    def prepaid(self, job_id: str, tenant: str, tokens: float) -> None:
+        self.advances[job_id] = (tenant, tokens)
 
 
 def taker(r, weights=None, estimate=ESTIMATE) -> FairQueue:
@@ -53,8 +54,8 @@ def tenants_of(r, ids: list[str]) -> list[str]:
 
 
 def take_served(r, fair: FairQueue, queue: Queue, n: int, cost: float = ESTIMATE, weights=None) -> list[str]:
-    """Take one job at a time `n` times, charging each job's tenant `cost` tokens (over its weight) as a worker
-    serving it would: the tenants in the order they were served."""
+    """Take one job at a time `n` times, settling each job's tenant at `cost` tokens (over its weight; the take
+    charged ESTIMATE in advance) as a worker serving it would: the tenants in the order they were served."""
     order: list[str] = []
     for _ in range(n):
         taken = fair.take([queue], 1)
@@ -62,7 +63,8 @@ def take_served(r, fair: FairQueue, queue: Queue, n: int, cost: float = ESTIMATE
             break
         tenant = tenants_of(r, [taken[0][0]])[0]
         order.append(tenant)
-        fair_queue.charge(r, {tenant: cost / (weights or {}).get(tenant, 1.0)})
+        if cost != ESTIMATE:
+            fair_queue.charge(r, {tenant: (cost - ESTIMATE) / (weights or {}).get(tenant, 1.0)})
     return order
 
 
@@ -105,15 +107,37 @@ def test_deadline_jobs_go_first_earliest_first(r):
 
 def test_canceled_and_deleted_jobs_are_never_taken(r):
     queue = Queue("rose", connection=r)
-    ids = submit(r, 4, "a")
+    ids = submit(r, 5, "a")
     fair = taker(r)
-    assert fair.take([queue], 0) == []  # indexes the four, takes none
-    Job.fetch(ids[1], connection=r, serializer=JSONSerializer).cancel()
-    Job.fetch(ids[2], connection=r, serializer=JSONSerializer).delete()
-    taken = [i for i, _, _ in fair.take([queue], 4)]
-    assert taken == [ids[0], ids[3]]
+    assert [i for i, _, _ in fair.take([queue], 1)] == ids[:1]  # indexes the five, takes one
+    Job.fetch(ids[2], connection=r, serializer=JSONSerializer).cancel()
+    Job.fetch(ids[3], connection=r, serializer=JSONSerializer).delete()
+    assert r.llen(keys.fair_tenant_key("rose", "a")) == 4  # still indexed: the index learns at their turn
+    taken = [i for i, _, _ in fair.take([queue], 5)]
+    assert taken == [ids[1], ids[4]]
     assert r.scard(keys.fair_key("rose", "indexed")) == 0  # the index holds nothing stale
     assert fair.take([queue], 4) == []
+    # only the jobs taken were charged in advance
+    assert fair.accounts.advances == {i: ("a", ESTIMATE) for i in (ids[0], ids[1], ids[4])}
+
+
+def test_an_emptied_queue_stalls_no_take_for_long(r, monkeypatch):
+    monkeypatch.setattr(fair_queue, "POPS", 1)  # a take pops 1 + 8 entries: the stale ones take turns
+    monkeypatch.setattr(fair_queue, "EXTRA_POPS", 8)
+    queue = Queue("rose", connection=r, serializer=JSONSerializer)
+    submit(r, 600, "a")
+    fair = taker(r)
+    assert len(fair.take([queue], 1)) == 1  # 512 indexed
+    queue.empty()  # RQ deletes the jobs and the list: the index's ids are all stale
+    assert fair.take([queue], 8) == [] and not r.keys(keys.fair_tenant_key("rose", "*"))  # dropped at once
+    submit(r, 600, "a")
+    assert len(fair.take([queue], 1)) == 1
+    queue.empty()
+    fresh = submit(r, 8, "b")  # new jobs before any take: the stale ids go 9 a take, then the fresh ones
+    taken: list[str] = []
+    for _ in range(80):
+        taken += [i for i, _, _ in fair.take([queue], 8)]
+    assert taken == fresh
 
 
 def test_a_tenant_back_from_idle_is_lifted_not_credited(r):
@@ -150,6 +174,40 @@ def test_jobs_pushed_to_the_front_and_a_look_that_fell_behind(r, monkeypatch):
     while batch := fair.take([queue], 3):
         rest += [i for i, _, _ in batch]
     assert rest == ids[2:]
+
+
+def test_the_look_goes_on_after_the_newest_indexed_job_is_taken_or_requeued(r):
+    queue = Queue("rose", connection=r, serializer=JSONSerializer)
+    fair = taker(r)
+    a = submit(r, 3, "a")
+    assert [i for i, _, _ in fair.take([queue], 1)] == a[:1]
+    urgent = submit(r, 1, "x", deadline=time.time() + 600)  # the newest id indexed: the mark
+    assert [i for i, _, _ in fair.take([queue], 1)] == urgent  # taken: the mark moves back to a[2]
+    b = submit(r, 2, "b")
+    assert [i for i, _, _ in fair.take([queue], 4)] == [a[1], b[0], a[2], b[1]]  # b's jobs seen at once
+    # the newest indexed job is taken, a job with a deadline comes, then RQ puts the taken one back at the tail
+    backlog = submit(r, 20, "a")
+    assert len(fair.take([queue], 0 + 1)) == 1  # indexes the backlog
+    late = submit(r, 1, "x", deadline=time.time() + 900)
+    assert [i for i, _, _ in fair.take([queue], 1)] == late  # the mark: back to the backlog's last
+    soon = submit(r, 1, "y", deadline=time.time() + 60)
+    r.rpush(queue.key, late[0])  # a requeue: RPUSH, status queued
+    r.hset(Job.key_for(late[0]), "status", "queued")
+    assert [i for i, _, _ in fair.take([queue], 2)] == soon + late  # both seen, past the 19 still waiting
+    assert queue.count == len(backlog) - 1
+
+
+def test_higher_queues_first_and_many_tenants(r):
+    high = Queue("high", connection=r, serializer=JSONSerializer)
+    low = Queue("low", connection=r, serializer=JSONSerializer)
+    lows = [Client(r, queue="low", tenant="l").submit("x", max_tokens=2).id for _ in range(2)]
+    highs = [Client(r, queue="high", tenant=f"t{i}").submit("x", max_tokens=2).id for i in range(2000)]
+    fair = taker(r)
+    taken = [i for i, _, _ in fair.take([high, low], 600)]
+    assert len(taken) == 600 and set(taken) <= set(highs)  # one job of 600 tenants, low's wait
+    while batch := fair.take([high, low], 600):
+        taken += [i for i, _, _ in batch]
+    assert taken[-2:] == lows and sorted(taken[:-2]) == sorted(highs)
 
 
 def test_placement_reads_what_the_contract_would():
