@@ -5,7 +5,7 @@ Producers enqueue to the RQ queue as ever, and its list stays the truth: `rq inf
 shared by the fleet (`keys.fair_key`):
 
     rose:fair:<queue>:mark          the newest id indexed, while it waits: the next look starts after it
-    rose:fair:<queue>:indexed       set: the ids in the index
+    rose:fair:<queue>:indexed       hash: the ids in the index -> "<prompt tokens>|<all its tokens>", expected
     rose:fair:<queue>:tenant:<T>    list: tenant T's waiting ids, in queue order
     rose:fair:<queue>:tenants       set: the tenants whose list may hold ids
     rose:fair:<queue>:deadlines     sorted set: "<id>|<tenant>" of the waiting jobs with a deadline, by deadline
@@ -23,9 +23,10 @@ of one HGET; taking the mark's job moves the mark to the id before it. A take po
 job it may take plus `EXTRA_POPS`; an index found with the queue empty is dropped whole. If the index is empty while
 the queue is not (a look that fell behind a burst), the queue's head is taken first come, first served.
 
-Counters: a claim charges the job's tenant the worker's `estimate` of a job's tokens in advance (so that workers
-taking at the same moment see each other's picks); the worker settles each job as it is served (rose.worker.tenants:
-the tokens beyond the advance, a refund of what it did not use) and each take first adds what the worker owes
+Counters: a claim charges the job's tenant its prompt's expected tokens at once, as VTC does at admission (so that
+workers taking at the same moment see each other's picks), and a take spreads its picks by each job's whole expected
+cost (`expected_tokens`); the worker settles each job as it is served (rose.worker.tenants: the tokens beyond the
+advance, a refund of what it did not use) and each take first adds what the worker owes
 (`Accounts.take_pending`). VTC's lift: a tenant whose list was empty when one of its jobs is indexed has its counter
 raised to the lowest counter among the tenants with waiting jobs in this queue (to the highest of all when none
 waits), so the service it did not ask for while idle is no credit later.
@@ -72,7 +73,7 @@ if start == nil then  -- no mark, or its job left the queue: after the newest in
     local lo = math.max(0, i - 255, n - back)
     local chunk = redis.call('LRANGE', KEYS[1], lo, i)
     for j = #chunk, 1, -1 do
-      if redis.call('SISMEMBER', KEYS[3], chunk[j]) == 1 then start = lo + j; break end
+      if redis.call('HEXISTS', KEYS[3], chunk[j]) == 1 then start = lo + j; break end
     end
     i = lo - 1
   end
@@ -82,7 +83,7 @@ local tail = redis.call('LRANGE', KEYS[1], start, start + limit - 1)
 local out = {mark or '', tail[#tail] or ''}
 local seen = {}
 local function add(id, front)
-  if seen[id] or redis.call('SISMEMBER', KEYS[3], id) == 1 then return end
+  if seen[id] or redis.call('HEXISTS', KEYS[3], id) == 1 then return end
   seen[id] = true
   out[#out + 1] = id
   out[#out + 1] = front
@@ -97,10 +98,12 @@ return out
 """
 
 # KEYS: queue, intermediate, mark, indexed, tenants, deadlines, counters (a sorted set: tenant -> service).
-# ARGV: tenant list prefix, job hash prefix, expected mark, new mark, room, estimate, max pops, job status field,
+# ARGV: tenant list prefix, job hash prefix, expected mark, new mark, room, a job's tokens (unindexed), max pops,
+# job status field,
 # its queued value, n weights, (tenant, weight) x n, c charges, (tenant, amount) x c, m entries,
-# (id, tenant, deadline or '', front '1'/'0') x m.
-# Returns {jobs still on the queue, then (id, tenant charged in advance or '', the job's hash (flat)) per job taken}.
+# (id, tenant, deadline or '', front '1'/'0', "<prompt tokens>|<all its tokens>" expected) x m.
+# Returns {jobs still on the queue, then (id, tenant charged in advance or '', the advance: its prompt tokens, the
+# job's hash (flat)) per job taken}.
 _TAKE = """
 local queue, prefix, counters = KEYS[1], ARGV[1], KEYS[7]
 local function counter(t) return tonumber(redis.call('ZSCORE', counters, t) or '0') end
@@ -134,9 +137,9 @@ end
 local m = tonumber(ARGV[a]); a = a + 1
 if (redis.call('GET', KEYS[3]) or '') == ARGV[3] then
   for _ = 1, m do
-    local id, t, deadline, front = ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3]
-    a = a + 4
-    if redis.call('SADD', KEYS[4], id) == 1 then
+    local id, t, deadline, front, cost = ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3], ARGV[a + 4]
+    a = a + 5
+    if redis.call('HSETNX', KEYS[4], id, cost) == 1 then
       if deadline ~= '' then
         redis.call('ZADD', KEYS[6], deadline, id .. '|' .. t)
       else
@@ -155,8 +158,12 @@ if redis.call('LLEN', queue) == 0 then  -- nothing waits: whatever the index hol
   return {0}
 end
 local out, left, pops, estimate = {0}, tonumber(ARGV[5]), tonumber(ARGV[7]), tonumber(ARGV[6])
+local extra = {}  -- by tenant: the tokens expected of the jobs this take gave it, beyond their prompts
 local function claim(id, t)
-  redis.call('SREM', KEYS[4], id)
+  local cost = redis.call('HGET', KEYS[4], id) or ('0|' .. estimate)
+  local prompt, all = string.match(cost, '^([^|]*)|(.*)$')
+  prompt, all = tonumber(prompt), tonumber(all)
+  redis.call('HDEL', KEYS[4], id)
   if redis.call('HGET', ARGV[2] .. id, ARGV[8]) ~= ARGV[9] then return false end  -- canceled, deleted, ended
   if id == redis.call('GET', KEYS[3]) then  -- the mark moves to the id before it (none: look from the head)
     local p = redis.call('LPOS', queue, id)
@@ -165,9 +172,13 @@ local function claim(id, t)
   end
   if redis.call('LREM', queue, 1, id) == 0 then return false end
   redis.call('RPUSH', KEYS[2], id)
-  if t ~= '' then redis.call('ZINCRBY', counters, estimate / (weight[t] or 1), t) end  -- in advance
+  if t ~= '' then  -- its prompt charged now, as VTC does at admission; the rest as it is generated
+    redis.call('ZINCRBY', counters, prompt / (weight[t] or 1), t)
+    extra[t] = (extra[t] or 0) + (all - prompt) / (weight[t] or 1)
+  end
   out[#out + 1] = id
   out[#out + 1] = t
+  out[#out + 1] = tostring(prompt)
   out[#out + 1] = redis.call('HGETALL', ARGV[2] .. id)
   return true
 end
@@ -219,7 +230,7 @@ while left > 0 and pops > 0 and #heap > 0 do
     pops = pops - 1
     if claim(id, e[2]) then
       left = left - 1
-      e[1] = counter(e[2])
+      e[1] = counter(e[2]) + extra[e[2]]
     end
     push(e)
   end
@@ -229,10 +240,11 @@ if left > 0 and pops > 0 and redis.call('SCARD', KEYS[5]) == 0 and redis.call('Z
   while left > 0 do
     local id = redis.call('LMOVE', queue, KEYS[2], 'LEFT', 'RIGHT')
     if not id then break end
-    redis.call('SREM', KEYS[4], id)
+    redis.call('HDEL', KEYS[4], id)
     if id == redis.call('GET', KEYS[3]) then redis.call('DEL', KEYS[3]) end
     out[#out + 1] = id
     out[#out + 1] = ''
+    out[#out + 1] = '0'
     out[#out + 1] = redis.call('HGETALL', ARGV[2] .. id)
     left = left - 1
   end
@@ -299,11 +311,34 @@ def waiting(conn: Redis, queue_name: str) -> dict[str, int]:
     return found
 
 
+def expected_tokens(kwargs: Mapping[str, Any] | None, typical: float | None) -> tuple[float, float]:
+    """What a job is expected to cost: (its prompt: a token per 4 characters, or its ids; that plus, for each of its
+    `n` choices, its max_tokens, or `typical` (this worker's jobs' generated tokens so far, on average) when that is
+    lower; None max_tokens (up to the context): `typical`, or 256). A claim charges the prompt at once (VTC charges
+    it at admission); the whole spreads a take's picks."""
+    kwargs = kwargs or {}
+    prompt = kwargs.get("prompt")
+    if isinstance(prompt, list):
+        prompt_tokens = float(len(prompt))
+    else:
+        prompt_tokens = len(str(prompt if prompt is not None else kwargs.get("messages") or "")) / 4
+    most = kwargs.get("max_tokens", 16)
+    most = float(most) if isinstance(most, int | float) and not isinstance(most, bool) and most > 0 else None
+    generated = min(x for x in (most, typical) if x is not None) if most or typical else 256.0
+    n = kwargs.get("n", 1)
+    total = prompt_tokens + generated * (n if isinstance(n, int) and 0 < n <= 128 else 1)
+    return round(prompt_tokens, 1), round(total, 1)
+
+
 class Accounts(Protocol):
     """What a take asks of the worker's accounts (rose.worker.tenants.Tenants)."""
 
     def estimate(self) -> float:
-        """A job's expected tokens: what a take charges its tenant in advance."""
+        """A job's expected tokens when its data does not say (taken unindexed)."""
+        ...
+
+    def typical(self) -> float | None:
+        """The tokens this worker's jobs generated so far, on average (None: none ended yet)."""
         ...
 
     def take_pending(self) -> dict[str, float]:
@@ -345,13 +380,12 @@ class FairQueue:
                 if taken:  # theirs started as usual; a lost reply's charges stay counted, not twice
                     return taken
                 raise
-            estimate = self.accounts.estimate()
-            for i in range(1, len(flat), 3):
+            for i in range(1, len(flat), 4):
                 job_id, tenant = decoded(flat[i]), decoded(flat[i + 1])
                 if tenant:
-                    self.accounts.prepaid(job_id, tenant, estimate)
+                    self.accounts.prepaid(job_id, tenant, float(flat[i + 2]))
                 taken.append(
-                    (job_id, queue, rq_start.restored(self.conn, job_id, flat[i + 2], self.serializer))
+                    (job_id, queue, rq_start.restored(self.conn, job_id, flat[i + 3], self.serializer))
                 )
             if flat[0] and len(taken) < room:
                 break  # jobs still wait here that this take did not reach: no lower queue goes first
@@ -366,9 +400,12 @@ class FairQueue:
         expected, newest, found = decoded(looked[0]), decoded(looked[1]), looked[2:]
         entries: list[str] = []
         for i in range(0, len(found), 3):
-            place = placement(rq_start.job_kwargs(found[i + 2], self.serializer))
+            kwargs = rq_start.job_kwargs(found[i + 2], self.serializer)
+            place = placement(kwargs)
             deadline = "" if place.deadline is None else repr(place.deadline)
-            entries += [decoded(found[i]), place.tenant, deadline, decoded(found[i + 1])]
+            prompt, total = expected_tokens(kwargs, self.accounts.typical())
+            cost = f"{prompt!r}|{total!r}"
+            entries += [decoded(found[i]), place.tenant, deadline, decoded(found[i + 1]), cost]
         charges = [x for tenant, amount in pending.items() for x in (tenant, repr(float(amount)))]
         tenants, deadlines = keys.fair_key(name, "tenants"), keys.fair_key(name, "deadlines")
         return self._take(
@@ -395,7 +432,7 @@ class FairQueue:
                 *self.weights,
                 len(charges) // 2,
                 *charges,
-                len(entries) // 4,
+                len(entries) // 5,
                 *entries,
             ],
         )

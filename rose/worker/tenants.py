@@ -1,13 +1,13 @@
 """What the worker served each tenant: the fair-share charges it owes the fleet's counters, and the per-tenant figures
 on /metrics, in the info hash and in `rose status`.
 
-A take charges each job's tenant `estimate()` tokens in advance (rose.worker.fair_queue: `prepaid`), so that workers
-taking at the same moment see each other's picks. Then each job is settled as it is served: `on_tokens` (generated)
-and `on_ended` (its prompt tokens, once the engine has counted them) charge what goes beyond the advance, and
-`release` (the job ended, or left this worker) refunds what the advance overcharged. The charges, tokens / weight by
-tenant, wait in `pending` until the next take adds them to the counters in Redis (`take_pending`), or `flush` does
-(one round trip) when no take came for `flush_every` seconds. `estimate()` is the mean tokens a job of this worker
-has cost so far.
+A take charges each job's tenant its prompt's expected tokens at once (rose.worker.fair_queue: `prepaid`), so that
+workers taking at the same moment see each other's picks. Then each job is settled as it is served: `on_tokens`
+(generated) and `on_ended` (its prompt tokens, once the engine has counted them) charge what goes beyond the advance,
+and `release` (the job ended, or left this worker) refunds what the advance overcharged. The charges, tokens / weight
+by tenant, wait in `pending` until the next take adds them to the counters in Redis (`take_pending`), or `flush`
+does (one round trip) when no take came for `flush_every` seconds. `typical()` is the mean tokens a job of this
+worker generated so far, `estimate()` the mean it cost in all (a job taken without its data read).
 
 Labels: the first `MAX_LABELS` tenants seen get their own series on /metrics and row in the info hash; the others
 share `(other)` (a tenant per end user would otherwise grow them without bound). The counters in Redis are exact
@@ -74,6 +74,7 @@ class Tenants:
         self._queued: set[str] = set()  # labels the queued gauge was set for
         self._jobs_ended = 0
         self._tokens_ended = 0
+        self._generated_ended = 0
         self._next_flush = 0.0
         reg, model = metrics.registry, metrics.model
         labels = ["model_name", "tenant"]
@@ -128,6 +129,7 @@ class Tenants:
         self._serve(run, prompt_tokens)
         self._jobs_ended += 1
         self._tokens_ended += prompt_tokens + generated
+        self._generated_ended += generated
         self.release(run.id)
 
     def release(self, job_id: str) -> None:
@@ -150,6 +152,9 @@ class Tenants:
 
     def estimate(self) -> float:
         return self._tokens_ended / self._jobs_ended if self._jobs_ended else FIRST_ESTIMATE
+
+    def typical(self) -> float | None:
+        return self._generated_ended / self._jobs_ended if self._jobs_ended else None
 
     def take_pending(self) -> dict[str, float]:
         pending = {tenant: amount for tenant, amount in self.pending.items() if amount}

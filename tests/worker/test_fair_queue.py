@@ -18,7 +18,7 @@ from rose.worker.fair_queue import FairQueue, placement
 
 pytestmark = pytest.mark.timeout(60)
 
-ESTIMATE = 100.0  # tokens a take counts for each job it gives a tenant
+ESTIMATE = 100.0  # tokens a job is settled at (and what a job taken unindexed is charged)
 
 
 def submit(r, n: int, tenant: str | None = None, **fields) -> list[str]:
@@ -35,6 +35,9 @@ class Accounts:
 
     def estimate(self) -> float:
         return self._estimate
+
+    def typical(self) -> float | None:
+        return None
 
     def take_pending(self) -> dict[str, float]:
         return {}
@@ -55,16 +58,15 @@ def tenants_of(r, ids: list[str]) -> list[str]:
 
 def take_served(r, fair: FairQueue, queue: Queue, n: int, cost: float = ESTIMATE, weights=None) -> list[str]:
     """Take one job at a time `n` times, settling each job's tenant at `cost` tokens (over its weight; the take
-    charged ESTIMATE in advance) as a worker serving it would: the tenants in the order they were served."""
+    charged the job's expected tokens in advance) as a worker serving it would: the tenants in the order served."""
     order: list[str] = []
     for _ in range(n):
         taken = fair.take([queue], 1)
         if not taken:
             break
-        tenant = tenants_of(r, [taken[0][0]])[0]
+        tenant, advance = fair.accounts.advances[taken[0][0]]
         order.append(tenant)
-        if cost != ESTIMATE:
-            fair_queue.charge(r, {tenant: (cost - ESTIMATE) / (weights or {}).get(tenant, 1.0)})
+        fair_queue.charge(r, {tenant: (cost - advance) / (weights or {}).get(tenant, 1.0)})
     return order
 
 
@@ -115,10 +117,10 @@ def test_canceled_and_deleted_jobs_are_never_taken(r):
     assert r.llen(keys.fair_tenant_key("rose", "a")) == 4  # still indexed: the index learns at their turn
     taken = [i for i, _, _ in fair.take([queue], 5)]
     assert taken == [ids[1], ids[4]]
-    assert r.scard(keys.fair_key("rose", "indexed")) == 0  # the index holds nothing stale
+    assert r.hlen(keys.fair_key("rose", "indexed")) == 0  # the index holds nothing stale
     assert fair.take([queue], 4) == []
-    # only the jobs taken were charged in advance
-    assert fair.accounts.advances == {i: ("a", ESTIMATE) for i in (ids[0], ids[1], ids[4])}
+    # only the jobs taken were charged in advance: a prompt "a 3" (3 characters: 0.75 tokens)
+    assert fair.accounts.advances == {i: ("a", 0.8) for i in (ids[0], ids[1], ids[4])}
 
 
 def test_an_emptied_queue_stalls_no_take_for_long(r, monkeypatch):
@@ -215,3 +217,13 @@ def test_placement_reads_what_the_contract_would():
     assert placement({"tenant": " ", "deadline": 5}) == fair_queue.Placement()  # refused at start: no place
     assert placement({"deadline": True}) == fair_queue.Placement()
     assert placement(None) == fair_queue.Placement()
+
+
+def test_expected_tokens_charged_in_advance():
+    expected = fair_queue.expected_tokens
+    assert expected({"prompt": "x" * 40, "max_tokens": 100}, None) == (10.0, 110.0)
+    assert expected({"prompt": "x" * 40, "max_tokens": 100}, 30.0) == (10.0, 40.0)  # typical is lower
+    assert expected({"prompt": [1, 2, 3], "max_tokens": 5, "n": 4}, None) == (3.0, 23.0)
+    assert expected({"messages": [{"role": "user", "content": "hi"}]}, None)[1] > 16
+    assert expected({"prompt": "", "max_tokens": None}, None) == (0.0, 256.0)
+    assert expected(None, None) == (0.0, 16.0)  # the contract's default max_tokens

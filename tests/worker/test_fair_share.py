@@ -97,7 +97,11 @@ def test_per_tenant_figures_on_metrics_info_and_status(run_worker, r, q):
         what="the info hash's tenants",
     )
     # each job charged an estimate when taken, settled to its 12 tokens: both lifted to 0, then served
-    wait_for(lambda: fair_queue.counters(r) == {"big": 48.0, "small": 24.0}, 5, what="the counters settled")
+    wait_for(
+        lambda: fair_queue.counters(r) == pytest.approx({"big": 48.0, "small": 24.0}),
+        5,
+        what=f"the counters settled (are {fair_queue.counters(r)})",
+    )
     rows = {t["tenant"]: t for t in status_cmd.collect(r)["tenants"]}
     assert rows["big"]["tokens"] == 48 and rows["small"]["tokens"] == 24 and rows["small"]["queued"] == 0
     assert rows["big"]["wait_p99"] >= rows["big"]["wait_p50"] >= 0
