@@ -159,16 +159,21 @@ if redis.call('LLEN', queue) == 0 then  -- nothing waits: whatever the index hol
 end
 local out, left, pops, estimate = {0}, tonumber(ARGV[5]), tonumber(ARGV[7]), tonumber(ARGV[6])
 local extra = {}  -- by tenant: the tokens expected of the jobs this take gave it, beyond their prompts
+local mark = redis.call('GET', KEYS[3])
 local function claim(id, t)
   local cost = redis.call('HGET', KEYS[4], id) or ('0|' .. estimate)
   local prompt, all = string.match(cost, '^([^|]*)|(.*)$')
   prompt, all = tonumber(prompt), tonumber(all)
   redis.call('HDEL', KEYS[4], id)
-  if redis.call('HGET', ARGV[2] .. id, ARGV[8]) ~= ARGV[9] then return false end  -- canceled, deleted, ended
-  if id == redis.call('GET', KEYS[3]) then  -- the mark moves to the id before it (none: look from the head)
+  local job, queued = redis.call('HGETALL', ARGV[2] .. id), false
+  for i = 1, #job, 2 do
+    if job[i] == ARGV[8] then queued = job[i + 1] == ARGV[9]; break end
+  end
+  if not queued then return false end  -- canceled, deleted, ended
+  if id == mark then  -- the mark moves to the id before it (none: look from the head)
     local p = redis.call('LPOS', queue, id)
-    local before = p and p > 0 and redis.call('LINDEX', queue, p - 1)
-    if before then redis.call('SET', KEYS[3], before) else redis.call('DEL', KEYS[3]) end
+    mark = p and p > 0 and redis.call('LINDEX', queue, p - 1)
+    if mark then redis.call('SET', KEYS[3], mark) else redis.call('DEL', KEYS[3]) end
   end
   if redis.call('LREM', queue, 1, id) == 0 then return false end
   redis.call('RPUSH', KEYS[2], id)
@@ -179,7 +184,7 @@ local function claim(id, t)
   out[#out + 1] = id
   out[#out + 1] = t
   out[#out + 1] = tostring(prompt)
-  out[#out + 1] = redis.call('HGETALL', ARGV[2] .. id)
+  out[#out + 1] = job
   return true
 end
 while left > 0 and pops > 0 do  -- deadline jobs first, earliest first
@@ -241,7 +246,10 @@ if left > 0 and pops > 0 and redis.call('SCARD', KEYS[5]) == 0 and redis.call('Z
     local id = redis.call('LMOVE', queue, KEYS[2], 'LEFT', 'RIGHT')
     if not id then break end
     redis.call('HDEL', KEYS[4], id)
-    if id == redis.call('GET', KEYS[3]) then redis.call('DEL', KEYS[3]) end
+    if id == mark then
+      mark = false
+      redis.call('DEL', KEYS[3])
+    end
     out[#out + 1] = id
     out[#out + 1] = ''
     out[#out + 1] = '0'
