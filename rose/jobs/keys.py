@@ -53,7 +53,7 @@ def fair_tenant_key(queue_name: str, tenant: str) -> str:
 
 
 def fair_counters_key() -> str:
-    """Hash: each tenant's service, tokens / weight, counted by every worker of the fleet."""
+    """Sorted set: each tenant's service, tokens / weight, counted by every worker of the fleet."""
     return f"{FAIR_PREFIX}counters"
 
 

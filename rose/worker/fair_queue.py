@@ -165,11 +165,12 @@ local function claim(id, t)
   local prompt, all = string.match(cost, '^([^|]*)|(.*)$')
   prompt, all = tonumber(prompt), tonumber(all)
   redis.call('HDEL', KEYS[4], id)
-  local job, queued = redis.call('HGETALL', ARGV[2] .. id), false
-  for i = 1, #job, 2 do
-    if job[i] == ARGV[8] then queued = job[i + 1] == ARGV[9]; break end
+  local status = redis.call('HGET', ARGV[2] .. id, ARGV[8])
+  if not status then  -- its hash is gone (deleted, expired): off the queue too, as RQ drops such ids
+    redis.call('LREM', queue, 1, id)
+    return false
   end
-  if not queued then return false end  -- canceled, deleted, ended
+  if status ~= ARGV[9] then return false end  -- canceled, ended
   if id == mark then  -- the mark moves to the id before it (none: look from the head)
     local p = redis.call('LPOS', queue, id)
     mark = p and p > 0 and redis.call('LINDEX', queue, p - 1)
@@ -184,7 +185,7 @@ local function claim(id, t)
   out[#out + 1] = id
   out[#out + 1] = t
   out[#out + 1] = tostring(prompt)
-  out[#out + 1] = job
+  out[#out + 1] = redis.call('HGETALL', ARGV[2] .. id)
   return true
 end
 while left > 0 and pops > 0 do  -- deadline jobs first, earliest first
@@ -224,7 +225,7 @@ local function pop()
   return top
 end
 if left > 0 then
-  for _, t in ipairs(redis.call('SMEMBERS', KEYS[5])) do push({counter(t), t}) end
+  for _, t in ipairs(redis.call('SMEMBERS', KEYS[5])) do push({counter(t) + (extra[t] or 0), t}) end
 end
 while left > 0 and pops > 0 and #heap > 0 do
   local e = pop()
@@ -320,9 +321,9 @@ def waiting(conn: Redis, queue_name: str) -> dict[str, int]:
 
 
 def expected_tokens(kwargs: Mapping[str, Any] | None, typical: float | None) -> tuple[float, float]:
-    """What a job is expected to cost: (its prompt: a token per 4 characters, or its ids; that plus, for each of its
-    `n` choices, its max_tokens, or `typical` (this worker's jobs' generated tokens so far, on average) when that is
-    lower; None max_tokens (up to the context): `typical`, or 256). A claim charges the prompt at once (VTC charges
+    """What a job is expected to cost: (its prompt: a token per 4 characters, or its ids; that plus its max_tokens
+    times its `n` choices, or `typical` (this worker's jobs' generated tokens so far, on average) when that is lower;
+    None max_tokens (up to the context): `typical`, or 256). A claim charges the prompt at once (VTC charges
     it at admission); the whole spreads a take's picks."""
     kwargs = kwargs or {}
     prompt = kwargs.get("prompt")
@@ -332,10 +333,11 @@ def expected_tokens(kwargs: Mapping[str, Any] | None, typical: float | None) -> 
         prompt_tokens = len(str(prompt if prompt is not None else kwargs.get("messages") or "")) / 4
     most = kwargs.get("max_tokens", 16)
     most = float(most) if isinstance(most, int | float) and not isinstance(most, bool) and most > 0 else None
-    generated = min(x for x in (most, typical) if x is not None) if most or typical else 256.0
     n = kwargs.get("n", 1)
-    total = prompt_tokens + generated * (n if isinstance(n, int) and 0 < n <= 128 else 1)
-    return round(prompt_tokens, 1), round(total, 1)
+    if most is not None:
+        most *= n if isinstance(n, int) and 0 < n <= 128 else 1
+    generated = min(x for x in (most, typical) if x is not None) if most or typical else 256.0
+    return round(prompt_tokens, 1), round(prompt_tokens + generated, 1)
 
 
 class Accounts(Protocol):
@@ -383,7 +385,7 @@ class FairQueue:
             if len(taken) >= room:
                 break
             try:
-                flat = self._take_from(queue, room - len(taken), self.accounts.take_pending())
+                flat = self._take_from(queue, room - len(taken))
             except Exception:
                 if taken:  # theirs started as usual; a lost reply's charges stay counted, not twice
                     return taken
@@ -399,7 +401,7 @@ class FairQueue:
                 break  # jobs still wait here that this take did not reach: no lower queue goes first
         return taken
 
-    def _take_from(self, queue: Queue, room: int, pending: Mapping[str, float]) -> list[Any]:
+    def _take_from(self, queue: Queue, room: int) -> list[Any]:
         """Index what `queue` holds past the mark, claim up to `room` of its jobs: the script's reply (flat)."""
         name = queue.name
         mark, indexed = keys.fair_key(name, "mark"), keys.fair_key(name, "indexed")
@@ -414,6 +416,7 @@ class FairQueue:
             prompt, total = expected_tokens(kwargs, self.accounts.typical())
             cost = f"{prompt!r}|{total!r}"
             entries += [decoded(found[i]), place.tenant, deadline, decoded(found[i + 1]), cost]
+        pending = self.accounts.take_pending()  # handed over last: an error before the script keeps them owed
         charges = [x for tenant, amount in pending.items() for x in (tenant, repr(float(amount)))]
         tenants, deadlines = keys.fair_key(name, "tenants"), keys.fair_key(name, "deadlines")
         return self._take(

@@ -111,6 +111,7 @@ class Tenants:
     # ---- what jobs did ---------------------------------------------------------------------------------------
 
     def prepaid(self, job_id: str, tenant: str, tokens: float) -> None:
+        self.release(job_id)  # taken again (requeued behind our back): the earlier advance settles first
         self._jobs[job_id] = JobAccount(tenant, tokens)
 
     def on_taken(self, run: Running) -> None:

@@ -227,3 +227,13 @@ def test_expected_tokens_charged_in_advance():
     assert expected({"messages": [{"role": "user", "content": "hi"}]}, None)[1] > 16
     assert expected({"prompt": "", "max_tokens": None}, None) == (0.0, 256.0)
     assert expected(None, None) == (0.0, 16.0)  # the contract's default max_tokens
+
+
+def test_an_id_whose_job_expired_leaves_the_queue(r):
+    queue = Queue("rose", connection=r, serializer=JSONSerializer)
+    ids = submit(r, 3, "a")
+    fair = taker(r)
+    assert [i for i, _, _ in fair.take([queue], 1)] == ids[:1]
+    r.delete(Job.key_for(ids[1]))  # its hash expired (RQ's ttl): the id alone is left on the queue
+    assert [i for i, _, _ in fair.take([queue], 2)] == ids[2:]
+    assert queue.get_job_ids() == []  # dropped, as RQ's dequeue drops such ids, not indexed again
