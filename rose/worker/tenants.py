@@ -95,6 +95,7 @@ class Tenants:
             "rose_tenant_queued", "Jobs of each tenant waiting in this worker's queues.", labels, registry=reg
         )
         self._model = model
+        self._token_children: dict[str, Any] = {}
 
     def weight(self, tenant: str) -> float:
         return self.weights.get(tenant, 1.0)
@@ -147,7 +148,10 @@ class Tenants:
         account.served += n
         label = self.label(account.tenant)
         self.tokens[label] += n
-        self._tokens.labels(self._model, label).inc(n)
+        child = self._token_children.get(label)
+        if child is None:  # labels() per job and step would cost the loop a lock and a lookup each
+            child = self._token_children[label] = self._tokens.labels(self._model, label)
+        child.inc(n)
         if beyond:
             self.pending[account.tenant] += beyond / self.weight(account.tenant)
 
