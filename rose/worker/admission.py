@@ -32,12 +32,12 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True, slots=True)
 class Refusal:
     """Why a taken job fails instead of running. `deadline`: its deadline had passed (the message is the
-    contract's); `callbacks`: whether its failure callback may run (None: as any failure)."""
+    contract's); `callbacks`: whether its failure callback may run."""
 
     message: str = ""
     retry: bool = True
     deadline: bool = False
-    callbacks: bool | None = None
+    callbacks: bool = True
 
 
 class Admission:

@@ -205,10 +205,8 @@ class JobLoop:
             self.running[run.id] = run
         elif refusal.deadline:
             self._fail_deadline(run, "before this attempt started", started=False)
-        elif refusal.callbacks is not None:
-            self._fail(run, refusal.message, retry=refusal.retry, callbacks=refusal.callbacks)
         else:
-            self._fail(run, refusal.message, retry=refusal.retry)
+            self._fail(run, refusal.message, retry=refusal.retry, callbacks=refusal.callbacks)
 
     # ---- step ----------------------------------------------------------------------------------------------------
 
