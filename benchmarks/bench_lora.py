@@ -71,7 +71,7 @@ def main() -> None:
     p.add_argument("--shape", choices=SHAPES, default="tiny")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument(
-        "--kernel", choices=("runs", "masked"), default=None, help="LoRALinear's form (default: the device's)"
+        "--kernel", choices=("runs", "masked"), default=None, help="LoRALinear's form (default: runs)"
     )
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")

@@ -38,7 +38,16 @@ from torch import nn
 
 from rose.engine import loader
 from rose.engine.config import EngineConfig
-from rose.engine.lora_layers import KERNELS, LoRALinear, StepMapping, masked_mapping, step_runs, token_linears
+from rose.engine.lora_layers import (
+    KERNELS,
+    LoRALinear,
+    Siblings,
+    StepMapping,
+    masked_mapping,
+    padded_runs,
+    step_runs,
+    token_linears,
+)
 
 log = logging.getLogger(__name__)
 
@@ -194,10 +203,10 @@ class LoRAManager:
         self._idle: OrderedDict[str, None] = OrderedDict()  # resident, unused, least recently used first
         self._scaling = [0.0] * max_loras  # the resident adapter's, by slot
         self._rank = [0] * max_loras
-        device = next(model.parameters()).device
-        # LoRALinear's forms: "runs" (CPU), "masked" (a fixed number of kernels: CUDA)
-        self.kernel = kernel or ("runs" if device.type == "cpu" else "masked")
-        served, self._unservable = token_linears(model)
+        # LoRALinear's forms: "runs" (each token's own adapter's arithmetic; the faster on CPU and, measured on an
+        # H200, on CUDA too) or "masked" (every present slot's columns for every token)
+        self.kernel = kernel or "runs"
+        served, self._unservable, siblings = token_linears(model)
         self._layers: dict[str, LoRALinear] = {}  # by module path
         try:
             for name in served:
@@ -205,6 +214,7 @@ class LoRAManager:
         except BaseException:  # e.g. out of memory for the slots: the model as it was
             self.unwrap()
             raise
+        self._siblings = [Siblings([self._layers[name] for name in names]) for names in siblings]
         self.loads: Counter[str] = Counter()  # by adapter: loaded into a slot
         self.evictions: Counter[str] = Counter()  # by adapter: evicted from its slot for another
 
@@ -334,16 +344,24 @@ class LoRAManager:
         step = self.step
         step.num_tokens = sum(lengths)
         step.runs = step_runs(slots, lengths, self._rank, self._scaling)
-        step.drop = step.scaling = None
-        if step.runs and self.kernel == "masked":
-            device = next(iter(self._layers.values())).lora_a.device
+        step.slots = frozenset(run.slot for run in step.runs)
+        step.drop = step.scaling = step.padded = None
+        if not step.runs:
+            return
+        device = next(iter(self._layers.values())).lora_a.device
+        if self.kernel == "runs":
+            step.padded = padded_runs(step.runs, step.num_tokens, device)
+        else:
             step.first, step.last, step.drop, step.scaling = masked_mapping(
                 slots, lengths, self.max_lora_rank, self._scaling, device
             )
 
     def end_step(self) -> None:
         self.step.runs = []
-        self.step.drop = self.step.scaling = None
+        self.step.slots = frozenset()
+        for siblings in self._siblings:
+            siblings.clear()
+        self.step.drop = self.step.scaling = self.step.padded = None
 
 
 def lora_manager(model: nn.Module, config: EngineConfig) -> LoRAManager | None:

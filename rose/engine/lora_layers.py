@@ -10,6 +10,7 @@ from typing import NamedTuple
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 KERNELS = ("runs", "masked")  # LoRALinear's forms
 
@@ -25,14 +26,39 @@ class Run(NamedTuple):
 
 
 @dataclass(slots=True)
+class PaddedRuns:
+    """The runs form as two batched products a layer (Punica's BGMV), whatever the number of runs: each run padded
+    to `width` rows. `rows` [runs * width]: the step's token of each padded row (padding repeats its run's first
+    row), or None when the runs lie back to back from row `start` with `width` tokens each (a view then). `slots`:
+    each run's slot, a slice when they are consecutive and in order (a view of the slots' weights), else a tensor
+    [runs]. `rank`: the largest of the runs' adapters' ranks (the rows of each slot taken; past an adapter's rank
+    they are zero). The adapters' scaling: `alpha` when every run has the same and none is padded (applied to the
+    product through B, as PEFT applies it), else `scaling` [runs, width, 1], each row's, 0 on padding (applied to
+    x A, before B: the same product but for the rounding of one multiplication)."""
+
+    runs: int
+    width: int
+    start: int
+    whole: bool  # back to back from row 0 to the step's last: the runs are every token
+    rows: torch.Tensor | None
+    slots: torch.Tensor | slice
+    rank: int
+    alpha: float = 1.0
+    scaling: torch.Tensor | None = None
+
+
+@dataclass(slots=True)
 class StepMapping:
     """The running forward's tokens by adapter slot, set by `LoRAManager.begin_step`. `runs`: each run of
-    consecutive tokens of one adapter (empty: no adapter runs). For the masked kernel, the slots present lie in
-    [first, last): `drop` [tokens, (last - first) * max_rank] is False on the columns of each token's slot (0 on a
-    base-model token's row), `scaling` [tokens, 1] its adapter's scaling."""
+    consecutive tokens of one adapter (empty: no adapter runs), `slots` their slots; `padded`: the same runs for one batched product a
+    layer (None: a product per run). For the masked kernel, the slots present lie in [first, last): `drop` [tokens,
+    (last - first) * max_rank] is False on the columns of each token's slot (0 on a base-model token's row),
+    `scaling` [tokens, 1] its adapter's scaling."""
 
     num_tokens: int = 0
     runs: list[Run] = field(default_factory=list)
+    slots: frozenset[int] = frozenset()  # the runs' slots
+    padded: PaddedRuns | None = None
     first: int = 0
     last: int = 0
     drop: torch.Tensor | None = None
@@ -45,10 +71,13 @@ class LoRALinear(nn.Module):
 
     Each token gets PEFT's `lora_B(lora_A(x)) * scaling` for its adapter, added to the base layer's output, in one
     of two forms (`LoRAManager.kernel`), the S-LoRA / Punica batch in plain torch:
-    - "runs" (CPU): the model runner puts each adapter's decode rows together, so each adapter's tokens are a few
-      runs of consecutive rows; per run, x against the adapter's A (its own rank), then added against its B times
-      its scaling (Punica's segmented SGMV). The arithmetic is each token's own adapter's only.
-    - "masked" (CUDA: a fixed number of kernels a layer whatever the adapters): x against the A of every slot
+    - "runs" (the default): the model runner puts each adapter's decode rows together, so each adapter's tokens are a few
+      runs of consecutive rows; x against each token's own adapter's A, then against its B, times its scaling: the
+      arithmetic is each token's own adapter's only. When the runs padded to the longest are not much longer than
+      they are (`PaddedRuns`: decode, prompts of like lengths) all runs go in two batched products (Punica's BGMV),
+      else one product pair per run (its segmented SGMV), so that a batch of many adapters costs a few kernels a
+      layer, not two per adapter.
+    - "masked" (a fixed number of kernels a layer whatever the adapters and their layout): x against the A of every slot
       present ([tokens, slots * rank]), masked to the token's own slot (the other products become exact zeros),
       against their B, times the token's scaling: two matmuls a layer, slots * rank columns for every token.
     benchmarks/README.md has what each costs.
@@ -57,21 +86,33 @@ class LoRALinear(nn.Module):
     def __init__(self, base: nn.Linear, max_loras: int, max_rank: int, step: StepMapping) -> None:
         super().__init__()
         self.base = base
+        self._plain = type(base) is nn.Linear
         self.step = step
         w = base.weight
         self.lora_a = torch.zeros(max_loras * max_rank, base.in_features, dtype=w.dtype, device=w.device)
         self.lora_b = torch.zeros(max_loras * max_rank, base.out_features, dtype=w.dtype, device=w.device)
+        # by slot: [slot, rank, in] and [slot, rank, out] views
+        self.lora_a3 = self.lora_a.view(max_loras, max_rank, -1)
+        self.lora_b3 = self.lora_b.view(max_loras, max_rank, -1)
+        self._views_key: tuple[int, int, int] | None = None  # _run_weights' last views
+        self._views: tuple[torch.Tensor, torch.Tensor] = (self.lora_a3, self.lora_b3)
         self.max_rank = max_rank
-        self.loaded = [False] * max_loras  # whether each slot's adapter targets this layer
+        self.loaded: set[int] = set()  # the slots whose adapter targets this layer
+        self.siblings: Siblings | None = None  # the layers taking the same input, when there are
+        self.sibling_index = 0
 
     def set_slot(self, slot: int, weights: tuple[torch.Tensor, torch.Tensor] | None) -> None:
-        if weights is None and not self.loaded[slot]:
+        if weights is None and slot not in self.loaded:
             return  # zero already
+        if self.siblings is not None:
+            self.siblings.stale()
         first = slot * self.max_rank
         self.lora_a[first : first + self.max_rank].zero_()
         self.lora_b[first : first + self.max_rank].zero_()
         # set before the copy: rows a failed copy wrote are zeroed next time
-        self.loaded[slot] = weights is not None
+        self.loaded.discard(slot)
+        if weights is not None:
+            self.loaded.add(slot)
         if weights is not None:
             a, b = weights
             r = a.shape[0]
@@ -83,20 +124,26 @@ class LoRALinear(nn.Module):
         return self.lora_a.nbytes + self.lora_b.nbytes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base(x)
+        base = self.base
+        # a plain nn.Linear without its module call (a subclass, e.g. a quantized one, through its own forward)
+        y = F.linear(x, base.weight, base.bias) if self._plain else base(x)
         step = self.step
-        # the runs of the step's adapters that target this layer
-        runs = [run for run in step.runs if self.loaded[run.slot]]
-        if not runs:
+        if self.loaded.isdisjoint(step.slots):
+            return y  # no adapter of the step targets this layer
+        if x.numel() != step.num_tokens * x.shape[-1]:
+            raise RuntimeError(
+                f"LoRA layer saw {x.numel() // x.shape[-1]} tokens in a step of {step.num_tokens}"
+            )
+        if step.padded is not None:
+            self._add_padded(x, y, step.padded)
             return y
         flat_x, flat_y = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
-        if flat_x.shape[0] != step.num_tokens:
-            raise RuntimeError(f"LoRA layer saw {flat_x.shape[0]} tokens in a step of {step.num_tokens}")
         if step.drop is None:
-            for slot, start, stop, rank, scaling in runs:
-                first = slot * self.max_rank
-                shrunk = flat_x[start:stop] @ self.lora_a[first : first + rank].T
-                flat_y[start:stop].addmm_(shrunk, self.lora_b[first : first + rank], alpha=scaling)
+            for slot, start, stop, rank, scaling in step.runs:
+                if slot in self.loaded:
+                    first = slot * self.max_rank
+                    shrunk = flat_x[start:stop] @ self.lora_a[first : first + rank].T
+                    flat_y[start:stop].addmm_(shrunk, self.lora_b[first : first + rank], alpha=scaling)
             return y
         rows = slice(step.first * self.max_rank, step.last * self.max_rank)
         # filled, not multiplied: another slot's product that overflowed (inf * 0) must not become NaN
@@ -104,6 +151,88 @@ class LoRALinear(nn.Module):
             step.scaling
         )
         return y + delta.view(y.shape)
+
+    def _add_padded(self, x: torch.Tensor, y: torch.Tensor, p: PaddedRuns) -> None:
+        """Adds every run's delta to `y` in two batched products (PaddedRuns); a run whose adapter does not target
+        this layer has zero A and B rows here, so it adds exact zeros."""
+        shrunk, b = self._shrunk(x, p), self._run_weights(p)[1]
+        if p.rows is None:  # added in place: back to back, no padding
+            _grouped(y, p).baddbmm_(shrunk, b, alpha=p.alpha)
+        else:
+            delta = torch.bmm(shrunk, b).view(-1, y.shape[-1])
+            y.view(-1, y.shape[-1]).index_add_(0, p.rows, delta, alpha=p.alpha)
+
+    def _shrunk(self, x: torch.Tensor, p: PaddedRuns) -> torch.Tensor:
+        """x A for the padded runs, [runs, width, rank], scaled where PaddedRuns says: this layer's columns of its
+        siblings' product when one of them computed it for this very input, else computed (for all the siblings
+        when the runs' slots are consecutive)."""
+        siblings, rank = self.siblings, p.rank
+        columns = slice(self.sibling_index * rank, (self.sibling_index + 1) * rank)
+        if siblings is not None and siblings.x is x:
+            return siblings.shrunk[..., columns]
+        if p.rows is None:
+            xs = _grouped(x, p)
+        else:
+            xs = x.reshape(-1, x.shape[-1]).index_select(0, p.rows).view(p.runs, p.width, -1)
+        shared = siblings is not None and isinstance(p.slots, slice)
+        shrunk = torch.bmm(xs, siblings.a_t(p.slots, rank) if shared else self._run_weights(p)[0])
+        if p.scaling is not None:
+            shrunk.mul_(p.scaling)  # padding rows (copies of a real row) times 0
+        if not shared:
+            return shrunk
+        siblings.x, siblings.shrunk = x, shrunk
+        return shrunk[..., columns]
+
+    def _run_weights(self, p: PaddedRuns) -> tuple[torch.Tensor, torch.Tensor]:
+        """A transposed [runs, in, rank] and B [runs, rank, out] of the runs' slots: views of the slots' buffers
+        (kept while the steps' slots stay the same: decode) when the slots are consecutive, else gathered."""
+        if not isinstance(p.slots, slice):
+            return self.lora_a3[p.slots, : p.rank].transpose(1, 2), self.lora_b3[p.slots, : p.rank]
+        key = (p.slots.start, p.slots.stop, p.rank)
+        if self._views_key != key:
+            a_t = self.lora_a3[p.slots, : p.rank].transpose(1, 2)
+            self._views, self._views_key = (a_t, self.lora_b3[p.slots, : p.rank]), key
+        return self._views
+
+
+class Siblings:
+    """Wrapped layers that take the same input tensor in a forward (a layer's q/k/v projections, an MLP's gate/up;
+    `token_linears` finds them). In a step whose padded runs hold consecutive slots, the first of them to run
+    computes x A for all of them in one product ([runs, width, members * rank]) and each takes its columns: one
+    product where there were as many as members. Only a saving: a member called with another tensor computes its
+    own. The members' A side by side are kept while the steps' slots and ranks stay (decode) and no slot is
+    written; `clear` (each step's end) lets the step's input and product go."""
+
+    def __init__(self, members: list[LoRALinear]) -> None:
+        self.members = members
+        for i, member in enumerate(members):
+            member.siblings, member.sibling_index = self, i
+        self._key: tuple[int, int, int] | None = None
+        self._a_t = torch.empty(0)
+        self.x: torch.Tensor | None = None  # the input of the step's shared product
+        self.shrunk = torch.empty(0)
+
+    def stale(self) -> None:
+        self._key = None
+
+    def clear(self) -> None:
+        self.x, self.shrunk = None, torch.empty(0)
+
+    def a_t(self, slots: slice, rank: int) -> torch.Tensor:
+        """The members' A of `slots`, side by side and transposed: [slots, in, members * rank]."""
+        key = (slots.start, slots.stop, rank)
+        if self._key != key:
+            parts = [member.lora_a3[slots, :rank] for member in self.members]
+            self._a_t, self._key = torch.cat(parts, dim=1).transpose(1, 2), key
+        return self._a_t
+
+
+def _grouped(t: torch.Tensor, p: PaddedRuns) -> torch.Tensor:
+    """The rows of back-to-back runs of `t` ([..., tokens, features]) as [runs, width, features]: a view of `t`
+    when it is contiguous (the output added to in place always is: a linear layer's), else a copy."""
+    if p.whole:
+        return t.reshape(p.runs, p.width, -1)
+    return t.reshape(-1, t.shape[-1])[p.start : p.start + p.runs * p.width].view(p.runs, p.width, -1)
 
 
 def step_runs(
@@ -121,6 +250,41 @@ def step_runs(
                 runs.append(Run(slot, start, start + n, ranks[slot], scalings[slot]))
         start += n
     return runs
+
+
+PADDING_LIMIT = 2  # padded rows at most this many times the runs' tokens, else a product pair per run
+
+
+def padded_runs(runs: list[Run], num_tokens: int, device: torch.device) -> PaddedRuns | None:
+    """`runs` as PaddedRuns on `device`, or None when padding them to the longest would more than PADDING_LIMIT
+    times their tokens (one long prompt among decode rows: a product per run costs less)."""
+    if len(runs) < 2:
+        return None
+    lengths = [r.stop - r.start for r in runs]
+    width = max(lengths)
+    if len(runs) * width > PADDING_LIMIT * sum(lengths):
+        return None
+    unpadded = all(n == width for n in lengths)
+    back_to_back = unpadded and all(runs[i].stop == runs[i + 1].start for i in range(len(runs) - 1))
+    first = runs[0].slot
+    if all(r.slot == first + i for i, r in enumerate(runs)):
+        slots: torch.Tensor | slice = slice(first, first + len(runs))
+    else:
+        slots = torch.tensor([r.slot for r in runs], dtype=torch.long).to(device, non_blocking=True)
+    whole = back_to_back and runs[0].start == 0 and runs[-1].stop == num_tokens
+    padded = PaddedRuns(len(runs), width, runs[0].start, whole, None, slots, max(r.rank for r in runs))
+    if not back_to_back:
+        index = [r.start + min(j, r.stop - r.start - 1) for r in runs for j in range(width)]
+        padded.rows = torch.tensor(index, dtype=torch.long).to(device, non_blocking=True)
+    if unpadded and len({r.scaling for r in runs}) == 1:
+        padded.alpha = runs[0].scaling
+    else:  # float32, as PEFT's Python float
+        scaling = [
+            [r.scaling if j < n else 0.0] for r, n in zip(runs, lengths, strict=True) for j in range(width)
+        ]
+        padded.scaling = torch.tensor(scaling, dtype=torch.float32).to(device, non_blocking=True)
+        padded.scaling = padded.scaling.view(len(runs), width, 1)
+    return padded
 
 
 def masked_mapping(
@@ -144,20 +308,19 @@ def masked_mapping(
 TRACE_TOKENS = 16  # of the forward that tells which linear layers run on every token
 
 
-def token_linears(model: nn.Module) -> tuple[list[str], dict[str, str]]:
+def token_linears(model: nn.Module) -> tuple[list[str], dict[str, str], list[list[str]]]:
     """The linear layers of `model` (but its LM head) that run on all of a forward's tokens in every call (one
-    forward of TRACE_TOKENS tokens, as transformers runs it), and why each other cannot take an adapter."""
+    forward of TRACE_TOKENS tokens, as transformers runs it), why each other cannot take an adapter, and the groups
+    of those layers that took the very same input tensor (siblings: q/k/v, gate/up)."""
     head = model.get_output_embeddings()
-    rows: dict[str, list[int]] = {}
+    seen: dict[str, list[torch.Tensor | None]] = {}  # each call's input (kept: their ids stay unique)
     hooks = []
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear) and module is not head:
-            calls = rows.setdefault(name, [])
+            calls = seen.setdefault(name, [])
             hooks.append(
                 module.register_forward_pre_hook(
-                    lambda _, args, calls=calls: calls.append(
-                        args[0].numel() // args[0].shape[-1] if args else -1
-                    )
+                    lambda _, args, calls=calls: calls.append(args[0] if args else None)
                 )
             )
     # spread over the vocabulary: the first ids (special, byte tokens) could all route to the same experts
@@ -172,13 +335,16 @@ def token_linears(model: nn.Module) -> tuple[list[str], dict[str, str]]:
         for hook in hooks:
             hook.remove()
     served, unservable = [], {}
-    for name, calls in rows.items():
+    by_input: dict[int, list[str]] = {}
+    for name, calls in seen.items():
         if not calls:
             unservable[name] = "does not run in the model's forward"
-        elif any(n != TRACE_TOKENS for n in calls):
+        elif any(x is None or x.numel() // x.shape[-1] != TRACE_TOKENS for x in calls):
             unservable[name] = (
                 "runs on a subset of the tokens (e.g. a mixture-of-experts expert), which rose's LoRA does not serve"
             )
         else:
             served.append(name)
-    return served, unservable
+            if len(calls) == 1:
+                by_input.setdefault(id(calls[0]), []).append(name)
+    return served, unservable, [names for names in by_input.values() if len(names) > 1]

@@ -14,7 +14,7 @@ from rose.engine.kv_cache import AttentionMetadata, KVCache, PrefillSegment
 from rose.engine.lora import LoRAManager
 from rose.engine.model_binding import ForwardContext, attach
 from rose.engine.model_probe import AttentionLayers
-from rose.engine.scheduler import ScheduledBatch
+from rose.engine.scheduler import PrefillChunk, ScheduledBatch
 from rose.engine.sequence import Sequence
 
 
@@ -75,14 +75,22 @@ class ModelRunner:
             rows[i] = row
         return [batch.decode[i] for i in order], rows
 
+    def _prefill_order(self, batch: ScheduledBatch) -> list[int]:
+        """The order of `batch.prefill`'s chunks in the forward: with LoRA, by adapter slot (a few long runs
+        rather than one per prompt), else the batch's order."""
+        order = list(range(len(batch.prefill)))
+        if self.lora is not None:
+            order.sort(key=lambda i: self._slot(batch.prefill[i].seq, -1))
+        return order
+
     def _slot(self, seq: Sequence, base: int | None = None) -> int | None:
         """The sequence's adapter slot; `base` for the base model."""
         return base if seq.lora_request is None else self.lora.slot_of(seq.lora_request.lora_name)
 
-    def _lora_step(self, decode: list[Sequence], batch: ScheduledBatch) -> None:
+    def _lora_step(self, decode: list[Sequence], prefill: list[PrefillChunk]) -> None:
         """Each token's adapter slot, in the forward's order: decode tokens, then prefill chunks."""
-        seqs = [*decode, *(c.seq for c in batch.prefill)]
-        lengths = [1] * len(decode) + [c.length for c in batch.prefill]
+        seqs = [*decode, *(c.seq for c in prefill)]
+        lengths = [1] * len(decode) + [c.length for c in prefill]
         self.lora.begin_step([self._slot(s) for s in seqs], lengths)
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
@@ -110,7 +118,10 @@ class ModelRunner:
             slots.append(seq.block_ids[pos // size] * size + pos % size)
             positions.append(pos)
         segments = []
-        for chunk in batch.prefill:
+        completed: dict[int, int] = {}  # a completing chunk's index in batch.prefill -> its last row
+        order = self._prefill_order(batch)
+        for i in order:
+            chunk = batch.prefill[i]
             seq = chunk.seq
             offset = len(ids)
             end = chunk.start + chunk.length
@@ -124,13 +135,14 @@ class ModelRunner:
             positions.extend(range(chunk.start, end))
             segments.append(PrefillSegment(blocks, chunk.start, chunk.length, offset))
             if chunk.completes_prefill:
-                sample_index.append(len(ids) - 1)
+                completed[i] = len(ids) - 1
             rows = prompt_rows(seq, chunk.start, end)
             if rows is not None:
                 first, stop = rows
                 prompt_index.extend(range(offset + first - chunk.start, offset + stop - chunk.start))
                 prompts.append((seq, first + 1, stop - first))
 
+        sample_index += [completed[i] for i in sorted(completed)]  # sampled in batch.prefill's order
         num_decode = len(decode)
         meta = AttentionMetadata(
             slot_mapping=torch.from_numpy(
@@ -150,7 +162,7 @@ class ModelRunner:
         keep = self._tensor(sample_index + prompt_index)
         self.context.begin(meta)
         if self.lora is not None:
-            self._lora_step(decode, batch)
+            self._lora_step(decode, [batch.prefill[i] for i in order])
         try:
             with sdpa_backends(self.device):
                 out = self.model(

@@ -327,25 +327,26 @@ def test_the_step_mapping_gives_each_token_its_slots_columns_and_scaling():
         eng.lora.kernel = "fast"
 
 
-def test_a_lora_steps_decode_rows_are_grouped_by_adapter_and_sampled_in_batch_order(adapters):
-    """The runner sorts decode rows by adapter slot (one run each); the logits still come back in the batch's order:
-    decoding sequences of alternating adapters give PEFT's tokens."""
+def test_a_lora_steps_rows_are_grouped_by_adapter_and_sampled_in_batch_order(adapters):
+    """The runner sorts decode rows, and prefill chunks, by adapter slot (a few runs); the logits still come back
+    in the batch's order: sequences of alternating adapters, their prompts computed in one step, give PEFT's
+    tokens."""
     eng = make_engine(PRESET, max_model_len=128, enable_lora=True, max_loras=2, max_num_seqs=6)
     loras = [adapters["qv"], None, adapters["mlp"], adapters["qv"], None, adapters["mlp"]]
-    seen = []
+    decode, prefill = [], []
     real = eng.lora.begin_step
 
     def spy(slots, lengths):
-        if set(lengths) == {1}:  # a decode step
-            seen.append(list(slots))
+        (decode if set(lengths) == {1} else prefill).append(list(slots))
         return real(slots, lengths)
 
     eng.lora.begin_step = spy
     done = run(eng, [(f"r{i}", PROMPTS[i], lora) for i, lora in enumerate(loras)])
-    decode_steps = [slots for slots in seen if len(slots) == 6]
-    assert decode_steps and all(
-        [s for s in slots if s is not None] == sorted(s for s in slots if s is not None)
-        for slots in decode_steps
-    )
+    decode_steps = [slots for slots in decode if len(slots) == 6]
+    assert decode_steps and prefill
+    for slots in [*decode_steps, prefill[0]]:
+        # base-model rows first (-1), then each slot's rows together
+        assert slots == sorted(slots, key=lambda s: -1 if s is None else s), slots
+    assert len(prefill[0]) == 6  # every prompt in the first step
     for i, lora in enumerate(loras):
         assert done[f"r{i}"] == reference(lora, PROMPTS[i], 8), i
