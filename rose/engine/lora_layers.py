@@ -45,6 +45,7 @@ class PaddedRuns:
     rank: int
     alpha: float = 1.0
     scaling: torch.Tensor | None = None
+    key: tuple[int, int, int] | None = None  # (first slot, last + 1, rank) when the slots are consecutive
 
 
 @dataclass(slots=True)
@@ -166,32 +167,30 @@ class LoRALinear(nn.Module):
         """x A for the padded runs, [runs, width, rank], scaled where PaddedRuns says: this layer's columns of its
         siblings' product when one of them computed it for this very input, else computed (for all the siblings
         when the runs' slots are consecutive)."""
-        siblings, rank = self.siblings, p.rank
-        columns = slice(self.sibling_index * rank, (self.sibling_index + 1) * rank)
+        siblings = self.siblings
         if siblings is not None and siblings.x is x:
-            return siblings.shrunk[..., columns]
+            return siblings.parts[self.sibling_index]
         if p.rows is None:
             xs = _grouped(x, p)
         else:
             xs = x.reshape(-1, x.shape[-1]).index_select(0, p.rows).view(p.runs, p.width, -1)
         shared = siblings is not None and isinstance(p.slots, slice)
-        shrunk = torch.bmm(xs, siblings.a_t(p.slots, rank) if shared else self._run_weights(p)[0])
+        shrunk = torch.bmm(xs, siblings.a_t(p) if shared else self._run_weights(p)[0])
         if p.scaling is not None:
             shrunk.mul_(p.scaling)  # padding rows (copies of a real row) times 0
         if not shared:
             return shrunk
-        siblings.x, siblings.shrunk = x, shrunk
-        return shrunk[..., columns]
+        siblings.x, siblings.parts = x, shrunk.split(p.rank, dim=-1)
+        return siblings.parts[self.sibling_index]
 
     def _run_weights(self, p: PaddedRuns) -> tuple[torch.Tensor, torch.Tensor]:
         """A transposed [runs, in, rank] and B [runs, rank, out] of the runs' slots: views of the slots' buffers
         (kept while the steps' slots stay the same: decode) when the slots are consecutive, else gathered."""
-        if not isinstance(p.slots, slice):
+        if p.key is None:
             return self.lora_a3[p.slots, : p.rank].transpose(1, 2), self.lora_b3[p.slots, : p.rank]
-        key = (p.slots.start, p.slots.stop, p.rank)
-        if self._views_key != key:
+        if self._views_key != p.key:
             a_t = self.lora_a3[p.slots, : p.rank].transpose(1, 2)
-            self._views, self._views_key = (a_t, self.lora_b3[p.slots, : p.rank]), key
+            self._views, self._views_key = (a_t, self.lora_b3[p.slots, : p.rank]), p.key
         return self._views
 
 
@@ -210,20 +209,20 @@ class Siblings:
         self._key: tuple[int, int, int] | None = None
         self._a_t = torch.empty(0)
         self.x: torch.Tensor | None = None  # the input of the step's shared product
-        self.shrunk = torch.empty(0)
+        self.parts: tuple[torch.Tensor, ...] = ()  # its columns, by member
 
     def stale(self) -> None:
         self._key = None
 
     def clear(self) -> None:
-        self.x, self.shrunk = None, torch.empty(0)
+        self.x, self.parts = None, ()
 
-    def a_t(self, slots: slice, rank: int) -> torch.Tensor:
-        """The members' A of `slots`, side by side and transposed: [slots, in, members * rank]."""
-        key = (slots.start, slots.stop, rank)
-        if self._key != key:
-            parts = [member.lora_a3[slots, :rank] for member in self.members]
-            self._a_t, self._key = torch.cat(parts, dim=1).transpose(1, 2), key
+    def a_t(self, p: PaddedRuns) -> torch.Tensor:
+        """The members' A of the runs' (consecutive) slots, side by side and transposed: [slots, in, members *
+        rank]."""
+        if self._key != p.key:
+            parts = [member.lora_a3[p.slots, : p.rank] for member in self.members]
+            self._a_t, self._key = torch.cat(parts, dim=1).transpose(1, 2), p.key
         return self._a_t
 
 
@@ -272,7 +271,10 @@ def padded_runs(runs: list[Run], num_tokens: int, device: torch.device) -> Padde
     else:
         slots = torch.tensor([r.slot for r in runs], dtype=torch.long).to(device, non_blocking=True)
     whole = back_to_back and runs[0].start == 0 and runs[-1].stop == num_tokens
-    padded = PaddedRuns(len(runs), width, runs[0].start, whole, None, slots, max(r.rank for r in runs))
+    rank = max(r.rank for r in runs)
+    padded = PaddedRuns(len(runs), width, runs[0].start, whole, None, slots, rank)
+    if isinstance(slots, slice):
+        padded.key = (slots.start, slots.stop, rank)
     if not back_to_back:
         index = [r.start + min(j, r.stop - r.start - 1) for r in runs for j in range(width)]
         padded.rows = torch.tensor(index, dtype=torch.long).to(device, non_blocking=True)
