@@ -19,9 +19,10 @@ ids) and claims up to `room` jobs: the deadline jobs earliest first, then one at
 with the lowest counter (a heap). A claim is LREM from the queue's list and RPUSH to RQ's intermediate list in one
 script, as RQ's own dequeue moves ids, so a crash at any point loses nothing and rose.worker.recovery applies
 unchanged; a job no longer `queued` (canceled, deleted) is dropped from the index when its turn comes, at the cost
-of one HGET; taking the mark's job moves the mark to the id before it. A take pops at most `POPS` index entries per
-job it may take plus `EXTRA_POPS`; an index found with the queue empty is dropped whole. If the index is empty while
-the queue is not (a look that fell behind a burst), the queue's head is taken first come, first served.
+of reading its hash (which a job taken needs anyway); taking the mark's job moves the mark to the id before it. A
+take pops at most `POPS` index entries per job it may take plus `EXTRA_POPS`; an index found with the queue empty
+is dropped whole. If the index is empty while the queue is not (a look that fell behind a burst), the queue's head
+is taken first come, first served.
 
 Counters: a claim charges the job's tenant its prompt's expected tokens at once, as VTC does at admission (so that
 workers taking at the same moment see each other's picks), and a take spreads its picks by each job's whole expected
@@ -118,7 +119,7 @@ local function lift(t)
   if lowest == false then
     lowest = nil
     for _, u in ipairs(redis.call('SMEMBERS', KEYS[5])) do
-      if redis.call('LLEN', prefix .. u) > 0 then
+      if u ~= t and redis.call('LLEN', prefix .. u) > 0 then
         local cu = counter(u)
         if lowest == nil or cu < lowest then lowest = cu end
       end
@@ -142,11 +143,13 @@ if (redis.call('GET', KEYS[3]) or '') == ARGV[3] then
     if redis.call('HSETNX', KEYS[4], id, cost) == 1 then
       if deadline ~= '' then
         redis.call('ZADD', KEYS[6], deadline, id .. '|' .. t)
-      else
+      else  -- pushed first (the reply is the list's length); a list that was empty lifts its tenant
         local list = prefix .. t
-        if redis.call('LLEN', list) == 0 then lift(t) end
-        if front == '1' then redis.call('LPUSH', list, id) else redis.call('RPUSH', list, id) end
-        redis.call('SADD', KEYS[5], t)
+        local n = redis.call(front == '1' and 'LPUSH' or 'RPUSH', list, id)
+        if n == 1 then
+          lift(t)
+          redis.call('SADD', KEYS[5], t)  -- a tenant with waiting ids is in the set from its first on
+        end
       end
     end
   end
@@ -165,10 +168,14 @@ local function claim(id, t)
   local prompt, all = string.match(cost, '^([^|]*)|(.*)$')
   prompt, all = tonumber(prompt), tonumber(all)
   redis.call('HDEL', KEYS[4], id)
-  local status = redis.call('HGET', ARGV[2] .. id, ARGV[8])
-  if not status then  -- its hash is gone (deleted, expired): off the queue too, as RQ drops such ids
+  local hash = redis.call('HGETALL', ARGV[2] .. id)
+  if #hash == 0 then  -- its hash is gone (deleted, expired): off the queue too, as RQ drops such ids
     redis.call('LREM', queue, 1, id)
     return false
+  end
+  local status = nil
+  for i = 1, #hash, 2 do
+    if hash[i] == ARGV[8] then status = hash[i + 1]; break end
   end
   if status ~= ARGV[9] then return false end  -- canceled, ended
   if id == mark then  -- the mark moves to the id before it (none: look from the head)
@@ -178,15 +185,16 @@ local function claim(id, t)
   end
   if redis.call('LREM', queue, 1, id) == 0 then return false end
   redis.call('RPUSH', KEYS[2], id)
+  local now = nil
   if t ~= '' then  -- its prompt charged now, as VTC does at admission; the rest as it is generated
-    redis.call('ZINCRBY', counters, prompt / (weight[t] or 1), t)
+    now = tonumber(redis.call('ZINCRBY', counters, prompt / (weight[t] or 1), t))
     extra[t] = (extra[t] or 0) + (all - prompt) / (weight[t] or 1)
   end
   out[#out + 1] = id
   out[#out + 1] = t
   out[#out + 1] = tostring(prompt)
-  out[#out + 1] = redis.call('HGETALL', ARGV[2] .. id)
-  return true
+  out[#out + 1] = hash
+  return true, now
 end
 while left > 0 and pops > 0 do  -- deadline jobs first, earliest first
   local first = redis.call('ZPOPMIN', KEYS[6])
@@ -234,9 +242,10 @@ while left > 0 and pops > 0 and #heap > 0 do
     redis.call('SREM', KEYS[5], e[2])
   else
     pops = pops - 1
-    if claim(id, e[2]) then
+    local taken, now = claim(id, e[2])
+    if taken then
       left = left - 1
-      e[1] = counter(e[2]) + extra[e[2]]
+      e[1] = (now or counter(e[2])) + (extra[e[2]] or 0)  -- the counter as the claim left it
     end
     push(e)
   end

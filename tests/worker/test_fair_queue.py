@@ -123,6 +123,16 @@ def test_canceled_and_deleted_jobs_are_never_taken(r):
     assert fair.accounts.advances == {i: ("a", 0.8) for i in (ids[0], ids[1], ids[4])}
 
 
+def test_a_job_no_longer_queued_is_passed_over_at_its_turn(r):
+    """An id still on the queue whose job is not `queued` any more (another actor moved it on) is not taken."""
+    queue = Queue("rose", connection=r)
+    ids = submit(r, 3, "a")
+    fair = taker(r)
+    assert [i for i, _, _ in fair.take([queue], 1)] == ids[:1]
+    r.hset(Job.key_for(ids[1]), "status", "finished")
+    assert [i for i, _, _ in fair.take([queue], 1)] == [ids[2]]
+
+
 def test_an_emptied_queue_stalls_no_take_for_long(r, monkeypatch):
     monkeypatch.setattr(fair_queue, "POPS", 1)  # a take pops 1 + 8 entries: the stale ones take turns
     monkeypatch.setattr(fair_queue, "EXTRA_POPS", 8)
@@ -150,6 +160,23 @@ def test_a_tenant_back_from_idle_is_lifted_not_credited(r):
     submit(r, 10, "b")  # b arrives with no service: lifted to a's 1,000, not 1,000 tokens ahead
     assert take_served(r, fair, queue, 6) == ["a", "b"] * 3
     assert fair_queue.counters(r) == {"a": 1300.0, "b": 1300.0}
+
+
+def test_a_tenant_whose_list_emptied_is_lifted_when_it_waits_again(r):
+    """A tenant stays in the tenants set for a while after its list empties; its next job still lifts it to the
+    tenants that wait (its own new job does not count as one of them)."""
+    queue = Queue("rose", connection=r)
+    fair = taker(r)
+    submit(r, 5, "b")
+    assert len(fair.take([queue], 5)) == 5  # b's list emptied by the take's last pop: b stays in the set
+    assert "b" in {t.decode() for t in r.smembers(keys.fair_key("rose", "tenants"))}
+    served = fair_queue.counters(r)["b"]
+    fair_queue.charge(r, {"a": served + 1000})  # a has had more service
+    submit(r, 1, "b")
+    submit(r, 3, "a")
+    [(job_id, _, _)] = fair.take([queue], 1)
+    assert fair_queue.counters(r)["b"] == served + 1000  # lifted to a's, not credited 1,000 tokens
+    assert tenants_of(r, [job_id]) == ["a"]  # a tie: a's name first
 
 
 def test_workers_share_the_index_and_take_each_job_once(r):
