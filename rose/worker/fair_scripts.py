@@ -1,0 +1,223 @@
+"""The Lua scripts of the fair intake (rose.worker.fair_queue, whose docstring states the policy and the keys):
+`LOOK` reads what a queue holds past the index's mark, `TAKE` indexes it and claims jobs, `CHARGE` adds to the
+fleet's counters. Each runs atomically in Redis."""
+
+# KEYS: queue, mark, indexed. ARGV: limit, head, job hash prefix, scan back. Returns {mark, newest id looked at,
+# then (id, front "1"/"0", the job's data) for each id not in the index}.
+LOOK = """
+local mark = redis.call('GET', KEYS[2])
+local start = nil
+if mark then
+  local p = redis.call('LPOS', KEYS[1], mark, 'RANK', -1)  -- from the tail: as far as the new ids go
+  if p then start = p + 1 end
+end
+if start == nil then  -- no mark, or its job left the queue: after the newest indexed id, found from the tail
+  start = 0
+  local n, back = redis.call('LLEN', KEYS[1]), tonumber(ARGV[4])
+  local i = n - 1
+  while i >= 0 and i >= n - back and start == 0 do
+    local lo = math.max(0, i - 255, n - back)
+    local chunk = redis.call('LRANGE', KEYS[1], lo, i)
+    for j = #chunk, 1, -1 do
+      if redis.call('HEXISTS', KEYS[3], chunk[j]) == 1 then start = lo + j; break end
+    end
+    i = lo - 1
+  end
+end
+local limit = tonumber(ARGV[1])
+local tail = redis.call('LRANGE', KEYS[1], start, start + limit - 1)
+local out = {mark or '', tail[#tail] or ''}
+local seen = {}
+local function add(id, front)
+  if seen[id] or redis.call('HEXISTS', KEYS[3], id) == 1 then return end
+  seen[id] = true
+  out[#out + 1] = id
+  out[#out + 1] = front
+  out[#out + 1] = redis.call('HGET', ARGV[3] .. id, 'data') or ''
+end
+for _, id in ipairs(tail) do add(id, '0') end
+if start > 1 then  -- ahead of the mark: ids pushed to the front since
+  local head = redis.call('LRANGE', KEYS[1], 0, math.min(tonumber(ARGV[2]), start - 1) - 1)
+  for i = #head, 1, -1 do add(head[i], '1') end  -- pushed to the front of the tenant's list in this order
+end
+return out
+"""
+
+# KEYS: queue, intermediate, mark, indexed, tenants, deadlines, counters (a sorted set: tenant -> service).
+# ARGV: tenant list prefix, job hash prefix, expected mark, new mark, room, a job's tokens (unindexed), max pops,
+# job status field,
+# its queued value, n weights, (tenant, weight) x n, c charges, (tenant, amount) x c, m entries,
+# (id, tenant, deadline or '', front '1'/'0', "<prompt tokens>|<all its tokens>" expected) x m.
+# Returns {jobs still on the queue, then (id, tenant charged in advance or '', the advance: its prompt tokens, the
+# job's hash (flat)) per job taken}.
+TAKE = """
+local queue, prefix, counters = KEYS[1], ARGV[1], KEYS[7]
+local function counter(t) return tonumber(redis.call('ZSCORE', counters, t) or '0') end
+local weight = {}
+local a = 11
+for _ = 1, tonumber(ARGV[10]) do weight[ARGV[a]] = tonumber(ARGV[a + 1]); a = a + 2 end
+local c = tonumber(ARGV[a]); a = a + 1
+for _ = 1, c do redis.call('ZINCRBY', counters, ARGV[a + 1], ARGV[a]); a = a + 2 end
+-- VTC's lift: the lowest counter among the tenants with waiting jobs (found once), else the highest of all
+local lowest = false
+local function lift(t)
+  if lowest == false then
+    lowest = nil
+    for _, u in ipairs(redis.call('SMEMBERS', KEYS[5])) do
+      if u ~= t and redis.call('LLEN', prefix .. u) > 0 then
+        local cu = counter(u)
+        if lowest == nil or cu < lowest then lowest = cu end
+      end
+    end
+  end
+  local target = lowest
+  if target == nil then
+    local top = redis.call('ZREVRANGE', counters, 0, 0, 'WITHSCORES')
+    target = tonumber(top[2] or '0')
+  end
+  local ct = math.max(counter(t), target)
+  if ct > counter(t) then redis.call('ZADD', counters, ct, t) end
+  if lowest == nil or ct < lowest then lowest = ct end  -- t waits now
+end
+-- index what the look found, unless another worker moved the mark meanwhile (it indexed the same ids)
+local m = tonumber(ARGV[a]); a = a + 1
+if (redis.call('GET', KEYS[3]) or '') == ARGV[3] then
+  for _ = 1, m do
+    local id, t, deadline, front, cost = ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3], ARGV[a + 4]
+    a = a + 5
+    if redis.call('HSETNX', KEYS[4], id, cost) == 1 then
+      if deadline ~= '' then
+        redis.call('ZADD', KEYS[6], deadline, id .. '|' .. t)
+      else  -- pushed first (the reply is the list's length); a list that was empty lifts its tenant
+        local list = prefix .. t
+        local n = redis.call(front == '1' and 'LPUSH' or 'RPUSH', list, id)
+        if n == 1 then
+          lift(t)
+          redis.call('SADD', KEYS[5], t)  -- a tenant with waiting ids is in the set from its first on
+        end
+      end
+    end
+  end
+  if ARGV[4] ~= '' then redis.call('SET', KEYS[3], ARGV[4]) end
+end
+if redis.call('LLEN', queue) == 0 then  -- nothing waits: whatever the index holds is stale (canceled, emptied)
+  for _, t in ipairs(redis.call('SMEMBERS', KEYS[5])) do redis.call('DEL', prefix .. t) end
+  redis.call('DEL', KEYS[3], KEYS[4], KEYS[5], KEYS[6])
+  return {0}
+end
+local out, left, pops, estimate = {0}, tonumber(ARGV[5]), tonumber(ARGV[7]), tonumber(ARGV[6])
+local extra = {}  -- by tenant: the tokens expected of the jobs this take gave it, beyond their prompts
+local mark = redis.call('GET', KEYS[3])
+local function claim(id, t)
+  local cost = redis.call('HGET', KEYS[4], id) or ('0|' .. estimate)
+  local prompt, all = string.match(cost, '^([^|]*)|(.*)$')
+  prompt, all = tonumber(prompt), tonumber(all)
+  redis.call('HDEL', KEYS[4], id)
+  local hash = redis.call('HGETALL', ARGV[2] .. id)
+  if #hash == 0 then  -- its hash is gone (deleted, expired): off the queue too, as RQ drops such ids
+    redis.call('LREM', queue, 1, id)
+    return false
+  end
+  local status = nil
+  for i = 1, #hash, 2 do
+    if hash[i] == ARGV[8] then status = hash[i + 1]; break end
+  end
+  if status ~= ARGV[9] then return false end  -- canceled, ended
+  if id == mark then  -- the mark moves to the id before it (none: look from the head)
+    local p = redis.call('LPOS', queue, id)
+    mark = p and p > 0 and redis.call('LINDEX', queue, p - 1)
+    if mark then redis.call('SET', KEYS[3], mark) else redis.call('DEL', KEYS[3]) end
+  end
+  if redis.call('LREM', queue, 1, id) == 0 then return false end
+  redis.call('RPUSH', KEYS[2], id)
+  local now = nil
+  if t ~= '' then  -- its prompt charged now, as VTC does at admission; the rest as it is generated
+    now = tonumber(redis.call('ZINCRBY', counters, prompt / (weight[t] or 1), t))
+    extra[t] = (extra[t] or 0) + (all - prompt) / (weight[t] or 1)
+  end
+  out[#out + 1] = id
+  out[#out + 1] = t
+  out[#out + 1] = tostring(prompt)
+  out[#out + 1] = hash
+  return true, now
+end
+while left > 0 and pops > 0 do  -- deadline jobs first, earliest first
+  local first = redis.call('ZPOPMIN', KEYS[6])
+  if #first == 0 then break end
+  pops = pops - 1
+  local id, t = string.match(first[1], '^([^|]*)|(.*)$')  -- RQ's job ids have no |
+  if claim(id, t) then left = left - 1 end
+end
+-- then the tenant with the lowest counter, plus what this take gave it: a heap of (counter, tenant)
+local heap = {}
+local function less(x, y) return x[1] < y[1] or (x[1] == y[1] and x[2] < y[2]) end
+local function push(x)
+  heap[#heap + 1] = x
+  local i = #heap
+  while i > 1 do
+    local p = math.floor(i / 2)
+    if not less(heap[i], heap[p]) then break end
+    heap[i], heap[p] = heap[p], heap[i]
+    i = p
+  end
+end
+local function pop()
+  local top, last = heap[1], table.remove(heap)
+  if #heap > 0 then
+    heap[1] = last
+    local i = 1
+    while true do
+      local l, r, s = 2 * i, 2 * i + 1, i
+      if l <= #heap and less(heap[l], heap[s]) then s = l end
+      if r <= #heap and less(heap[r], heap[s]) then s = r end
+      if s == i then break end
+      heap[i], heap[s] = heap[s], heap[i]
+      i = s
+    end
+  end
+  return top
+end
+if left > 0 then
+  for _, t in ipairs(redis.call('SMEMBERS', KEYS[5])) do push({counter(t) + (extra[t] or 0), t}) end
+end
+while left > 0 and pops > 0 and #heap > 0 do
+  local e = pop()
+  local id = redis.call('LPOP', prefix .. e[2])
+  if not id then
+    redis.call('SREM', KEYS[5], e[2])
+  else
+    pops = pops - 1
+    local taken, now = claim(id, e[2])
+    if taken then
+      left = left - 1
+      e[1] = (now or counter(e[2])) + (extra[e[2]] or 0)  -- the counter as the claim left it
+    end
+    push(e)
+  end
+end
+-- the index is empty but the queue is not (the look fell behind): its head, first come first served
+if left > 0 and pops > 0 and redis.call('SCARD', KEYS[5]) == 0 and redis.call('ZCARD', KEYS[6]) == 0 then
+  while left > 0 do
+    local id = redis.call('LMOVE', queue, KEYS[2], 'LEFT', 'RIGHT')
+    if not id then break end
+    redis.call('HDEL', KEYS[4], id)
+    if id == mark then
+      mark = false
+      redis.call('DEL', KEYS[3])
+    end
+    out[#out + 1] = id
+    out[#out + 1] = ''
+    out[#out + 1] = '0'
+    out[#out + 1] = redis.call('HGETALL', ARGV[2] .. id)
+    left = left - 1
+  end
+end
+out[1] = redis.call('LLEN', queue)
+return out
+"""
+
+# KEYS: counters. ARGV: (tenant, amount) pairs.
+CHARGE = """
+for i = 1, #ARGV, 2 do redis.call('ZINCRBY', KEYS[1], ARGV[i + 1], ARGV[i]) end
+return 0
+"""
