@@ -18,7 +18,7 @@ cache. The `LoRAManager` owns everything about adapters:
   forward per adapter; a layer no adapter of the step targets costs nothing more.
 
 The model runner sets the step's token → slot mapping (`begin_step`) around its forward, with each adapter's decode
-rows together (its tokens then make a few runs of consecutive rows: `kernel` "runs", on CPU).
+rows and prefill chunks together (its tokens then make a few runs of consecutive rows: `kernel` "runs").
 """
 
 from __future__ import annotations
@@ -203,8 +203,8 @@ class LoRAManager:
         self._idle: OrderedDict[str, None] = OrderedDict()  # resident, unused, least recently used first
         self._scaling = [0.0] * max_loras  # the resident adapter's, by slot
         self._rank = [0] * max_loras
-        # LoRALinear's forms: "runs" (each token's own adapter's arithmetic; the faster on CPU and, measured on an
-        # H200, on CUDA too) or "masked" (every present slot's columns for every token)
+        # LoRALinear's forms: "runs" (each token's own adapter's arithmetic; the faster on CPU, and on an H200 as
+        # fast or faster in two alternating pairs: benchmarks/README.md) or "masked" (every present slot's columns)
         self.kernel = kernel or "runs"
         served, self._unservable, siblings = token_linears(model)
         self._layers: dict[str, LoRALinear] = {}  # by module path
@@ -311,7 +311,7 @@ class LoRAManager:
     @property
     def nbytes(self) -> int:
         """The slots' buffers, in every wrapped layer."""
-        return sum(layer.nbytes for layer in self._layers.values())
+        return sum(layer.nbytes for layer in self._layers.values()) + sum(s.nbytes for s in self._siblings)
 
     def _load(self, slot: int, adapter: LoRAAdapter) -> None:
         for name, layer in self._layers.items():

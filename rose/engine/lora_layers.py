@@ -28,7 +28,7 @@ class Run(NamedTuple):
 @dataclass(slots=True)
 class PaddedRuns:
     """The runs form as two batched products a layer (Punica's BGMV), whatever the number of runs: each run padded
-    to `width` rows. `rows` [runs * width]: the step's token of each padded row (padding repeats its run's first
+    to `width` rows. `rows` [runs * width]: the step's token of each padded row (padding repeats its run's last
     row), or None when the runs lie back to back from row `start` with `width` tokens each (a view then). `slots`:
     each run's slot, a slice when they are consecutive and in order (a view of the slots' weights), else a tensor
     [runs]. `rank`: the largest of the runs' adapters' ranks (the rows of each slot taken; past an adapter's rank
@@ -88,6 +88,8 @@ class LoRALinear(nn.Module):
         super().__init__()
         self.base = base
         self._plain = type(base) is nn.Linear
+        # the scaling and the sum inside the product (_add_padded)
+        self._fused = base.weight.dtype == torch.float32
         self.step = step
         w = base.weight
         self.lora_a = torch.zeros(max_loras * max_rank, base.in_features, dtype=w.dtype, device=w.device)
@@ -144,7 +146,11 @@ class LoRALinear(nn.Module):
                 if slot in self.loaded:
                     first = slot * self.max_rank
                     shrunk = flat_x[start:stop] @ self.lora_a[first : first + rank].T
-                    flat_y[start:stop].addmm_(shrunk, self.lora_b[first : first + rank], alpha=scaling)
+                    b = self.lora_b[first : first + rank]
+                    if self._fused:
+                        flat_y[start:stop].addmm_(shrunk, b, alpha=scaling)
+                    else:  # rounded as PEFT rounds
+                        flat_y[start:stop].add_((shrunk @ b).mul_(scaling))
             return y
         rows = slice(step.first * self.max_rank, step.last * self.max_rank)
         # filled, not multiplied: another slot's product that overflowed (inf * 0) must not become NaN
@@ -155,18 +161,30 @@ class LoRALinear(nn.Module):
 
     def _add_padded(self, x: torch.Tensor, y: torch.Tensor, p: PaddedRuns) -> None:
         """Adds every run's delta to `y` in two batched products (PaddedRuns); a run whose adapter does not target
-        this layer has zero A and B rows here, so it adds exact zeros."""
+        this layer has zero A and B rows here, so it adds exact zeros. In float32 the scaling and the sum go in the
+        product (one rounding where PEFT has three: far below a tie); in half precision as PEFT rounds them: the
+        product, times the scaling, then added."""
         shrunk, b = self._shrunk(x, p), self._run_weights(p)[1]
-        if p.rows is None:  # added in place: back to back, no padding
+        flat_y = y.view(-1, y.shape[-1])
+        if self._fused and p.rows is None:  # in place: back to back, no padding
             _grouped(y, p).baddbmm_(shrunk, b, alpha=p.alpha)
+            return
+        delta = torch.bmm(shrunk, b)
+        if not self._fused:
+            delta.mul_(
+                p.alpha if p.scaling is None else p.scaling
+            )  # padding rows (copies of a real row) times 0
+        delta = delta.view(-1, y.shape[-1])
+        alpha = p.alpha if self._fused else 1.0
+        if p.rows is None:
+            flat_y[p.start : p.start + delta.shape[0]].add_(delta, alpha=alpha)
         else:
-            delta = torch.bmm(shrunk, b).view(-1, y.shape[-1])
-            y.view(-1, y.shape[-1]).index_add_(0, p.rows, delta, alpha=p.alpha)
+            flat_y.index_add_(0, p.rows, delta, alpha=alpha)
 
     def _shrunk(self, x: torch.Tensor, p: PaddedRuns) -> torch.Tensor:
-        """x A for the padded runs, [runs, width, rank], scaled where PaddedRuns says: this layer's columns of its
-        siblings' product when one of them computed it for this very input, else computed (for all the siblings
-        when the runs' slots are consecutive)."""
+        """x A for the padded runs, [runs, width, rank] (in float32 times the rows' scaling where PaddedRuns has
+        them): this layer's columns of its siblings' product when one of them computed it for this very input, else
+        computed (for all the siblings when the runs' slots are consecutive)."""
         siblings = self.siblings
         if siblings is not None and siblings.x is x:
             return siblings.parts[self.sibling_index]
@@ -176,7 +194,7 @@ class LoRALinear(nn.Module):
             xs = x.reshape(-1, x.shape[-1]).index_select(0, p.rows).view(p.runs, p.width, -1)
         shared = siblings is not None and isinstance(p.slots, slice)
         shrunk = torch.bmm(xs, siblings.a_t(p) if shared else self._run_weights(p)[0])
-        if p.scaling is not None:
+        if p.scaling is not None and self._fused:
             shrunk.mul_(p.scaling)  # padding rows (copies of a real row) times 0
         if not shared:
             return shrunk
@@ -206,10 +224,16 @@ class Siblings:
         self.members = members
         for i, member in enumerate(members):
             member.siblings, member.sibling_index = self, i
+        slots, rank, width = members[0].lora_a3.shape
+        # the members' A side by side, allocated with the slots (before the KV store takes the free memory)
+        self._a = members[0].lora_a.new_zeros(slots, len(members) * rank, width)
         self._key: tuple[int, int, int] | None = None
-        self._a_t = torch.empty(0)
         self.x: torch.Tensor | None = None  # the input of the step's shared product
         self.parts: tuple[torch.Tensor, ...] = ()  # its columns, by member
+
+    @property
+    def nbytes(self) -> int:
+        return self._a.nbytes
 
     def stale(self) -> None:
         self._key = None
@@ -219,11 +243,13 @@ class Siblings:
 
     def a_t(self, p: PaddedRuns) -> torch.Tensor:
         """The members' A of the runs' (consecutive) slots, side by side and transposed: [slots, in, members *
-        rank]."""
+        rank]; copied in when the step's slots or rank change or a slot was written."""
+        width = len(self.members) * p.rank
         if self._key != p.key:
-            parts = [member.lora_a3[p.slots, : p.rank] for member in self.members]
-            self._a_t, self._key = torch.cat(parts, dim=1).transpose(1, 2), p.key
-        return self._a_t
+            for i, member in enumerate(self.members):
+                self._a[p.slots, i * p.rank : (i + 1) * p.rank].copy_(member.lora_a3[p.slots, : p.rank])
+            self._key = p.key
+        return self._a[p.slots, :width].transpose(1, 2)
 
 
 def _grouped(t: torch.Tensor, p: PaddedRuns) -> torch.Tensor:

@@ -19,10 +19,9 @@ ids) and claims up to `room` jobs: the deadline jobs earliest first, then one at
 with the lowest counter (a heap). A claim is LREM from the queue's list and RPUSH to RQ's intermediate list in one
 script, as RQ's own dequeue moves ids, so a crash at any point loses nothing and rose.worker.recovery applies
 unchanged; a job no longer `queued` (canceled, deleted) is dropped from the index when its turn comes, at the cost
-of reading its hash (which a job taken needs anyway); taking the mark's job moves the mark to the id before it. A
-take pops at most `POPS` index entries per job it may take plus `EXTRA_POPS`; an index found with the queue empty
-is dropped whole. If the index is empty while the queue is not (a look that fell behind a burst), the queue's head
-is taken first come, first served.
+of one HGET; taking the mark's job moves the mark to the id before it. A take pops at most `POPS` index entries
+per job it may take plus `EXTRA_POPS`; an index found with the queue empty is dropped whole. If the index is empty
+while the queue is not (a look that fell behind a burst), the queue's head is taken first come, first served.
 
 Counters: a claim charges the job's tenant its prompt's expected tokens at once, as VTC does at admission (so that
 workers taking at the same moment see each other's picks), and a take spreads its picks by each job's whole expected

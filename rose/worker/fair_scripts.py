@@ -90,11 +90,8 @@ if (redis.call('GET', KEYS[3]) or '') == ARGV[3] then
         redis.call('ZADD', KEYS[6], deadline, id .. '|' .. t)
       else  -- pushed first (the reply is the list's length); a list that was empty lifts its tenant
         local list = prefix .. t
-        local n = redis.call(front == '1' and 'LPUSH' or 'RPUSH', list, id)
-        if n == 1 then
-          lift(t)
-          redis.call('SADD', KEYS[5], t)  -- a tenant with waiting ids is in the set from its first on
-        end
+        if redis.call(front == '1' and 'LPUSH' or 'RPUSH', list, id) == 1 then lift(t) end
+        redis.call('SADD', KEYS[5], t)  -- every time: a set that lost a tenant is mended by its next job
       end
     end
   end
@@ -113,14 +110,10 @@ local function claim(id, t)
   local prompt, all = string.match(cost, '^([^|]*)|(.*)$')
   prompt, all = tonumber(prompt), tonumber(all)
   redis.call('HDEL', KEYS[4], id)
-  local hash = redis.call('HGETALL', ARGV[2] .. id)
-  if #hash == 0 then  -- its hash is gone (deleted, expired): off the queue too, as RQ drops such ids
+  local status = redis.call('HGET', ARGV[2] .. id, ARGV[8])  -- not the whole hash: stale ids may be many
+  if not status then  -- its hash is gone (deleted, expired): off the queue too, as RQ drops such ids
     redis.call('LREM', queue, 1, id)
     return false
-  end
-  local status = nil
-  for i = 1, #hash, 2 do
-    if hash[i] == ARGV[8] then status = hash[i + 1]; break end
   end
   if status ~= ARGV[9] then return false end  -- canceled, ended
   if id == mark then  -- the mark moves to the id before it (none: look from the head)
@@ -138,7 +131,7 @@ local function claim(id, t)
   out[#out + 1] = id
   out[#out + 1] = t
   out[#out + 1] = tostring(prompt)
-  out[#out + 1] = hash
+  out[#out + 1] = redis.call('HGETALL', ARGV[2] .. id)
   return true, now
 end
 while left > 0 and pops > 0 do  -- deadline jobs first, earliest first

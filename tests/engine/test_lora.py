@@ -266,7 +266,11 @@ def test_adapter_slots_are_allocated_at_construction_in_every_token_linear_layer
     }
     assert len(widths) == 7 * config.num_hidden_layers  # q k v o gate up down
     assert eng.lora.num_layers == len(widths)
-    assert eng.lora.nbytes == sum(3 * 8 * (i + o) * 4 for i, o in widths.values())  # float32
+    slots = sum(3 * 8 * (i + o) * 4 for i, o in widths.values())  # float32
+    # and the side-by-side A of q/k/v and of gate/up (rose.engine.lora_layers.Siblings)
+    attention, mlp = widths["model.layers.0.self_attn.q_proj"][0], widths["model.layers.0.mlp.gate_proj"][0]
+    siblings = config.num_hidden_layers * 3 * 8 * (3 * attention + 2 * mlp) * 4
+    assert eng.lora.nbytes == slots + siblings
     assert eng.get_stats()["lora_loads"] == 0
 
 
