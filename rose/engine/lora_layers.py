@@ -32,9 +32,8 @@ class PaddedRuns:
     row), or None when the runs lie back to back from row `start` with `width` tokens each (a view then). `slots`:
     each run's slot, a slice when they are consecutive and in order (a view of the slots' weights), else a tensor
     [runs]. `rank`: the largest of the runs' adapters' ranks (the rows of each slot taken; past an adapter's rank
-    they are zero). The adapters' scaling: `alpha` when every run has the same and none is padded (applied to the
-    product through B, as PEFT applies it), else `scaling` [runs, width, 1], each row's, 0 on padding (applied to
-    x A, before B: the same product but for the rounding of one multiplication)."""
+    they are zero). The adapters' scaling: `alpha` when every run has the same and none is padded, else `scaling`
+    [runs, width, 1], each row's, 0 on padding (LoRALinear._add_padded says where each is applied)."""
 
     runs: int
     width: int
@@ -51,10 +50,10 @@ class PaddedRuns:
 @dataclass(slots=True)
 class StepMapping:
     """The running forward's tokens by adapter slot, set by `LoRAManager.begin_step`. `runs`: each run of
-    consecutive tokens of one adapter (empty: no adapter runs), `slots` their slots; `padded`: the same runs for one batched product a
-    layer (None: a product per run). For the masked kernel, the slots present lie in [first, last): `drop` [tokens,
-    (last - first) * max_rank] is False on the columns of each token's slot (0 on a base-model token's row),
-    `scaling` [tokens, 1] its adapter's scaling."""
+    consecutive tokens of one adapter (empty: no adapter runs), `slots` their slots; `padded`: the same runs for
+    two batched products a layer (None: a product pair per run). For the masked kernel, the slots present lie in
+    [first, last): `drop` [tokens, (last - first) * max_rank] is False on the columns of each token's slot (0 on a
+    base-model token's row), `scaling` [tokens, 1] its adapter's scaling."""
 
     num_tokens: int = 0
     runs: list[Run] = field(default_factory=list)
@@ -72,15 +71,15 @@ class LoRALinear(nn.Module):
 
     Each token gets PEFT's `lora_B(lora_A(x)) * scaling` for its adapter, added to the base layer's output, in one
     of two forms (`LoRAManager.kernel`), the S-LoRA / Punica batch in plain torch:
-    - "runs" (the default): the model runner puts each adapter's decode rows together, so each adapter's tokens are a few
-      runs of consecutive rows; x against each token's own adapter's A, then against its B, times its scaling: the
-      arithmetic is each token's own adapter's only. When the runs padded to the longest are not much longer than
-      they are (`PaddedRuns`: decode, prompts of like lengths) all runs go in two batched products (Punica's BGMV),
-      else one product pair per run (its segmented SGMV), so that a batch of many adapters costs a few kernels a
-      layer, not two per adapter.
-    - "masked" (a fixed number of kernels a layer whatever the adapters and their layout): x against the A of every slot
-      present ([tokens, slots * rank]), masked to the token's own slot (the other products become exact zeros),
-      against their B, times the token's scaling: two matmuls a layer, slots * rank columns for every token.
+    - "runs" (the default): the model runner puts each adapter's decode rows, and its prefill chunks, together, so
+      each adapter's tokens are a few runs of consecutive rows; x against each token's own adapter's A, then
+      against its B, times its scaling: the arithmetic is each token's own adapter's only. When the runs padded to
+      the longest are not much longer than they are (`PaddedRuns`: decode, prompts of like lengths) all runs go in
+      two batched products (Punica's BGMV), else one product pair per run (its segmented SGMV), so that a batch of
+      many adapters costs a few kernels a layer, not two per adapter; siblings (`Siblings`) share the first.
+    - "masked" (a fixed number of kernels a layer whatever the adapters and their layout): x against the A of
+      every slot present ([tokens, slots * rank]), masked to the token's own slot (the other products become exact
+      zeros), against their B, times the token's scaling: two matmuls a layer, slots * rank columns a token.
     benchmarks/README.md has what each costs.
     """
 
@@ -116,7 +115,6 @@ class LoRALinear(nn.Module):
         self.loaded.discard(slot)
         if weights is not None:
             self.loaded.add(slot)
-        if weights is not None:
             a, b = weights
             r = a.shape[0]
             self.lora_a[first : first + r].copy_(a)
@@ -170,10 +168,8 @@ class LoRALinear(nn.Module):
             _grouped(y, p).baddbmm_(shrunk, b, alpha=p.alpha)
             return
         delta = torch.bmm(shrunk, b)
-        if not self._fused:
-            delta.mul_(
-                p.alpha if p.scaling is None else p.scaling
-            )  # padding rows (copies of a real row) times 0
+        if not self._fused:  # padding rows (copies of a real row) times 0
+            delta.mul_(p.alpha if p.scaling is None else p.scaling)
         delta = delta.view(-1, y.shape[-1])
         alpha = p.alpha if self._fused else 1.0
         if p.rows is None:
