@@ -208,13 +208,14 @@ class LoRAManager:
         self.kernel = kernel or "runs"
         served, self._unservable, siblings = token_linears(model)
         self._layers: dict[str, LoRALinear] = {}  # by module path
+        self._siblings: list[Siblings] = []
         try:
             for name in served:
                 self._layers[name] = self._wrap(name)
+            self._siblings = [Siblings([self._layers[name] for name in names]) for names in siblings]
         except BaseException:  # e.g. out of memory for the slots: the model as it was
             self.unwrap()
             raise
-        self._siblings = [Siblings([self._layers[name] for name in names]) for names in siblings]
         self.loads: Counter[str] = Counter()  # by adapter: loaded into a slot
         self.evictions: Counter[str] = Counter()  # by adapter: evicted from its slot for another
 
