@@ -162,7 +162,8 @@ class LoRALinear(nn.Module):
         this layer has zero A and B rows here, so it adds exact zeros. In float32 the scaling and the sum go in the
         product (one rounding where PEFT has three: far below a tie); in half precision as PEFT rounds them: the
         product, times the scaling, then added."""
-        shrunk, b = self._shrunk(x, p), self._run_weights(p)[1]
+        a_t, b = self._run_weights(p)
+        shrunk = self._shrunk(x, p, a_t)
         flat_y = y.view(-1, y.shape[-1])
         if self._fused and p.rows is None:  # in place: back to back, no padding
             _grouped(y, p).baddbmm_(shrunk, b, alpha=p.alpha)
@@ -177,10 +178,11 @@ class LoRALinear(nn.Module):
         else:
             flat_y.index_add_(0, p.rows, delta, alpha=alpha)
 
-    def _shrunk(self, x: torch.Tensor, p: PaddedRuns) -> torch.Tensor:
-        """x A for the padded runs, [runs, width, rank] (in float32 times the rows' scaling where PaddedRuns has
-        them): this layer's columns of its siblings' product when one of them computed it for this very input, else
-        computed (for all the siblings when the runs' slots are consecutive)."""
+    def _shrunk(self, x: torch.Tensor, p: PaddedRuns, a_t: torch.Tensor) -> torch.Tensor:
+        """x A for the padded runs (`a_t`: this layer's A of their slots), [runs, width, rank] (in float32 times the
+        rows' scaling where PaddedRuns has them): this layer's columns of its siblings' product when one of them
+        computed it for this very input, else computed (for all the siblings when the runs' slots are
+        consecutive)."""
         siblings = self.siblings
         if siblings is not None and siblings.x is x:
             return siblings.parts[self.sibling_index]
@@ -189,7 +191,7 @@ class LoRALinear(nn.Module):
         else:
             xs = x.reshape(-1, x.shape[-1]).index_select(0, p.rows).view(p.runs, p.width, -1)
         shared = siblings is not None and isinstance(p.slots, slice)
-        shrunk = torch.bmm(xs, siblings.a_t(p) if shared else self._run_weights(p)[0])
+        shrunk = torch.bmm(xs, siblings.a_t(p) if shared else a_t)
         if p.scaling is not None and self._fused:
             shrunk.mul_(p.scaling)  # padding rows (copies of a real row) times 0
         if not shared:
