@@ -6,22 +6,23 @@ that does not fit is refused with the reason."""
 from __future__ import annotations
 
 import json
+import re
+import shutil
 from pathlib import Path
 
-import peft
 import pytest
 import torch
-from engine_helpers import greedy, hf_greedy, make_engine
+from engine_helpers import greedy, make_engine
 from hub_helpers import put_in_cache, read_folder
 from safetensors.torch import load_file, save_file
 
 from rose import LLM
 from rose.engine.chat import ChatOptions, render_chat
 from rose.engine.engine import Engine
-from rose.engine.lora import LoRAError, LoRARequest
+from rose.engine.lora import LoRAError, LoRAManager, LoRARequest
 from rose.engine.lora_layers import LoRALinear, masked_mapping, step_runs
 from rose.engine.presets import build_preset
-from rose.harness.lora_adapters import make_adapter
+from rose.harness.lora_adapters import make_adapter, peft_greedy, tiny_phi3
 
 PRESET = "tiny-llama"
 PROMPTS = [list(range(10 + 7 * i, 40 + 9 * i)) for i in range(6)]
@@ -47,10 +48,7 @@ def adapters(tmp_path_factory) -> dict[str, LoRARequest]:
 
 
 def reference(request: LoRARequest | None, prompt: list[int], n: int) -> list[int]:
-    model = build_preset(PRESET)[0]
-    if request is not None:
-        model = peft.PeftModel.from_pretrained(model, request.lora_path)
-    return hf_greedy(model.eval(), prompt, n)
+    return peft_greedy(None if request is None else request.lora_path, prompt, n, PRESET)
 
 
 def run(eng, jobs) -> dict[str, list[int]]:
@@ -138,6 +136,65 @@ def test_adapters_that_do_not_fit_are_refused(adapters, tmp_path):
     with pytest.raises(ValueError, match="needs an engine built with enable_lora=True"):
         plain.add_request("a", [1, 2, 3], greedy(2), lora_request=adapters["qv"])
     assert not plain.has_unfinished()
+
+
+def test_an_adapter_of_modules_the_base_model_lacks_is_refused_naming_the_module(tmp_path):
+    """An adapter of another architecture on tiny-llama: Phi-3's (tiny_phi3), whose o_proj would fit but whose fused
+    qkv_proj tiny-llama lacks. Refused when registered (not half applied), naming the module, before any request
+    runs; the engine goes on serving."""
+    path = make_adapter(tmp_path / "phi3", ["o_proj", "qkv_proj"], rank=4, seed=0, model=tiny_phi3())
+    eng = make_engine(PRESET, max_model_len=64, enable_lora=True)
+    with pytest.raises(
+        LoRAError,
+        match=re.escape(
+            f"LoRA adapter 'phi3' ({path}): the base model has no linear layer 'model.layers.0.self_attn.qkv_proj'"
+        ),
+    ):
+        eng.add_request("a", [1, 2, 3], greedy(2), lora_request=LoRARequest("phi3", 1, path))
+    assert not eng.has_unfinished() and eng.lora.adapters == []
+    assert len(run(eng, [("base", [1, 2, 3], None)])["base"]) == 8
+
+
+def test_a_full_set_of_slots_evicts_the_least_recently_used_idle_adapter(adapters):
+    """Two slots, three adapters: qv then mlp run and finish, qv runs again (now the more recent); all takes the
+    slot of mlp, the least recently used, and qv stays resident."""
+    manager = LoRAManager(build_preset(PRESET)[0], max_loras=2, max_lora_rank=16)
+    for request in adapters.values():
+        manager.register(request)
+    for name in ("qv", "mlp", "qv"):
+        manager.acquire(name)
+        manager.release(name)
+    qv, mlp = manager.slot_of("qv"), manager.slot_of("mlp")
+    assert manager.num_loads == 2 and manager.num_evictions == 0  # qv's second run found it resident
+    assert manager.acquire("all") == mlp
+    assert manager.evictions == {"mlp": 1} and manager.num_evictions == 1
+    assert manager.slot_of("qv") == qv
+    with pytest.raises(ValueError):
+        manager.slot_of("mlp")  # no longer resident
+
+
+def test_a_swap_never_reads_the_disk(adapters, tmp_path):
+    """An adapter is read from disk once, when registered: with its directory gone, swapping it back into a slot
+    (three adapters taking turns in one) still gives the same tokens, PEFT's."""
+    copies = {}
+    for name, request in adapters.items():
+        shutil.copytree(request.lora_path, tmp_path / name)
+        copies[name] = LoRARequest(name, request.lora_int_id, str(tmp_path / name))
+    eng = make_engine(PRESET, max_model_len=128, enable_lora=True, max_loras=1)
+    order = ["qv", "mlp", "all"]
+
+    def one_by_one(tag: str) -> list[list[int]]:  # one at a time: each adapter in turn takes the slot
+        return [
+            run(eng, [(f"{tag}{i}", PROMPTS[i], copies[name])])[f"{tag}{i}"] for i, name in enumerate(order)
+        ]
+
+    before = one_by_one("before")
+    loads = eng.lora.num_loads
+    for name in copies:
+        shutil.rmtree(tmp_path / name)
+    assert one_by_one("after") == before
+    assert eng.lora.num_loads - loads == len(order)  # every run swapped its adapter back in
+    assert before == [reference(adapters[name], PROMPTS[i], 8) for i, name in enumerate(order)]
 
 
 def test_a_hub_id_is_read_from_the_local_hub_cache(adapters, tmp_path, monkeypatch):

@@ -3,8 +3,9 @@
 In process (fake engine): each job reaches `add_request` with its adapter's LoRARequest (ids 1, 2, ... in the order
 given), a job naming an adapter the worker does not serve fails alone, without retry, naming it and the served
 ones; tokens are counted per adapter on /metrics, in the info hash and `rose status`. With the real rose-worker
-process: a batch of plain RQ jobs mixing two adapters and the base model gives each job the tokens the offline
-engine gives for the same adapter, and a bad adapter stops the worker at start with the reason.
+process: a batch of plain RQ jobs mixing two adapters and the base model gives each job the tokens transformers'
+`generate` gives on the PEFT model with its adapter (float32), as the offline engine does, and a bad adapter (too high
+a rank, or one of modules the base model lacks) stops the worker at start with the reason.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from worker_helpers import FakeEngine, TinyWorker, enqueue, wait_for, wait_statu
 from rose import LLM, SamplingParams
 from rose.cli.status import collect
 from rose.engine.lora import LoRARequest
-from rose.harness.lora_adapters import make_adapter
+from rose.harness.lora_adapters import make_adapter, peft_greedy, tiny_phi3
 from rose.jobs import keys
 
 pytestmark = pytest.mark.timeout(300)
@@ -146,7 +147,7 @@ def lora_worker(new_redis_server, tmp_path, adapters, unused_port):
     worker.kill()
 
 
-def test_a_mixed_batch_gives_each_job_the_offline_engines_tokens_for_its_adapter(
+def test_a_mixed_batch_gives_each_job_peft_and_the_offline_engines_tokens_for_its_adapter(
     new_redis_server, lora_worker, adapters
 ):
     r = new_redis_server.client()
@@ -177,6 +178,12 @@ def test_a_mixed_batch_gives_each_job_the_offline_engines_tokens_for_its_adapter
     for (prompt, lora, job), want in zip(jobs, offline, strict=True):
         result = Job.fetch(job.id, connection=r, serializer=JSONSerializer).return_value()
         assert result["token_ids"] == want.outputs[0].token_ids, (prompt, lora)
+        # the issue's reference: transformers' generate on the PEFT model with the job's adapter (float32)
+        path = None if lora is None else adapters[lora]
+        assert result["token_ids"] == peft_greedy(path, want.prompt_token_ids, fields["max_tokens"]), (
+            prompt,
+            lora,
+        )
         got[prompt, lora] = tuple(result["token_ids"])
     for prompt in prompts:  # the adapters changed the outputs: the test tells them apart
         assert len({got[prompt, lora] for lora in loras}) == 3, prompt
@@ -218,3 +225,21 @@ def test_a_bad_adapter_stops_the_worker_with_the_reason(redis_server, tmp_path, 
         timeout=60,
     )
     assert missing.returncode == 2 and "lora_modules needs enable_lora" in missing.stderr
+
+
+def test_an_adapter_of_modules_the_model_lacks_stops_the_worker_naming_the_module(redis_server, tmp_path):
+    phi3 = make_adapter(tmp_path / "phi3", ["o_proj", "qkv_proj"], rank=4, seed=0, model=tiny_phi3())
+    proc = subprocess.run(
+        [sys.executable, "-m", "rose.worker.cli", "--redis-url", redis_server.url, "--name", "lora-refusal"]
+        + ["--model", "tiny-llama", "--device", "cpu", "--enable-lora", "--lora-modules", f"phi3={phi3}"]
+        + ["--burst"],  # were the adapter taken, the worker would exit at once, not wait for jobs
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert (
+        f"rose-worker: cannot serve LoRA adapter 'phi3' ({phi3}): the base model has no linear layer "
+        "'model.layers.0.self_attn.qkv_proj'" in proc.stderr
+    )
+    assert "Traceback" not in proc.stderr + proc.stdout
