@@ -2,14 +2,15 @@
 """What a take's starts and a retirement's writes cost Redis per job, by batch size: rose-worker's own functions
 (rose.worker.rq_start, rose.worker.rq_store, rose.worker.coalesce, the outbox's done events) against a real
 redis-server on a CPU of its own, RQ's writes as recorded (`raw`) against what rose-worker sends (`sent`: less the
-writes that change nothing, coalesced), alternating chunk by chunk on one Redis.
+writes that change nothing, coalesced) and what it sends with its streams compacted (`compacted`: the job's result
+stream and events stored again at their size, rq_store.STREAM_COMPACTING), alternating chunk by chunk on one Redis.
 
     python benchmarks/bench_batch_writes.py [--jobs 1536 --batches 2,8,64]
 
 A take: the dequeue script (ids moved, hashes read), then the starts in one transaction. A retirement: the
 store_if_ours script with RQ's success writes and each job's done event (a not-streamed job: 128 generated tokens).
 Prints Redis's main-thread CPU per job (its commands, round trips and all; net of nothing: Redis is busy throughout)
-and the commands a job costs.
+and the commands a job costs; for the retirement, the bytes its two streams keep a job (`MEMORY USAGE`).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from rose.worker.publisher import Publisher  # noqa: E402
 from rose.worker.rq_worker import RQWorker  # noqa: E402
 from rose.worker.running import Choice, Running, job_timeout  # noqa: E402
 
-VARIANTS = ("raw", "sent")
+VARIANTS = ("raw", "sent", "compacted")
 CHUNK = 8  # batches per variant before switching (fewer where the jobs would not make two chunks a variant)
 
 
@@ -79,13 +80,19 @@ def finish(rq: RQWorker, runs: list[Running]) -> None:
         run.result = run.build_result(rq.name)
 
 
-def retire(rq: RQWorker, outbox: Outbox, runs: list[Running], sent: bool) -> None:
+def streams(run: Running) -> list[str]:
+    return [keys.rq_results_key(run.id), keys.stream_key(run.id)]
+
+
+def retire(rq: RQWorker, outbox: Outbox, runs: list[Running], variant: str) -> None:
+    sent = variant != "raw"
     writes = [
         *rq_store.success_commands(rq, runs, slim=sent),
         *(command for run in runs for command in outbox.done_commands(run)),
     ]
+    compact = [key for run in runs for key in streams(run)] if variant == "compacted" else []
     reply = resp.call(
-        rq.connection, rq_store.store_if_ours(rq.name, runs, coalesced(writes) if sent else writes)
+        rq.connection, rq_store.store_if_ours(rq.name, runs, coalesced(writes) if sent else writes, compact)
     )
     assert rq_store.stored_if_ours(reply) == (True, []), reply
     for run in runs:
@@ -97,7 +104,7 @@ def measure(r, phase, per_variant: dict[str, list[float]], chunk: int) -> None:
     jobs and commands to `per_variant`."""
     k = 0
     while True:
-        variant = VARIANTS[k % 2]
+        variant = VARIANTS[k % len(VARIANTS)]
         before = redis_meter.snapshot(r)
         jobs = sum(phase(variant) for _ in range(chunk))
         after = redis_meter.snapshot(r)
@@ -113,8 +120,9 @@ def measure(r, phase, per_variant: dict[str, list[float]], chunk: int) -> None:
 
 def one_batch_size(
     r, rq: RQWorker, outbox: Outbox, batch: int, jobs: int
-) -> dict[str, dict[str, list[float]]]:
-    """`jobs` jobs taken and retired `batch` at a time, each variant in turn: CPU s, jobs, commands per phase."""
+) -> tuple[dict[str, dict[str, list[float]]], dict[str, float]]:
+    """`jobs` jobs taken and retired `batch` at a time, each variant in turn: CPU s, jobs, commands per phase; the
+    bytes a retired job's streams keep, by variant."""
     queue = Queue(keys.DEFAULT_QUEUE, connection=r, serializer=JSONSerializer)
     fields = {"max_tokens": 128, "ignore_eos": True, "temperature": 0, "stream": False}
     queue.enqueue_many(
@@ -126,22 +134,28 @@ def one_batch_size(
     }
 
     def take(variant: str) -> int:
-        runs = start(rq, batch, variant == "sent")
+        runs = start(rq, batch, variant != "raw")
         started[variant] += runs
         return len(runs)
 
     def retirement(variant: str) -> int:
         runs, started[variant][:batch] = started[variant][:batch], []
         if runs:
-            retire(rq, outbox, runs, variant == "sent")
+            retire(rq, outbox, runs, variant)
+            retired[variant] += runs
         return len(runs)
 
-    chunk = max(1, min(CHUNK, jobs // (batch * 4)))  # at least two chunks a variant
+    retired: dict[str, list[Running]] = {v: [] for v in VARIANTS}
+    chunk = max(1, min(CHUNK, jobs // (batch * 2 * len(VARIANTS))))  # at least two chunks a variant
     measure(r, take, totals["start"], chunk)
     for variant in VARIANTS:
         finish(rq, started[variant])
     measure(r, retirement, totals["retire"], chunk)
-    return totals
+    kept = {
+        v: sum(r.memory_usage(key) or 0 for run in runs for key in streams(run)) / max(1, len(runs))
+        for v, runs in retired.items()
+    }
+    return totals, kept
 
 
 def main() -> None:
@@ -151,8 +165,10 @@ def main() -> None:
     args = parser.parse_args()
     cpus = cpu_split(True)
     print(f"Redis on CPU {cpus['redis']}; CPU µs (commands) per job, raw = RQ's writes as recorded")
-    print("| batch | phase | raw | sent | sent / raw |")
-    print("|---:|---|---:|---:|---:|")
+    print(
+        "| batch | phase | raw | sent | sent / raw | compacted | compacted / sent | streams' bytes a job, sent → compacted |"
+    )
+    print("|---:|---|---:|---:|---:|---:|---:|---|")
     with RedisServerProcess(cpus=cpus["redis"]).start() as server:
         r = server.client()
         rq = RQWorker(
@@ -161,15 +177,18 @@ def main() -> None:
         rq.register_birth()
         outbox = Outbox(Publisher(rq.connection), rq.default_result_ttl)
         for batch in [int(b) for b in args.batches.split(",")]:
-            for phase, totals in one_batch_size(r, rq, outbox, batch, args.jobs).items():
-                (raw_cpu, raw_n, raw_cmds), (cpu, n, cmds) = totals["raw"], totals["sent"]
-                if not raw_n or not n:
-                    print(f"| {batch} | {phase} | too few jobs for both variants: raise --jobs |")
+            phases, kept = one_batch_size(r, rq, outbox, batch, args.jobs)
+            for phase, totals in phases.items():
+                if not all(totals[v][1] for v in VARIANTS):
+                    print(f"| {batch} | {phase} | too few jobs for every variant: raise --jobs |")
                     continue
-                raw_us, us = raw_cpu * 1e6 / raw_n, cpu * 1e6 / n
+                us = {v: totals[v][0] * 1e6 / totals[v][1] for v in VARIANTS}
+                cmds = {v: totals[v][2] / totals[v][1] for v in VARIANTS}
+                cells = " | ".join(f"{us[v]:.1f} ({cmds[v]:.1f})" for v in VARIANTS[:2])
+                size = f"{kept['sent']:,.0f} → {kept['compacted']:,.0f}" if phase == "retire" else ""
                 print(
-                    f"| {batch} | {phase} | {raw_us:.1f} ({raw_cmds / raw_n:.1f}) | {us:.1f} ({cmds / n:.1f}) | "
-                    f"{us / raw_us:.2f} |"
+                    f"| {batch} | {phase} | {cells} | {us['sent'] / us['raw']:.2f} | "
+                    f"{us['compacted']:.1f} ({cmds['compacted']:.1f}) | {us['compacted'] / us['sent']:.2f} | {size} |"
                 )
         outbox.publisher.close(timeout=1)
 

@@ -8,7 +8,8 @@ script (rq_store.store_if_ours) that checks every job is still `started` by this
 enqueue and, only then, writes for each job what `handle_job_success` writes (RQ's own calls, recorded: worker
 counters, the job's status and Result, registries, expiry, execution cleanup; less the writes that change nothing,
 and one write per shared key for the batch: rq_store.success_commands, rose.worker.coalesce) and its `done` event
-(XADD, EXPIRE, PUBLISH: its token events are already in its stream, rose.worker.loop). Atomic, as RQ's WATCH +
+(XADD, EXPIRE, PUBLISH: its token events are already in its stream, rose.worker.loop); then the job's two streams
+(RQ's result, rose's events) are stored again at their size (rq_store.STREAM_COMPACTING). Atomic, as RQ's WATCH +
 MULTI/EXEC is: a job's end and its announcement become visible together, whatever the instant of a crash.
 
 `submit`, `advance` and `drain` return what became of the jobs (`Retired`: stored, or handed back to the loop). A
@@ -30,6 +31,7 @@ from typing import Any
 
 import redis
 
+from rose.jobs import keys
 from rose.worker import resp, rq_store
 from rose.worker.coalesce import coalesced
 from rose.worker.rq_worker import RQWorker
@@ -97,7 +99,9 @@ class Retirer:
                 *(command for run in runs for command in self.announce(run)),
             ]
         )
-        packed = resp.pack_command(rq_store.store_if_ours(self.rq.name, runs, writes))
+        # the jobs' streams kept at their size, not in Redis's 4 KB first node (rq_store.STREAM_COMPACTING)
+        streams = [key for run in runs for key in (keys.rq_results_key(run.id), keys.stream_key(run.id))]
+        packed = resp.pack_command(rq_store.store_if_ours(self.rq.name, runs, writes, streams))
         try:
             self._batches.append(_Batch(runs, resp.Pending(self.rq.connection, packed, 1)))
         except _REDIS_ERRORS as exc:

@@ -4,6 +4,8 @@ says which of them are still ours to store through RQ's handler (rose.worker.end
 
 from __future__ import annotations
 
+import json
+import threading
 import time
 from dataclasses import dataclass
 
@@ -16,6 +18,8 @@ from rq.serializers import JSONSerializer
 from worker_helpers import probe_target, registered_rq_worker, start_jobs, stream_events, wait_for
 
 from rose.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from rose.harness.redis_server import RedisServerProcess
+from rose.jobs import keys
 from rose.jobs.client import Client
 from rose.worker import rq_store
 from rose.worker.endings import Endings
@@ -58,6 +62,10 @@ class Parts:
 
 @pytest.fixture
 def parts(redis_server, r):
+    yield from worker_parts(redis_server)
+
+
+def worker_parts(redis_server):
     rq = registered_rq_worker(redis_server, "retirer")
     outbox = Outbox(Publisher(rq.connection), rq.default_result_ttl)
     metrics = WorkerMetrics(
@@ -283,3 +291,82 @@ def test_a_failure_rqs_handler_could_not_store_raises_for_the_caller_to_retry(pa
     assert calls and r.hget(run.key, "status") == b"started"
     parts.endings.fail(run, "bad input", retry=False)
     assert r.hget(run.key, "status") == b"failed"
+
+
+def stream_sizes(r, run) -> dict[str, int]:
+    return {key: r.memory_usage(key) for key in (f"rq:results:{run.id}", keys.stream_key(run.id))}
+
+
+def test_a_batchs_streams_are_stored_at_their_size_with_their_data_and_expiry(parts, r):
+    """Redis gives a new stream 4 KB (its first node's room) that a job's few entries never fill: the batch stores
+    RQ's result stream and rose's events again at their size, their entries, ids and expiry unchanged."""
+    runs = finished_runs(parts, r, 3)
+    parts.retirer.submit(runs)
+    assert parts.retirer.drain().stored == runs
+    for run in runs:
+        sizes = stream_sizes(r, run)
+        assert all(size < 2048 for size in sizes.values()), sizes  # ~4.7 KB each without
+        for key in sizes:
+            assert parts.rq.default_result_ttl - 5 < r.ttl(key) <= parts.rq.default_result_ttl
+            info = r.xinfo_stream(key)
+            assert info["length"] == info["entries-added"] == 1
+            assert info["last-generated-id"] == info["first-entry"][0]
+        assert [e["type"] for e in stream_events(r, run.id)] == ["done"]
+        assert job_state(r, run)["result_keys"] == sorted(run.result)
+    parts.announce(runs)
+
+
+def test_readers_waiting_on_a_jobs_streams_get_its_end(parts, r, redis_server):
+    """A reader blocked on rose's events (XREAD, as `Job.stream()`) and one on RQ's result (`latest_result(timeout)`)
+    both get the end, written and compacted in one script."""
+    (run,) = finished_runs(parts, r, 1)
+    got: dict[str, object] = {}
+
+    def read(name: str, key: str) -> None:
+        with redis_server.client() as reader:
+            got[name] = reader.xread({key: "0-0"}, block=10_000)
+
+    threads = [
+        threading.Thread(target=read, args=("events", keys.stream_key(run.id))),
+        threading.Thread(target=read, args=("result", f"rq:results:{run.id}")),
+    ]
+    for thread in threads:
+        thread.start()
+    wait_for(lambda: r.info("clients")["blocked_clients"] == 2, 5, what="two readers blocked")
+    parts.retirer.submit([run])
+    assert parts.retirer.drain().stored == [run]
+    for thread in threads:
+        thread.join(10)
+    assert json.loads(got["events"][0][1][0][1][b"event"])["type"] == "done"
+    assert got["result"][0][1][0][0] == r.xrange(f"rq:results:{run.id}")[0][0]
+    parts.announce([run])
+
+
+def test_a_long_stream_is_left_as_it_is(parts, r):
+    (run,) = finished_runs(parts, r, 1)
+    stream = keys.stream_key(run.id)
+    for i in range(rq_store.STREAM_COMPACTING + 1):
+        r.xadd(stream, {"event": json.dumps({"event": "token", "seq": i})})
+    before = r.memory_usage(stream)
+    parts.retirer.submit([run])
+    assert parts.retirer.drain().stored == [run]
+    assert r.xlen(stream) == rq_store.STREAM_COMPACTING + 2 and r.memory_usage(stream) >= before
+    parts.announce([run])
+
+
+def test_a_redis_without_copy_stores_the_batch_as_it_is(tmp_path):
+    """A Redis without COPY (before 6.2, or renamed away): the results are stored, the streams left as written."""
+    server = RedisServerProcess(directory=tmp_path, args=["--rename-command", "COPY", ""])
+    server.start()
+    try:
+        r = server.client()
+        for parts in worker_parts(server):
+            runs = finished_runs(parts, r, 2)
+            parts.retirer.submit(runs)
+            assert parts.retirer.drain().stored == runs
+            assert all(job_state(r, run)["status"] == JobStatus.FINISHED for run in runs)
+            assert all(min(stream_sizes(r, run).values()) > 4096 for run in runs)
+            parts.announce(runs)
+        r.close()
+    finally:
+        server.stop()
