@@ -11,8 +11,9 @@ shared by the fleet (`keys.fair_key`):
     rose:fair:<queue>:deadlines     sorted set: "<id>|<tenant>" of the waiting jobs with a deadline, by deadline
     rose:fair:counters              sorted set: each tenant's service in tokens / its weight (the fleet, all queues)
 
-`FairQueue.take` is two round trips a queue: `look` reads what the queue holds past the mark (found from the tail;
-when the mark's job has left the queue, the newest indexed id found from the tail stands for it) and at its head
+`FairQueue.take` is two round trips a queue: `look` reads what the queue holds past the mark (sought near the tail,
+then around as many ids from the head as the index holds, then from the list's nearer end: `MARK_NEAR`; when the
+mark's job has left the queue, the newest indexed id found from the tail stands for it) and at its head
 (where ids pushed to the front land), with each new job's data; the worker reads each one's tenant and deadline
 (`placement`); then one script indexes them (unless another worker moved the mark meanwhile: it indexed the same
 ids) and claims up to `room` jobs: the deadline jobs earliest first, then one at a time the oldest job of the tenant
@@ -54,6 +55,7 @@ HEAD = 16  # ids at the queue's head looked at for ones pushed to the front
 SCAN_BACK = (
     4096  # ids looked at from the tail for the newest indexed one, when the mark's job has left the queue
 )
+MARK_NEAR = 1024  # ids read from the tail, then around where the index says, for the mark before a full search
 POPS = 64  # a take pops at most this many index entries per job it may take, stale ones included,
 EXTRA_POPS = 4096  # and this many more
 
@@ -195,7 +197,9 @@ class FairQueue:
         name = queue.name
         mark, indexed = keys.fair_key(name, "mark"), keys.fair_key(name, "indexed")
         prefix = rq_start.job_hash_prefix()
-        looked = self._look(keys=[queue.key, mark, indexed], args=[LOOK_LIMIT, HEAD, prefix, SCAN_BACK])
+        looked = self._look(
+            keys=[queue.key, mark, indexed], args=[LOOK_LIMIT, HEAD, prefix, SCAN_BACK, MARK_NEAR]
+        )
         expected, newest, found = decoded(looked[0]), decoded(looked[1]), looked[2:]
         entries: list[str] = []
         for i in range(0, len(found), 3):

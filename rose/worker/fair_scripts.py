@@ -2,14 +2,29 @@
 `LOOK` reads what a queue holds past the index's mark, `TAKE` indexes it and claims jobs, `CHARGE` adds to the
 fleet's counters. Each runs atomically in Redis."""
 
-# KEYS: queue, mark, indexed. ARGV: limit, head, job hash prefix, scan back. Returns {mark, newest id looked at,
+# KEYS: queue, mark, indexed. ARGV: limit, head, job hash prefix, scan back, ids read around where the mark should
+# be (from the tail, then around as many ids from the head as the index holds). Returns {mark, newest id looked at,
 # then (id, front "1"/"0", the job's data) for each id not in the index}.
 LOOK = """
 local mark = redis.call('GET', KEYS[2])
 local start = nil
-if mark then
-  local p = redis.call('LPOS', KEYS[1], mark, 'RANK', -1)  -- from the tail: as far as the new ids go
-  if p then start = p + 1 end
+if mark then  -- LPOS reads one id after another: where the mark should be is read first
+  local near, n = tonumber(ARGV[5]), redis.call('LLEN', KEYS[1])
+  local p = redis.call('LPOS', KEYS[1], mark, 'RANK', -1, 'MAXLEN', near)  -- a look that keeps up: near the tail
+  if p then
+    start = p + 1
+  else  -- behind a burst: the ids up to the mark are about the indexed ones (fewer when some left the queue)
+    local guess = math.min(redis.call('HLEN', KEYS[3]), n) - 1
+    local lo = math.max(0, guess - near)
+    local around = redis.call('LRANGE', KEYS[1], lo, guess + 16)
+    for j = #around, 1, -1 do
+      if around[j] == mark then start = lo + j; break end
+    end
+    if start == nil then  -- from the nearer end
+      if guess * 2 < n then p = redis.call('LPOS', KEYS[1], mark) else p = redis.call('LPOS', KEYS[1], mark, 'RANK', -1) end
+      if p then start = p + 1 end
+    end
+  end
 end
 if start == nil then  -- no mark, or its job left the queue: after the newest indexed id, found from the tail
   start = 0

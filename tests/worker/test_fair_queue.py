@@ -205,6 +205,25 @@ def test_jobs_pushed_to_the_front_and_a_look_that_fell_behind(r, monkeypatch):
     assert rest == ids[2:]
 
 
+def test_a_look_behind_a_burst_finds_the_mark_where_the_index_says_or_from_the_nearer_end(r, monkeypatch):
+    """The mark sought near the tail, then around as many ids from the head as the index holds, then from the nearer
+    end (the index holding ids that left the queue): the jobs come in the queue's order, each once."""
+    queue = Queue("rose", connection=r, serializer=JSONSerializer)
+    monkeypatch.setattr(fair_queue, "MARK_NEAR", 2)
+    monkeypatch.setattr(fair_queue, "LOOK_LIMIT", 10)
+    ids = submit(r, 40, "a")
+    fair = taker(r)
+    assert [i for i, _, _ in fair.take([queue], 1)] == ids[:1]  # ids 0..9 indexed, the mark on 9
+    for i in ids[1:8]:  # they leave the queue, not the index: it says the mark is 6 ids further than it is
+        Job.fetch(i, connection=r, serializer=JSONSerializer).cancel()
+    monkeypatch.setattr(fair_queue, "LOOK_LIMIT", 4)  # the index stays behind for a few takes
+    taken: list[str] = []
+    while batch := fair.take([queue], 1):
+        taken += [i for i, _, _ in batch]
+    assert taken == ids[8:]
+    assert r.hlen(keys.fair_key("rose", "indexed")) == 0
+
+
 def test_the_look_goes_on_after_the_newest_indexed_job_is_taken_or_requeued(r):
     queue = Queue("rose", connection=r, serializer=JSONSerializer)
     fair = taker(r)
