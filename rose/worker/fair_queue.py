@@ -55,7 +55,7 @@ HEAD = 16  # ids at the queue's head looked at for ones pushed to the front
 SCAN_BACK = (
     4096  # ids looked at from the tail for the newest indexed one, when the mark's job has left the queue
 )
-MARK_NEAR = 1024  # ids read from the tail, then around where the index says, for the mark before a full search
+MARK_NEAR = 1024  # ids read near the tail, then near where the index says, for the mark
 POPS = 64  # a take pops at most this many index entries per job it may take, stale ones included,
 EXTRA_POPS = 4096  # and this many more
 
