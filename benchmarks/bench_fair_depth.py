@@ -92,10 +92,11 @@ def main() -> None:
         before = redis_meter.snapshot(r)
         taken = sum(len(fair.take([queue], args.batch)) for _ in range(args.takes))
         used = redis_meter.usage(before, redis_meter.snapshot(r))
-        lrem = stat(r, "lrem")
+        lrem, lset = stat(r, "lrem"), stat(r, "lset")
         print(
             f"claims behind a backlog of {args.depth // 2:,}: {taken} jobs taken, Redis CPU {used.cpu_s * 1e6 / taken:,.0f} "
-            f"µs a job; LREM {lrem['usec'] / max(1, lrem['calls']):,.1f} µs a call (A's at the head, B's behind A's)"
+            f"µs a job; LREM {lrem['calls']:.0f} calls, {lrem['usec'] / max(1, lrem['calls']):,.1f} µs each; LSET "
+            f"{lset['calls']:.0f} calls, {lset['usec'] / max(1, lset['calls']):,.1f} µs each"
         )
 
 

@@ -9,6 +9,7 @@ shared by the fleet (`keys.fair_key`):
     rose:fair:<queue>:tenant:<T>    list: tenant T's waiting ids, in queue order
     rose:fair:<queue>:tenants       set: the tenants whose list may hold ids
     rose:fair:<queue>:deadlines     sorted set: "<id>|<tenant>" of the waiting jobs with a deadline, by deadline
+    rose:fair:<queue>:order         sorted set: the indexed ids by their place in the queue (first: lowest)
     rose:fair:counters              sorted set: each tenant's service in tokens / its weight (the fleet, all queues)
 
 `FairQueue.take` is two round trips a queue: `look` reads what the queue holds past the mark (sought near the tail,
@@ -18,7 +19,9 @@ mark's job has left the queue, the newest indexed id found from the tail stands 
 (`placement`); then one script indexes them (unless another worker moved the mark meanwhile: it indexed the same
 ids) and claims up to `room` jobs: the deadline jobs earliest first, then one at a time the oldest job of the tenant
 with the lowest counter (a heap). A claim is LREM from the queue's list and RPUSH to RQ's intermediate list in one
-script, as RQ's own dequeue moves ids, so a crash at any point loses nothing and rose.worker.recovery applies
+script, as RQ's own dequeue moves ids (one `FAR` from the head or more, found by its place in the order, has the
+head's id moved into its place instead: LREM reads every id ahead), so a crash at any point loses nothing and
+rose.worker.recovery applies
 unchanged; a job no longer `queued` (canceled, deleted) is dropped from the index when its turn comes, at the cost
 of one HGET; taking the mark's job moves the mark to the id before it. A take pops at most `POPS` index entries
 per job it may take plus `EXTRA_POPS`; an index found with the queue empty is dropped whole. If the index is empty
@@ -56,6 +59,7 @@ SCAN_BACK = (
     4096  # ids looked at from the tail for the newest indexed one, when the mark's job has left the queue
 )
 MARK_NEAR = 1024  # ids read near the tail, then near where the index says, for the mark
+FAR = 256  # a claim this far from the queue's head moves the head's id into its place (fair_scripts.TAKE)
 POPS = 64  # a take pops at most this many index entries per job it may take, stale ones included,
 EXTRA_POPS = 4096  # and this many more
 
@@ -221,6 +225,7 @@ class FairQueue:
                 tenants,
                 deadlines,
                 keys.fair_counters_key(),
+                keys.fair_key(name, "order"),
             ],
             args=[
                 keys.fair_tenant_key(name, ""),
@@ -232,6 +237,7 @@ class FairQueue:
                 POPS * room + EXTRA_POPS,
                 rq_store.JOB_STATUS_FIELD,
                 rq_store.QUEUED,
+                FAR,
                 len(self.weights) // 2,
                 *self.weights,
                 len(charges) // 2,

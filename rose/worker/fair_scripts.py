@@ -58,19 +58,20 @@ end
 return out
 """
 
-# KEYS: queue, intermediate, mark, indexed, tenants, deadlines, counters (a sorted set: tenant -> service).
+# KEYS: queue, intermediate, mark, indexed, tenants, deadlines, counters (a sorted set: tenant -> service), order (a
+# sorted set: the indexed ids by their place in the queue).
 # ARGV: tenant list prefix, job hash prefix, expected mark, new mark, room, a job's tokens (unindexed), max pops,
 # job status field,
-# its queued value, n weights, (tenant, weight) x n, c charges, (tenant, amount) x c, m entries,
+# its queued value, how far from the head a claim moves the head's id into its place (`unqueue`), n weights, (tenant, weight) x n, c charges, (tenant, amount) x c, m entries,
 # (id, tenant, deadline or '', front '1'/'0', "<prompt tokens>|<all its tokens>" expected) x m.
 # Returns {jobs still on the queue, then (id, tenant charged in advance or '', the advance: its prompt tokens, the
 # job's hash (flat)) per job taken}.
 TAKE = """
-local queue, prefix, counters = KEYS[1], ARGV[1], KEYS[7]
+local queue, prefix, counters, FAR = KEYS[1], ARGV[1], KEYS[7], tonumber(ARGV[10])
 local function counter(t) return tonumber(redis.call('ZSCORE', counters, t) or '0') end
 local weight = {}
-local a = 11
-for _ = 1, tonumber(ARGV[10]) do weight[ARGV[a]] = tonumber(ARGV[a + 1]); a = a + 2 end
+local a = 12
+for _ = 1, tonumber(ARGV[11]) do weight[ARGV[a]] = tonumber(ARGV[a + 1]); a = a + 2 end
 local c = tonumber(ARGV[a]); a = a + 1
 for _ = 1, c do redis.call('ZINCRBY', counters, ARGV[a + 1], ARGV[a]); a = a + 2 end
 -- VTC's lift: the lowest counter among the tenants with waiting jobs (found once), else the highest of all
@@ -96,11 +97,18 @@ local function lift(t)
 end
 -- index what the look found, unless another worker moved the mark meanwhile (it indexed the same ids)
 local m = tonumber(ARGV[a]); a = a + 1
+local order = KEYS[8]
 if (redis.call('GET', KEYS[3]) or '') == ARGV[3] then
+  -- each id's place: after the newest indexed for the ids past the mark, before the first for those at the head
+  local last = redis.call('ZRANGE', order, -1, -1, 'WITHSCORES')
+  local first = redis.call('ZRANGE', order, 0, 0, 'WITHSCORES')
+  local back, front_place = tonumber(last[2] or '0'), tonumber(first[2] or '0')
   for _ = 1, m do
     local id, t, deadline, front, cost = ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3], ARGV[a + 4]
     a = a + 5
     if redis.call('HSETNX', KEYS[4], id, cost) == 1 then
+      if front == '1' then front_place = front_place - 1; redis.call('ZADD', order, front_place, id)
+      else back = back + 1; redis.call('ZADD', order, back, id) end
       if deadline ~= '' then
         redis.call('ZADD', KEYS[6], deadline, id .. '|' .. t)
       else  -- pushed first (the reply is the list's length); a list that was empty lifts its tenant
@@ -114,17 +122,46 @@ if (redis.call('GET', KEYS[3]) or '') == ARGV[3] then
 end
 if redis.call('LLEN', queue) == 0 then  -- nothing waits: whatever the index holds is stale (canceled, emptied)
   for _, t in ipairs(redis.call('SMEMBERS', KEYS[5])) do redis.call('DEL', prefix .. t) end
-  redis.call('DEL', KEYS[3], KEYS[4], KEYS[5], KEYS[6])
+  redis.call('DEL', KEYS[3], KEYS[4], KEYS[5], KEYS[6], order)
   return {0}
 end
 local out, left, pops, estimate = {0}, tonumber(ARGV[5]), tonumber(ARGV[7]), tonumber(ARGV[6])
 local extra = {}  -- by tenant: the tokens expected of the jobs this take gave it, beyond their prompts
 local mark = redis.call('GET', KEYS[3])
+-- off the queue's list: LREM reads every id ahead of it, so one far from the head (by its place among the indexed
+-- ids, found around there) has the head's id moved into its place instead (LSET, then LPOP: a walk over the list's
+-- nodes, not its ids), and takes its place in the order; the head's id must be indexed (its tenant's list keeps its
+-- turn, and a later look need not see it)
+local function unqueue(id, place, score)
+  if place and place >= FAR then
+    local at = nil
+    if redis.call('LINDEX', queue, place) == id then  -- where its place says (ids that left the queue: before)
+      at = place
+    else
+      local lo = math.max(0, place - FAR)
+      local around = redis.call('LRANGE', queue, lo, place + 16)
+      for j = #around, 1, -1 do
+        if around[j] == id then at = lo + j - 1; break end
+      end
+    end
+    local head = at and redis.call('LINDEX', queue, 0)
+    if head and head ~= id and redis.call('HEXISTS', KEYS[4], head) == 1 then
+      redis.call('LSET', queue, at, head)
+      redis.call('LPOP', queue)
+      redis.call('ZADD', order, score, head)
+      return 1
+    end
+  end
+  return redis.call('LREM', queue, 1, id)
+end
 local function claim(id, t)
   local cost = redis.call('HGET', KEYS[4], id) or ('0|' .. estimate)
   local prompt, all = string.match(cost, '^([^|]*)|(.*)$')
   prompt, all = tonumber(prompt), tonumber(all)
   redis.call('HDEL', KEYS[4], id)
+  local place = redis.call('ZRANK', order, id)
+  local score = place and place >= FAR and redis.call('ZSCORE', order, id)  -- far: the head's id takes it
+  redis.call('ZREM', order, id)
   local status = redis.call('HGET', ARGV[2] .. id, ARGV[8])  -- not the whole hash: stale ids may be many
   if not status then  -- its hash is gone (deleted, expired): off the queue too, as RQ drops such ids
     redis.call('LREM', queue, 1, id)
@@ -136,7 +173,7 @@ local function claim(id, t)
     mark = p and p > 0 and redis.call('LINDEX', queue, p - 1)
     if mark then redis.call('SET', KEYS[3], mark) else redis.call('DEL', KEYS[3]) end
   end
-  if redis.call('LREM', queue, 1, id) == 0 then return false end
+  if unqueue(id, place, score) == 0 then return false end
   redis.call('RPUSH', KEYS[2], id)
   local now = nil
   if t ~= '' then  -- its prompt charged now, as VTC does at admission; the rest as it is generated
@@ -209,6 +246,7 @@ if left > 0 and pops > 0 and redis.call('SCARD', KEYS[5]) == 0 and redis.call('Z
     local id = redis.call('LMOVE', queue, KEYS[2], 'LEFT', 'RIGHT')
     if not id then break end
     redis.call('HDEL', KEYS[4], id)
+    redis.call('ZREM', order, id)
     if id == mark then
       mark = false
       redis.call('DEL', KEYS[3])

@@ -224,6 +224,45 @@ def test_a_look_behind_a_burst_finds_the_mark_where_the_index_says_or_from_the_n
     assert r.hlen(keys.fair_key("rose", "indexed")) == 0
 
 
+def test_a_job_far_from_the_head_is_taken_by_moving_the_heads_id_into_its_place(r, monkeypatch):
+    """A claim `FAR` ids from the queue's head or more does not remove by value (a read of every id ahead): the head's
+    id takes its place in the list, and in the index's order, so that its own claim is as cheap. Canceled jobs put
+    the order's places off (found around them); an id at the head that no look has seen is never moved."""
+    queue = Queue("rose", connection=r, serializer=JSONSerializer)
+    monkeypatch.setattr(fair_queue, "FAR", 2)
+    a, b = submit(r, 6, "a"), submit(r, 6, "b")
+    fair = taker(r)
+
+    def listed() -> list[str]:
+        return [i.decode() for i in r.lrange(queue.key, 0, -1)]
+
+    assert [i for i, _, _ in fair.take([queue], 1)] == a[:1]  # at the head: removed as RQ would
+    Job.fetch(a[5], connection=r, serializer=JSONSerializer).cancel()  # off the list, still in the index
+    assert listed() == a[1:5] + b
+    assert [i for i, _, _ in fair.take([queue], 1)] == b[:1]  # 4 ids ahead: a[1] moves into its place
+    assert listed() == a[2:5] + [a[1]] + b[1:]
+    assert [i for i, _, _ in fair.take([queue], 1)] == a[1:2]  # its place known: a[2] moves into it
+    assert listed() == a[3:5] + [a[2]] + b[1:]
+    # two jobs pushed to the front of a new tenant; a look sees the head only
+    monkeypatch.setattr(fair_queue, "HEAD", 1)
+    c = [
+        Client(r, queue="rose", tenant="c").submit(f"urgent {i}", max_tokens=2, at_front=True).id
+        for i in (1, 2)
+    ]
+    # b[1], far: the head c[1] (seen) moves into its place; c[1], there now: the head c[0] (unseen) stays, c[1] is
+    # removed by value
+    assert [i for i, _, _ in fair.take([queue], 2)] == [b[1], c[1]]
+    assert listed() == [c[0]] + a[3:5] + [a[2]] + b[2:]
+    taken: list[str] = []
+    while batch := fair.take([queue], 2):
+        taken += [i for i, _, _ in batch]
+    assert taken.index(c[0]) < len(taken) - 1  # seen by the next look (at the head), taken at its turn
+    assert sorted(taken) == sorted([c[0], *a[2:5], *b[2:]]) and len(taken) == len(set(taken))
+    assert [i for i in taken if i in a] == a[2:5] and [i for i in taken if i in b] == b[2:]
+    assert r.llen(queue.key) == 0 and r.llen(queue.intermediate_queue_key) == 13
+    assert r.zcard(keys.fair_key("rose", "order")) == 0
+
+
 def test_the_look_goes_on_after_the_newest_indexed_job_is_taken_or_requeued(r):
     queue = Queue("rose", connection=r, serializer=JSONSerializer)
     fair = taker(r)
