@@ -60,9 +60,9 @@ return out
 
 # KEYS: queue, intermediate, mark, indexed, tenants, deadlines, counters (a sorted set: tenant -> service), order (a
 # sorted set: the indexed ids by their place in the queue).
-# ARGV: tenant list prefix, job hash prefix, expected mark, new mark, room, a job's tokens (unindexed), max pops,
-# job status field,
-# its queued value, how far from the head a claim moves the head's id into its place (`unqueue`), n weights, (tenant, weight) x n, c charges, (tenant, amount) x c, m entries,
+# ARGV: tenant list prefix, job hash prefix, expected mark, new mark, room, a job's tokens (unindexed), max pops, job
+# status field, its queued value, how far from the head a claim moves the head's id into its place (`unqueue`),
+# n weights, (tenant, weight) x n, c charges, (tenant, amount) x c, m entries,
 # (id, tenant, deadline or '', front '1'/'0', "<prompt tokens>|<all its tokens>" expected) x m.
 # Returns {jobs still on the queue, then (id, tenant charged in advance or '', the advance: its prompt tokens, the
 # job's hash (flat)) per job taken}.
@@ -125,27 +125,33 @@ if redis.call('LLEN', queue) == 0 then  -- nothing waits: whatever the index hol
   redis.call('DEL', KEYS[3], KEYS[4], KEYS[5], KEYS[6], order)
   return {0}
 end
+-- ids the order holds but the index does not (taken by a worker of an earlier version) put places off: a few a take
+for _, id in ipairs(redis.call('ZRANGE', order, 0, 1)) do
+  if redis.call('HEXISTS', KEYS[4], id) == 0 then redis.call('ZREM', order, id) end
+end
 local out, left, pops, estimate = {0}, tonumber(ARGV[5]), tonumber(ARGV[7]), tonumber(ARGV[6])
 local extra = {}  -- by tenant: the tokens expected of the jobs this take gave it, beyond their prompts
 local mark = redis.call('GET', KEYS[3])
--- off the queue's list: LREM reads every id ahead of it, so one far from the head (by its place among the indexed
--- ids, found around there) has the head's id moved into its place instead (LSET, then LPOP: a walk over the list's
--- nodes, not its ids), and takes its place in the order; the head's id must be indexed (its tenant's list keeps its
--- turn, and a later look need not see it)
-local function unqueue(id, place, score)
-  if place and place >= FAR then
-    local at = nil
-    if redis.call('LINDEX', queue, place) == id then  -- where its place says (ids that left the queue: before)
-      at = place
-    else
-      local lo = math.max(0, place - FAR)
-      local around = redis.call('LRANGE', queue, lo, place + 16)
-      for j = #around, 1, -1 do
-        if around[j] == id then at = lo + j - 1; break end
-      end
-    end
-    local head = at and redis.call('LINDEX', queue, 0)
-    if head and head ~= id and redis.call('HEXISTS', KEYS[4], head) == 1 then
+-- where an indexed id is in the queue's list: its place in the order, checked, else searched around it (ids that
+-- left the queue put it off); nil: not found there
+local function locate(id, place)
+  if not place then return nil end
+  if redis.call('LINDEX', queue, place) == id then return place end
+  local lo = math.max(0, place - FAR)
+  local around = redis.call('LRANGE', queue, lo, place + 16)
+  for j = #around, 1, -1 do
+    if around[j] == id then return lo + j - 1 end
+  end
+  return nil
+end
+-- off the queue's list: LREM reads every id ahead of it, so one far from the head (`at`, located) has the head's id
+-- moved into its place instead (LSET, then LPOP: a walk over the list's nodes, not its ids), which takes its place in
+-- the order too. Not the mark (the ids it would jump would be before the mark unread), and only an indexed id (its
+-- tenant's list keeps its turn; no look need see it again).
+local function unqueue(id, at, score)
+  if at and at >= FAR then
+    local head = redis.call('LINDEX', queue, 0)
+    if head ~= id and head ~= mark and redis.call('HEXISTS', KEYS[4], head) == 1 then
       redis.call('LSET', queue, at, head)
       redis.call('LPOP', queue)
       redis.call('ZADD', order, score, head)
@@ -168,12 +174,13 @@ local function claim(id, t)
     return false
   end
   if status ~= ARGV[9] then return false end  -- canceled, ended
+  local at = (id == mark or score) and locate(id, place)
   if id == mark then  -- the mark moves to the id before it (none: look from the head)
-    local p = redis.call('LPOS', queue, id)
+    local p = at or redis.call('LPOS', queue, id)
     mark = p and p > 0 and redis.call('LINDEX', queue, p - 1)
     if mark then redis.call('SET', KEYS[3], mark) else redis.call('DEL', KEYS[3]) end
   end
-  if unqueue(id, place, score) == 0 then return false end
+  if unqueue(id, at, score) == 0 then return false end
   redis.call('RPUSH', KEYS[2], id)
   local now = nil
   if t ~= '' then  -- its prompt charged now, as VTC does at admission; the rest as it is generated

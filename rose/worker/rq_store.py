@@ -153,33 +153,37 @@ def batchable(run: Running) -> bool:
 
 
 # KEYS: each job's hash, then its dependents set. ARGV[1]: the status `started`; ARGV[2]: this worker's name;
-# ARGV[3], ARGV[4]: the status and owner fields of a job hash; ARGV[5]: the most entries of a stream compacted;
-# ARGV[6]: how many streams to compact, their keys next; then the writes, each as its argument count followed by its
-# arguments. The writes go through only if every job is still started by this worker and has no dependents to
-# enqueue, all at once (a script is atomic, as RQ's WATCH + MULTI/EXEC is); a write Redis refuses does not stop the
-# others (as in a MULTI/EXEC). Then each stream named of at most ARGV[5] entries is copied and the copy renamed over
-# it (`STREAM_COMPACTING`): the same entries, ids, groups and expiry, stored at their size; a Redis without COPY
-# (before 6.2, or renamed away) leaves it as it was. Returns {1, refusals...} once written, {0} with nothing written.
+# ARGV[3], ARGV[4]: the status and owner fields of a job hash; ARGV[5], ARGV[6]: the most entries and bytes of a
+# stream compacted; ARGV[7]: how many streams to compact, their keys next; then the writes, each as its argument count
+# followed by its arguments. The writes go through only if every job is still started by this worker and has no
+# dependents to enqueue, all at once (a script is atomic, as RQ's WATCH + MULTI/EXEC is); a write Redis refuses does
+# not stop the others (as in a MULTI/EXEC). Then each stream named of at most ARGV[5] entries and ARGV[6] bytes is
+# copied and the copy renamed over it (`STREAM_COMPACTING`): the same entries, ids, groups and expiry, stored at their
+# size; a Redis without COPY (before 6.2, or renamed away) leaves it as it was. Returns {1, refusals...} once written,
+# {0} with nothing written.
 _STORE_IF_OURS = """
 for i = 1, #KEYS, 2 do
   local f = redis.call('HMGET', KEYS[i], ARGV[3], ARGV[4])
   if f[1] ~= ARGV[1] or f[2] ~= ARGV[2] then return {0} end
   if redis.call('SCARD', KEYS[i + 1]) > 0 then return {0} end
 end
-local most, streams = tonumber(ARGV[5]), tonumber(ARGV[6])
-local out, a = {1}, 7 + streams
+local most, largest, streams = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
+local out, a = {1}, 8 + streams
 while a <= #ARGV do
   local n = tonumber(ARGV[a])
   local r = redis.pcall(unpack(ARGV, a + 1, a + n))
   if type(r) == 'table' and r.err then out[#out + 1] = r.err end
   a = a + n + 1
 end
-for i = 7, 6 + streams do
+for i = 8, 7 + streams do
   local key = ARGV[i]
   local entries = redis.pcall('XLEN', key)
   if type(entries) == 'number' and entries > 0 and entries <= most then
-    local copy = key .. ':compacting'
-    if redis.pcall('COPY', key, copy) == 1 then redis.call('RENAME', copy, key) end
+    local size = redis.pcall('MEMORY', 'USAGE', key, 'SAMPLES', 0)
+    if type(size) == 'number' and size <= largest then
+      local copy = key .. ':compacting'
+      if redis.pcall('COPY', key, copy) == 1 then redis.call('RENAME', copy, key) end
+    end
   end
 end
 return out
@@ -188,8 +192,8 @@ return out
 # Redis gives a stream's newest node 4 KB at its first entry and trims it only once it is full, so a finished job's
 # two streams (RQ's result, rose's events: one entry each if it does not stream) kept ~4.7 KB each. A COPY stores the
 # nodes at their size: 9.6 -> 3.4 KB a job for ~5 µs of Redis's CPU (DUMP + RESTORE: twice that). The copy grows with
-# the stream while the saving is at most one node's spare room: long streams are left as they are.
-STREAM_COMPACTING = 32  # the most entries of a stream compacted at its job's end
+# the stream while the saving is at most one node's spare room: long or large streams are left as they are.
+STREAM_COMPACTING = 32, 16384  # the most entries, and bytes (MEMORY USAGE), of a stream compacted at its job's end
 
 
 def store_if_ours(
@@ -201,7 +205,7 @@ def store_if_ours(
     (`STREAM_COMPACTING`). `stored_if_ours` reads its reply."""
     keys = [key for run in runs for key in (run.key, run.job.dependents_key)]
     streams = list(compact)
-    args: list[Any] = [STARTED, worker_name, JOB_STATUS_FIELD, JOB_OWNER_FIELD, STREAM_COMPACTING]
+    args: list[Any] = [STARTED, worker_name, JOB_STATUS_FIELD, JOB_OWNER_FIELD, *STREAM_COMPACTING]
     args += [len(streams), *streams]
     for write in writes:
         args += [len(write), *write]

@@ -9,6 +9,7 @@ import time
 import pytest
 from rq import Queue
 from rq.job import Job
+from rq.registry import CanceledJobRegistry
 from rq.serializers import JSONSerializer
 
 from rose.jobs import keys
@@ -261,6 +262,54 @@ def test_a_job_far_from_the_head_is_taken_by_moving_the_heads_id_into_its_place(
     assert [i for i in taken if i in a] == a[2:5] and [i for i in taken if i in b] == b[2:]
     assert r.llen(queue.key) == 0 and r.llen(queue.intermediate_queue_key) == 13
     assert r.zcard(keys.fair_key("rose", "order")) == 0
+
+
+def test_the_head_is_not_moved_when_it_is_the_mark_and_a_far_mark_is_found_where_it_is(r, monkeypatch):
+    """The mark at the head and an indexed job past ids no look has read (a canceled job requeued between a look and
+    its take): the head is not moved over them (they would sit before the mark, unread). A far job that is the mark
+    itself is found by its place, and the mark moves to the id before it."""
+    queue = Queue("rose", connection=r, serializer=JSONSerializer)
+    monkeypatch.setattr(fair_queue, "FAR", 2)
+    monkeypatch.setattr(fair_queue, "HEAD", 1)
+    a, c, x, m = submit(r, 1, "a"), submit(r, 2, "c"), submit(r, 1, "b"), submit(r, 1, "m")
+    fair = taker(r)
+    assert [i for i, _, _ in fair.take([queue], 1)] == a  # indexes c, x, m; the mark on m
+    for i in c + x:
+        Job.fetch(i, connection=r, serializer=JSONSerializer).cancel()
+    look, arrived = fair._look, []
+
+    def late_look(*args, **kwargs):  # jobs arrive and x is requeued between the look and the take
+        out = look(*args, **kwargs)
+        arrived.extend(submit(r, 10, "u"))
+        CanceledJobRegistry("rose", connection=r, serializer=JSONSerializer).requeue(x[0])
+        return out
+
+    monkeypatch.setattr(fair, "_look", late_look)
+    assert [i for i, _, _ in fair.take([queue], 1)] == x
+    monkeypatch.setattr(fair, "_look", look)
+    assert [
+        i.decode() for i in r.lrange(queue.key, 0, -1)
+    ] == m + arrived  # m stayed the head, x removed by value
+    deadline = submit(r, 1, "d", deadline=time.time() + 60)  # indexed last: the mark, far from the head
+    assert [i for i, _, _ in fair.take([queue], 1)] == deadline
+    assert r.get(keys.fair_key("rose", "mark")).decode() == arrived[-1]
+    taken: list[str] = []
+    while batch := fair.take([queue], 3):
+        taken += [i for i, _, _ in batch]
+    assert sorted(taken) == sorted(m + arrived) and r.llen(queue.key) == 0
+
+
+def test_order_entries_of_ids_no_longer_indexed_are_dropped(r):
+    """Ids in the order but not in the index (claimed by a worker of an earlier version) are pruned, lowest first."""
+    queue = Queue("rose", connection=r, serializer=JSONSerializer)
+    ids = submit(r, 4, "a")
+    fair = taker(r)
+    assert [i for i, _, _ in fair.take([queue], 1)] == ids[:1]
+    order = keys.fair_key("rose", "order")
+    r.zadd(order, {"gone-1": -2, "gone-2": -1})
+    assert [i for i, _, _ in fair.take([queue], 1)] == ids[1:2]
+    assert r.zscore(order, "gone-1") is None and r.zscore(order, "gone-2") is None
+    assert r.zrange(order, 0, -1) == [i.encode() for i in ids[2:]]
 
 
 def test_the_look_goes_on_after_the_newest_indexed_job_is_taken_or_requeued(r):

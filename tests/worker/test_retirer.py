@@ -345,12 +345,27 @@ def test_readers_waiting_on_a_jobs_streams_get_its_end(parts, r, redis_server):
 def test_a_long_stream_is_left_as_it_is(parts, r):
     (run,) = finished_runs(parts, r, 1)
     stream = keys.stream_key(run.id)
-    for i in range(rq_store.STREAM_COMPACTING + 1):
+    most, _ = rq_store.STREAM_COMPACTING
+    for i in range(most + 1):
         r.xadd(stream, {"event": json.dumps({"event": "token", "seq": i})})
     before = r.memory_usage(stream)
     parts.retirer.submit([run])
     assert parts.retirer.drain().stored == [run]
-    assert r.xlen(stream) == rq_store.STREAM_COMPACTING + 2 and r.memory_usage(stream) >= before
+    assert r.xlen(stream) == most + 2 and r.memory_usage(stream) >= before
+    parts.announce([run])
+
+
+def test_a_large_stream_is_left_as_it_is(parts, r):
+    """A stream past the bytes compacted (a large result: its node holds no spare room to win) is not copied."""
+    (run,) = finished_runs(parts, r, 1)
+    stream = keys.stream_key(run.id)
+    r.xadd(stream, {"event": "x" * rq_store.STREAM_COMPACTING[1]})
+    before = r.memory_usage(stream)
+    r.config_resetstat()
+    parts.retirer.submit([run])
+    assert parts.retirer.drain().stored == [run]
+    assert r.xlen(stream) == 2 and r.memory_usage(stream) >= before
+    assert r.info("commandstats")["cmdstat_copy"]["calls"] == 1  # RQ's result stream only
     parts.announce([run])
 
 
