@@ -3,7 +3,7 @@
 (rose.worker.rq_start, rose.worker.rq_store, rose.worker.coalesce, the outbox's done events) against a real
 redis-server on a CPU of its own, RQ's writes as recorded (`raw`) against what rose-worker sends (`sent`: less the
 writes that change nothing, coalesced) and what it sends with its streams compacted (`compacted`: the job's result
-stream and events stored again at their size, rq_store.STREAM_COMPACTING), alternating chunk by chunk on one Redis.
+stream and events stored again at their size, batch_store.STREAM_COMPACTING), alternating chunk by chunk on one Redis.
 
     python benchmarks/bench_batch_writes.py [--jobs 1536 --batches 2,8,64]
 
@@ -31,7 +31,7 @@ from rose.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput 
 from rose.harness.redis_server import RedisServerProcess  # noqa: E402
 from rose.jobs import keys  # noqa: E402
 from rose.jobs.contract import parse  # noqa: E402
-from rose.worker import resp, rq_start, rq_store  # noqa: E402
+from rose.worker import batch_store, resp, rq_start, rq_store  # noqa: E402
 from rose.worker.coalesce import coalesced  # noqa: E402
 from rose.worker.outbox import Outbox  # noqa: E402
 from rose.worker.publisher import Publisher  # noqa: E402
@@ -92,9 +92,10 @@ def retire(rq: RQWorker, outbox: Outbox, runs: list[Running], variant: str) -> N
     ]
     compact = [key for run in runs for key in streams(run)] if variant == "compacted" else []
     reply = resp.call(
-        rq.connection, rq_store.store_if_ours(rq.name, runs, coalesced(writes) if sent else writes, compact)
+        rq.connection,
+        batch_store.store_if_ours(rq.name, runs, coalesced(writes) if sent else writes, compact),
     )
-    assert rq_store.stored_if_ours(reply) == (True, []), reply
+    assert batch_store.stored_if_ours(reply) == (True, []), reply
     for run in runs:
         rq_store.after_success(rq, run)
 

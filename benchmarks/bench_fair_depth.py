@@ -6,8 +6,9 @@ backlog (rose.worker.fair_queue on a real redis-server on a CPU of its own; jobs
 
 `indexing`: --depth jobs of one tenant, then takes of one job until the index has read them all (512 a look):
 Redis's CPU and the look's `LPOS` (finding the index's mark in the queue). `claims`: --depth / 2 jobs of tenant A,
-then as many of tenant B, all indexed, then --takes takes of --batch jobs (A and B in turns): Redis's CPU a job
-and what a removal from the middle of the list (`LREM`) costs.
+then as many of tenant B, all indexed, then --takes takes of --batch jobs (A and B in turns): Redis's CPU a job,
+and how B's jobs, behind A's backlog, left the list (`LSET`: the head's id moved into their place; `LREM`: removed by
+value, a read of every id ahead).
 """
 
 from __future__ import annotations

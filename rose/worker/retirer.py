@@ -4,12 +4,12 @@ RQ's `handle_job_success` takes three round trips per job (WATCH the job's depen
 result and the bookkeeping): ~1.5 ms a job on a busy 2-core host, in which the engine would not step, and a thread
 doing it instead competes with the loop for the GIL. So the jobs that finished since the last batch are retired
 together, in one round trip sent after a step and read after the next (while the model runs, Redis answers): a
-script (rq_store.store_if_ours) that checks every job is still `started` by this worker with no dependents to
+script (batch_store.store_if_ours) that checks every job is still `started` by this worker with no dependents to
 enqueue and, only then, writes for each job what `handle_job_success` writes (RQ's own calls, recorded: worker
 counters, the job's status and Result, registries, expiry, execution cleanup; less the writes that change nothing,
 and one write per shared key for the batch: rq_store.success_commands, rose.worker.coalesce) and its `done` event
 (XADD, EXPIRE, PUBLISH: its token events are already in its stream, rose.worker.loop); then the job's two streams
-(RQ's result, rose's events) are stored again at their size (rq_store.STREAM_COMPACTING). Atomic, as RQ's WATCH +
+(RQ's result, rose's events) are stored again at their size (batch_store.STREAM_COMPACTING). Atomic, as RQ's WATCH +
 MULTI/EXEC is: a job's end and its announcement become visible together, whatever the instant of a crash.
 
 `submit`, `advance` and `drain` return what became of the jobs (`Retired`: stored, or handed back to the loop). A
@@ -32,7 +32,7 @@ from typing import Any
 import redis
 
 from rose.jobs import keys
-from rose.worker import resp, rq_store
+from rose.worker import batch_store, resp, rq_store
 from rose.worker.coalesce import coalesced
 from rose.worker.rq_worker import RQWorker
 from rose.worker.running import Running
@@ -99,9 +99,9 @@ class Retirer:
                 *(command for run in runs for command in self.announce(run)),
             ]
         )
-        # the jobs' streams kept at their size, not in Redis's 4 KB first node (rq_store.STREAM_COMPACTING)
+        # the jobs' streams kept at their size, not in Redis's 4 KB first node (batch_store.STREAM_COMPACTING)
         streams = [key for run in runs for key in (keys.rq_results_key(run.id), keys.stream_key(run.id))]
-        packed = resp.pack_command(rq_store.store_if_ours(self.rq.name, runs, writes, streams))
+        packed = resp.pack_command(batch_store.store_if_ours(self.rq.name, runs, writes, streams))
         try:
             self._batches.append(_Batch(runs, resp.Pending(self.rq.connection, packed, 1)))
         except _REDIS_ERRORS as exc:
@@ -133,7 +133,7 @@ class Retirer:
     def _settle(self, batch: _Batch, reply: Any) -> Retired:
         if isinstance(reply, Exception):
             raise redis.ConnectionError(f"storing {len(batch.runs)} results failed: {reply}")
-        stored, refusals = rq_store.stored_if_ours(reply)
+        stored, refusals = batch_store.stored_if_ours(reply)
         if not stored:
             # canceled, deleted, taken over, dependents to enqueue: the loop checks them, then stores what is
             # still ours through RQ's handler
