@@ -3,7 +3,7 @@
 (rose.worker.rq_start, rose.worker.rq_store, rose.worker.coalesce, the outbox's done events) against a real
 redis-server on a CPU of its own, RQ's writes as recorded (`raw`) against what rose-worker sends (`sent`: less the
 writes that change nothing, coalesced) and what it sends with its streams compacted (`compacted`: the job's result
-stream and events stored again at their size, batch_store.STREAM_COMPACTING), alternating chunk by chunk on one Redis.
+stream and events stored again at their size, batch_store.COMPACT_ENTRIES), alternating chunk by chunk on one Redis.
 
     python benchmarks/bench_batch_writes.py [--jobs 1536 --batches 2,8,64]
 

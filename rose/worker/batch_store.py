@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 # followed by its arguments. The writes go through only if every job is still started by this worker and has no
 # dependents to enqueue, all at once (a script is atomic, as RQ's WATCH + MULTI/EXEC is); a write Redis refuses does
 # not stop the others (as in a MULTI/EXEC). Then each stream named of at most ARGV[5] entries and ARGV[6] bytes is
-# copied and the copy renamed over it (`STREAM_COMPACTING`): the same entries, ids, groups and expiry, stored at their
+# copied and the copy renamed over it (`COMPACT_ENTRIES`, `COMPACT_BYTES`): the same entries, ids, groups and expiry, stored at their
 # size; a Redis without COPY (before 6.2, or renamed away) leaves it as it was. Returns {1, refusals...} once written,
 # {0} with nothing written.
 _STORE_IF_OURS = """
@@ -59,10 +59,8 @@ return out
 # two streams (RQ's result, rose's events: one entry each if it does not stream) kept ~4.7 KB each. A COPY stores the
 # nodes at their size: 9.6 -> 3.4 KB a job for ~5 µs of Redis's CPU (DUMP + RESTORE: twice that). The copy grows with
 # the stream while the saving is at most one node's spare room: long or large streams are left as they are.
-STREAM_COMPACTING = (
-    32,
-    16384,
-)  # the most entries, and bytes (MEMORY USAGE), of a stream compacted at its job's end
+COMPACT_ENTRIES = 32  # the most entries of a stream compacted at its job's end,
+COMPACT_BYTES = 16384  # and the most bytes (MEMORY USAGE)
 
 
 def store_if_ours(
@@ -71,11 +69,11 @@ def store_if_ours(
     """The command (as `resp.pack_command` items) that stores a batch of finished jobs in one round trip: `writes`
     (`success_commands`, and whatever else must become visible with them), only if every job is still `started`
     by this worker and has no dependents; then the streams `compact` names are stored at their size
-    (`STREAM_COMPACTING`). `stored_if_ours` reads its reply."""
+    (`COMPACT_ENTRIES`, `COMPACT_BYTES`). `stored_if_ours` reads its reply."""
     keys = [key for run in runs for key in (run.key, run.job.dependents_key)]
     streams = list(compact)
-    args: list[Any] = [STARTED, worker_name, JOB_STATUS_FIELD, JOB_OWNER_FIELD, *STREAM_COMPACTING]
-    args += [len(streams), *streams]
+    args: list[Any] = [STARTED, worker_name, JOB_STATUS_FIELD, JOB_OWNER_FIELD]
+    args += [COMPACT_ENTRIES, COMPACT_BYTES, len(streams), *streams]
     for write in writes:
         args += [len(write), *write]
     return ["EVAL", _STORE_IF_OURS, len(keys), *keys, *args]

@@ -21,9 +21,8 @@ ids) and claims up to `room` jobs: the deadline jobs earliest first, then one at
 with the lowest counter (a heap). A claim is LREM from the queue's list and RPUSH to RQ's intermediate list in one
 script, as RQ's own dequeue moves ids (one `FAR` from the head or more, found by its place in the order, has the
 head's id moved into its place instead: LREM reads every id ahead), so a crash at any point loses nothing and
-rose.worker.recovery applies
-unchanged; a job no longer `queued` (canceled, deleted) is dropped from the index when its turn comes, at the cost
-of one HGET; taking the mark's job moves the mark to the id before it. A take pops at most `POPS` index entries
+rose.worker.recovery applies unchanged; a job no longer `queued` (canceled, deleted) is dropped from the index when
+its turn comes, at the cost of one HGET; taking the mark's job moves the mark to the id before it. A take pops at most `POPS` index entries
 per job it may take plus `EXTRA_POPS`; an index found with the queue empty is dropped whole. If the index is empty
 while the queue is not (a look that fell behind a burst), the queue's head is taken first come, first served.
 

@@ -21,7 +21,11 @@ if mark then  -- LPOS reads one id after another: where the mark should be is re
       if around[j] == mark then start = lo + j; break end
     end
     if start == nil then  -- from the nearer end
-      if guess * 2 < n then p = redis.call('LPOS', KEYS[1], mark) else p = redis.call('LPOS', KEYS[1], mark, 'RANK', -1) end
+      if guess * 2 < n then
+        p = redis.call('LPOS', KEYS[1], mark)
+      else
+        p = redis.call('LPOS', KEYS[1], mark, 'RANK', -1)
+      end
       if p then start = p + 1 end
     end
   end

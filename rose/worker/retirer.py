@@ -9,7 +9,7 @@ enqueue and, only then, writes for each job what `handle_job_success` writes (RQ
 counters, the job's status and Result, registries, expiry, execution cleanup; less the writes that change nothing,
 and one write per shared key for the batch: rq_store.success_commands, rose.worker.coalesce) and its `done` event
 (XADD, EXPIRE, PUBLISH: its token events are already in its stream, rose.worker.loop); then the job's two streams
-(RQ's result, rose's events) are stored again at their size (batch_store.STREAM_COMPACTING). Atomic, as RQ's WATCH +
+(RQ's result, rose's events) are stored again at their size (batch_store.COMPACT_ENTRIES). Atomic, as RQ's WATCH +
 MULTI/EXEC is: a job's end and its announcement become visible together, whatever the instant of a crash.
 
 `submit`, `advance` and `drain` return what became of the jobs (`Retired`: stored, or handed back to the loop). A
@@ -99,7 +99,7 @@ class Retirer:
                 *(command for run in runs for command in self.announce(run)),
             ]
         )
-        # the jobs' streams kept at their size, not in Redis's 4 KB first node (batch_store.STREAM_COMPACTING)
+        # the jobs' streams kept at their size, not in Redis's 4 KB first node (batch_store.COMPACT_ENTRIES)
         streams = [key for run in runs for key in (keys.rq_results_key(run.id), keys.stream_key(run.id))]
         packed = resp.pack_command(batch_store.store_if_ours(self.rq.name, runs, writes, streams))
         try:

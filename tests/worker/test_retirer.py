@@ -345,7 +345,7 @@ def test_readers_waiting_on_a_jobs_streams_get_its_end(parts, r, redis_server):
 def test_a_long_stream_is_left_as_it_is(parts, r):
     (run,) = finished_runs(parts, r, 1)
     stream = keys.stream_key(run.id)
-    most, _ = batch_store.STREAM_COMPACTING
+    most = batch_store.COMPACT_ENTRIES
     for i in range(most + 1):
         r.xadd(stream, {"event": json.dumps({"event": "token", "seq": i})})
     before = r.memory_usage(stream)
@@ -359,7 +359,7 @@ def test_a_large_stream_is_left_as_it_is(parts, r):
     """A stream past the bytes compacted (a large result: its node holds no spare room to win) is not copied."""
     (run,) = finished_runs(parts, r, 1)
     stream = keys.stream_key(run.id)
-    r.xadd(stream, {"event": "x" * batch_store.STREAM_COMPACTING[1]})
+    r.xadd(stream, {"event": "x" * batch_store.COMPACT_BYTES})
     before = r.memory_usage(stream)
     r.config_resetstat()
     parts.retirer.submit([run])
