@@ -153,7 +153,7 @@ end
 -- the order too. Not the mark (the ids it would jump would be before the mark unread), and only an indexed id (its
 -- tenant's list keeps its turn; no look need see it again).
 local function unqueue(id, at, score)
-  if at and at >= FAR then
+  if score and at and at >= FAR then  -- its place known far from the head, and where it is
     local head = redis.call('LINDEX', queue, 0)
     if head ~= id and head ~= mark and redis.call('HEXISTS', KEYS[4], head) == 1 then
       redis.call('LSET', queue, at, head)

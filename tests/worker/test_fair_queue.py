@@ -299,6 +299,26 @@ def test_the_head_is_not_moved_when_it_is_the_mark_and_a_far_mark_is_found_where
     assert sorted(taken) == sorted(m + arrived) and r.llen(queue.key) == 0
 
 
+def test_the_mark_found_far_past_its_place_is_removed_by_value(r, monkeypatch):
+    """The mark's job, near the head by its place but found further on (ids pushed to the front that no look has read
+    ahead of it): taken by value, as any job whose place is near the head."""
+    queue = Queue("rose", connection=r, serializer=JSONSerializer)
+    monkeypatch.setattr(fair_queue, "FAR", 2)
+    monkeypatch.setattr(fair_queue, "HEAD", 1)
+    y, x = submit(r, 2, "a")
+    fair = taker(r)
+    assert [i for i, _, _ in fair.take([queue], 1)] == [y]  # x indexed: the mark
+    front = [
+        Client(r, queue="rose", tenant="b").submit(f"f{i}", max_tokens=2, at_front=True).id for i in range(3)
+    ]
+    assert [i for i, _, _ in fair.take([queue], 1)] == [x]  # the mark, at 3; its place 1 (f2, seen, ahead)
+    assert [i.decode() for i in r.lrange(queue.key, 0, -1)] == front[::-1]
+    taken: list[str] = []
+    while batch := fair.take([queue], 1):
+        taken += [i for i, _, _ in batch]
+    assert sorted(taken) == sorted(front)
+
+
 def test_order_entries_of_ids_no_longer_indexed_are_dropped(r):
     """Ids in the order but not in the index (claimed by a worker of an earlier version) are pruned, lowest first."""
     queue = Queue("rose", connection=r, serializer=JSONSerializer)
