@@ -14,7 +14,8 @@ shared by the fleet (`keys.fair_key`):
 
 `FairQueue.take` is two round trips a queue: `look` reads what the queue holds past the mark (sought near the tail,
 then around as many ids from the head as the index holds, then from the list's nearer end: `MARK_NEAR`; when the
-mark's job has left the queue, the newest indexed id found from the tail stands for it) and at its head
+mark's job has left the queue, or came back to its tail past ids no look read, the newest indexed id found from the
+tail stands for it) and at its head
 (where ids pushed to the front land), with each new job's data; the worker reads each one's tenant and deadline
 (`placement`); then one script indexes them (unless another worker moved the mark meanwhile: it indexed the same
 ids) and claims up to `room` jobs: the deadline jobs earliest first, then one at a time the oldest job of the tenant

@@ -30,7 +30,12 @@ if mark then  -- LPOS reads one id after another: where the mark should be is re
     end
   end
 end
-if start == nil then  -- no mark, or its job left the queue: after the newest indexed id, found from the tail
+-- the id before the mark, past the head's window, not indexed: the mark's job left the queue and came back at its
+-- tail (a canceled job requeued), after ids no look has read; it stands for nothing then
+if start ~= nil and start - 2 >= tonumber(ARGV[2]) then
+  if redis.call('HEXISTS', KEYS[3], redis.call('LINDEX', KEYS[1], start - 2)) == 0 then start = nil end
+end
+if start == nil then  -- no mark, or its job left the queue: after the newest indexed id (not it), found from the tail
   start = 0
   local n, back = redis.call('LLEN', KEYS[1]), tonumber(ARGV[4])
   local i = n - 1
@@ -38,7 +43,7 @@ if start == nil then  -- no mark, or its job left the queue: after the newest in
     local lo = math.max(0, i - 255, n - back)
     local chunk = redis.call('LRANGE', KEYS[1], lo, i)
     for j = #chunk, 1, -1 do
-      if redis.call('HEXISTS', KEYS[3], chunk[j]) == 1 then start = lo + j; break end
+      if chunk[j] ~= mark and redis.call('HEXISTS', KEYS[3], chunk[j]) == 1 then start = lo + j; break end
     end
     i = lo - 1
   end
