@@ -16,7 +16,6 @@ from rose.engine import loader, model_probe
 from rose.engine.bad_words import bad_words_token_ids
 from rose.engine.block_pool import BlockPool
 from rose.engine.config import EngineConfig
-from rose.engine.detokenizer import IncrementalDetokenizer
 from rose.engine.host_malloc import tune_malloc
 from rose.engine.kv_budget import plan_store
 from rose.engine.kv_cache import KVCache
@@ -25,13 +24,13 @@ from rose.engine.layer_spec import first_needed
 from rose.engine.logprobs import prompt_logprobs
 from rose.engine.lora import LoRARequest, lora_manager
 from rose.engine.model_runner import ModelRunner, model_context
-from rose.engine.outputs import RequestMetrics, RequestOutput, StepOutput
+from rose.engine.outputs import RequestOutput, StepOutput
 from rose.engine.parallel_sampling import ParallelSampling, child_id, child_params
-from rose.engine.prompts import tokenize_prompt
+from rose.engine.prompts import room_to_generate, tokenize_prompt
 from rose.engine.sampler import Sampler, SamplerOutput, checks_after
 from rose.engine.sampling_params import SamplingParams
 from rose.engine.scheduler import ScheduledBatch, Scheduler
-from rose.engine.sequence import Placement, PromptShare, Sequence
+from rose.engine.sequence import Placement, PromptShare, Sequence, new_sequence
 from rose.engine.stopping import eos_token_ids, request_output, sampled_vocab
 from rose.engine.structured_outputs import resolve_backend
 
@@ -184,28 +183,16 @@ class Engine:
                 )
             bad_words = bad_words_token_ids(params.bad_words, self.tokenizer, self.vocab_size)
         text, ids = tokenize_prompt(prompt, self.tokenizer, self.vocab_size)
-        if ids and params.max_tokens is None and len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(ids)} tokens, which leaves no room to generate within max_model_len "
-                f"{self.max_model_len}"
-            )
-        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
-        if len(ids) + max_tokens > self.max_model_len:
-            raise ValueError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) = {len(ids) + max_tokens} exceeds "
-                f"max_model_len {self.max_model_len}: shorten the prompt or lower max_tokens"
-            )
+        max_tokens = room_to_generate(len(ids), params.max_tokens, self.max_model_len)
         if params.n == 1:
-            self.scheduler.add(
-                self._sequence(request_id, text, ids, params, max_tokens, bad_words, placement)
-            )
+            self.scheduler.add(self._new(request_id, text, ids, params, max_tokens, bad_words, placement))
             return
         children = [child_id(request_id, i) for i in range(params.n)]
         taken = [c for c in children if c in self.scheduler.requests]
         if taken:
             raise ValueError(f"request id {taken[0]!r} (a choice of {request_id!r}) is already in the engine")
         seqs = [
-            self._sequence(c, text, ids, child_params(params, i), max_tokens, bad_words, placement)
+            self._new(c, text, ids, child_params(params, i), max_tokens, bad_words, placement)
             for i, c in enumerate(children)
         ]  # all built before any is added: one that raises adds none
         share = PromptShare(pending=set(children))
@@ -215,7 +202,7 @@ class Engine:
         for seq in seqs:
             self.scheduler.add(seq)
 
-    def _sequence(
+    def _new(
         self,
         request_id: str,
         text: str | None,
@@ -225,40 +212,21 @@ class Engine:
         bad_words: list[list[int]] | None,
         placement: Placement,
     ) -> Sequence:
-        """A sequence of the request (one choice of it), with its own grammar, generator and detokenizer.
-        `placement`: its priority, deadline, LoRA adapter and arrival time."""
+        """A sequence of the request (one choice of it), its grammar's request made by this engine's manager."""
         structured = None
         if params.structured_outputs is not None:  # parsed here (invalid: ValueError), compiled on a thread
             structured = self.structured_outputs.make_request(params.structured_outputs)
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator(device=self.device)
-            generator.manual_seed(params.seed)
-        detok = None
-        if self.tokenizer is not None and params.detokenize:
-            detok = IncrementalDetokenizer(
-                self.tokenizer,
-                ids,
-                skip_special_tokens=params.skip_special_tokens,
-                stop=params.stop,
-                include_stop_str_in_output=params.include_stop_str_in_output,
-            )
-        return Sequence(
-            request_id=request_id,
-            prompt=text,
-            prompt_token_ids=list(ids),
-            params=params,
-            max_tokens=max_tokens,
-            metrics=RequestMetrics(arrival_time=placement.arrival, num_prompt_tokens=len(ids)),
-            detokenizer=detok,
-            priority=placement.priority,
-            deadline=placement.deadline,
-            generator=generator,
-            logprobs=[] if params.logprobs is not None else None,
-            prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
-            structured=structured,
-            bad_words_token_ids=bad_words,
-            lora_request=placement.lora_request,
+        return new_sequence(
+            request_id,
+            text,
+            ids,
+            params,
+            max_tokens,
+            bad_words,
+            placement,
+            structured,
+            self.device,
+            self.tokenizer,
         )
 
     def abort(self, request_id: str) -> RequestOutput | None:

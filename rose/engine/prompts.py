@@ -49,3 +49,20 @@ def tokenize_prompt(
     if not ids:
         raise ValueError("the prompt is empty: it must have at least one token")
     return text, ids
+
+
+def room_to_generate(prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> int:
+    """The tokens a request may generate: its `max_tokens`, or (None) what the context leaves after its prompt.
+    Raises ValueError when the prompt and max_tokens do not fit in `max_model_len`."""
+    if prompt_tokens and max_tokens is None and prompt_tokens >= max_model_len:
+        raise ValueError(
+            f"prompt has {prompt_tokens} tokens, which leaves no room to generate within max_model_len "
+            f"{max_model_len}"
+        )
+    most = max_tokens if max_tokens is not None else max_model_len - prompt_tokens
+    if prompt_tokens + most > max_model_len:
+        raise ValueError(
+            f"prompt ({prompt_tokens} tokens) + max_tokens ({most}) = {prompt_tokens + most} exceeds "
+            f"max_model_len {max_model_len}: shorten the prompt or lower max_tokens"
+        )
+    return most

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -138,3 +138,49 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+
+def new_sequence(
+    request_id: str,
+    text: str | None,
+    ids: list[int],
+    params: SamplingParams,
+    max_tokens: int,
+    bad_words: list[list[int]] | None,
+    placement: Placement,
+    structured: StructuredOutputRequest | None,
+    device: torch.device,
+    tokenizer: Any,
+) -> Sequence:
+    """A sequence of a request (one choice of it), with its own generator (seeded) and detokenizer.
+    `placement`: its priority, deadline, LoRA adapter and arrival time; `structured`: its grammar's request."""
+    generator = None
+    if params.seed is not None:
+        generator = torch.Generator(device=device)
+        generator.manual_seed(params.seed)
+    detok = None
+    if tokenizer is not None and params.detokenize:
+        detok = IncrementalDetokenizer(
+            tokenizer,
+            ids,
+            skip_special_tokens=params.skip_special_tokens,
+            stop=params.stop,
+            include_stop_str_in_output=params.include_stop_str_in_output,
+        )
+    return Sequence(
+        request_id=request_id,
+        prompt=text,
+        prompt_token_ids=list(ids),
+        params=params,
+        max_tokens=max_tokens,
+        metrics=RequestMetrics(arrival_time=placement.arrival, num_prompt_tokens=len(ids)),
+        detokenizer=detok,
+        priority=placement.priority,
+        deadline=placement.deadline,
+        generator=generator,
+        logprobs=[] if params.logprobs is not None else None,
+        prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+        structured=structured,
+        bad_words_token_ids=bad_words,
+        lora_request=placement.lora_request,
+    )
