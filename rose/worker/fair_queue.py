@@ -14,18 +14,23 @@ shared by the fleet (`keys.fair_key`):
 
 `FairQueue.take` is two round trips a queue: `look` reads what the queue holds past the mark (sought near the tail,
 then around as many ids from the head as the index holds, then from the list's nearer end: `MARK_NEAR`; when the
-mark's job has left the queue, or came back to its tail past ids no look read, the newest indexed id found from the
-tail stands for it) and at its head
-(where ids pushed to the front land), with each new job's data; the worker reads each one's tenant and deadline
-(`placement`); then one script indexes them (unless another worker moved the mark meanwhile: it indexed the same
-ids) and claims up to `room` jobs: the deadline jobs earliest first, then one at a time the oldest job of the tenant
-with the lowest counter (a heap). A claim is LREM from the queue's list and RPUSH to RQ's intermediate list in one
-script, as RQ's own dequeue moves ids (one `FAR` from the head or more, found by its place in the order, has the
-head's id moved into its place instead: LREM reads every id ahead), so a crash at any point loses nothing and
-rose.worker.recovery applies unchanged; a job no longer `queued` (canceled, deleted) is dropped from the index when
-its turn comes, at the cost of one HGET; taking the mark's job moves the mark to the id before it. A take pops at most `POPS` index entries
-per job it may take plus `EXTRA_POPS`; an index found with the queue empty is dropped whole. If the index is empty
-while the queue is not (a look that fell behind a burst), the queue's head is taken first come, first served.
+mark's job has left the queue, the newest indexed id found from the tail stands for it) and at its head (where ids
+pushed to the front land), with each new job's data; the worker reads each one's tenant and deadline (`placement`);
+then one script indexes them (unless another worker moved the mark meanwhile: it indexed the same ids) and claims up
+to `room` jobs: the deadline jobs earliest first, then one at a time the oldest job of the tenant with the lowest
+counter (a heap). A claim is LREM from the queue's list and RPUSH to RQ's intermediate list in one script, as RQ's
+own dequeue moves ids (one `FAR` from the head or more, found by its place in the order, has the head's id moved
+into its place instead: LREM reads every id ahead), so a crash at any point loses nothing and rose.worker.recovery
+applies unchanged; a job no longer `queued` (canceled, deleted) is dropped from the index when its turn comes, at
+the cost of one HGET; taking the mark's job moves the mark to the id before it. A take pops at most `POPS` index
+entries per job it may take plus `EXTRA_POPS`; an index found with the queue empty is dropped whole. If the index is
+empty while the queue is not (a look that fell behind a burst), the queue's head is taken first come, first served.
+
+The mark's job canceled and requeued (RQ puts it at the tail) leaves the ids enqueued meanwhile before the mark,
+unread. The look reads on from an indexed id found up to 256 ids before them, past the head's window; otherwise
+(it cannot tell them from ids pushed to the front) they are read when they reach the head's window, as pushed to
+the front: no job is lost, some come later or out of their tenant's order. Ids pushed to the front beyond the
+head's window are read a window at a time, each window ahead of the ones read before.
 
 Counters: a claim charges the job's tenant its prompt's expected tokens at once, as VTC does at admission (so that
 workers taking at the same moment see each other's picks), and a take spreads its picks by each job's whole expected

@@ -30,12 +30,22 @@ if mark then  -- LPOS reads one id after another: where the mark should be is re
     end
   end
 end
--- the id before the mark, past the head's window, not indexed: the mark's job left the queue and came back at its
--- tail (a canceled job requeued), after ids no look has read; it stands for nothing then
-if start ~= nil and start - 2 >= tonumber(ARGV[2]) then
-  if redis.call('HEXISTS', KEYS[3], redis.call('LINDEX', KEYS[1], start - 2)) == 0 then start = nil end
+-- the id before the mark, past the head's window, not indexed: ids pushed to the front up to it, or the mark's job
+-- left the queue and came back at its tail (a canceled job requeued) past ids no look read. An indexed id shortly
+-- before them, past the head's window too (where ids pushed to the front were read), says the latter: the look
+-- reads on from it (else the head's window reads them, as pushed to the front)
+local head_n = tonumber(ARGV[2])
+if start ~= nil and start - 2 >= head_n then
+  local before = start - 2
+  if redis.call('HEXISTS', KEYS[3], redis.call('LINDEX', KEYS[1], before)) == 0 then
+    local lo = math.max(head_n, before - 256)
+    local chunk = redis.call('LRANGE', KEYS[1], lo, before - 1)
+    for j = #chunk, 1, -1 do
+      if redis.call('HEXISTS', KEYS[3], chunk[j]) == 1 then start = lo + j; break end
+    end
+  end
 end
-if start == nil then  -- no mark, or its job left the queue: after the newest indexed id (not it), found from the tail
+if start == nil then  -- no mark, or its job left the queue: after the newest indexed id, found from the tail
   start = 0
   local n, back = redis.call('LLEN', KEYS[1]), tonumber(ARGV[4])
   local i = n - 1
@@ -43,7 +53,7 @@ if start == nil then  -- no mark, or its job left the queue: after the newest in
     local lo = math.max(0, i - 255, n - back)
     local chunk = redis.call('LRANGE', KEYS[1], lo, i)
     for j = #chunk, 1, -1 do
-      if chunk[j] ~= mark and redis.call('HEXISTS', KEYS[3], chunk[j]) == 1 then start = lo + j; break end
+      if redis.call('HEXISTS', KEYS[3], chunk[j]) == 1 then start = lo + j; break end
     end
     i = lo - 1
   end

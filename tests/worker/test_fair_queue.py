@@ -319,27 +319,6 @@ def test_the_mark_found_far_past_its_place_is_removed_by_value(r, monkeypatch):
     assert sorted(taken) == sorted(front)
 
 
-def test_a_mark_whose_job_came_back_at_the_tail_is_not_trusted(r, monkeypatch):
-    """The mark's job canceled, jobs enqueued, then the canceled job requeued (RQ puts it at the tail): the ids
-    before it were never read. The look sees the id before the mark unindexed and reads on from the newest indexed
-    id before them (not the mark), so a tenant's jobs come in the order enqueued (not the new ones first, as jobs
-    pushed to the front, once they reach the head)."""
-    queue = Queue("rose", connection=r, serializer=JSONSerializer)
-    monkeypatch.setattr(fair_queue, "HEAD", 2)
-    a, old, m = submit(r, 1, "a"), submit(r, 1, "b"), submit(r, 1, "m")
-    fair = taker(r)
-    assert [i for i, _, _ in fair.take([queue], 1)] == a  # old and m indexed; the mark on m
-    Job.fetch(m[0], connection=r, serializer=JSONSerializer).cancel()
-    new = submit(r, 2, "b")
-    CanceledJobRegistry("rose", connection=r, serializer=JSONSerializer).requeue(m[0])
-    assert [i.decode() for i in r.lrange(queue.key, 0, -1)] == old + new + m
-    taken: list[str] = []
-    while batch := fair.take([queue], 1):
-        taken += [i for i, _, _ in batch]
-    assert [i for i in taken if i in old + new] == old + new and sorted(taken) == sorted(old + new + m)
-    assert r.llen(keys.fair_tenant_key("rose", "b")) == 0 and r.llen(queue.key) == 0
-
-
 def test_order_entries_of_ids_no_longer_indexed_are_dropped(r):
     """Ids in the order but not in the index (claimed by a worker of an earlier version) are pruned, lowest first."""
     queue = Queue("rose", connection=r, serializer=JSONSerializer)
