@@ -26,11 +26,14 @@ the cost of one HGET; taking the mark's job moves the mark to the id before it. 
 entries per job it may take plus `EXTRA_POPS`; an index found with the queue empty is dropped whole. If the index is
 empty while the queue is not (a look that fell behind a burst), the queue's head is taken first come, first served.
 
-The mark's job canceled and requeued (RQ puts it at the tail) leaves the ids enqueued meanwhile before the mark,
-unread. The look reads on from an indexed id found up to 256 ids before them, past the head's window; otherwise
-(it cannot tell them from ids pushed to the front) they are read when they reach the head's window, as pushed to
-the front: no job is lost, some come later or out of their tenant's order. Ids pushed to the front beyond the
-head's window are read a window at a time, each window ahead of the ones read before.
+The mark's job canceled and requeued (RQ puts it at the tail) leaves the jobs enqueued meanwhile before the mark,
+unread. When the id just before the mark lies past the head's window unindexed, the look reads on from the first
+indexed id before it, if that lies within `RESCAN` ids, past the head's window, and no further from the head than its
+place in the order (ids pushed to the front since put it further: it then tells nothing). Otherwise (from the list
+alone they look like ids pushed to the front) they are read on reaching the head's window, as pushed to the front: no
+job is lost; some come later than their turn or ahead of their tenant's older jobs (also when another requeued
+indexed id lies just before the mark). Ids pushed to the front beyond the head's window are read a window at a time,
+each window ahead of those read before.
 
 Counters: a claim charges the job's tenant its prompt's expected tokens at once, as VTC does at admission (so that
 workers taking at the same moment see each other's picks), and a take spreads its picks by each job's whole expected
@@ -64,6 +67,7 @@ SCAN_BACK = (
     4096  # ids looked at from the tail for the newest indexed one, when the mark's job has left the queue
 )
 MARK_NEAR = 1024  # ids read near the tail, then near where the index says, for the mark
+RESCAN = 1024  # ids read before the mark when the one before it is not indexed (its job came back: fair_scripts.LOOK)
 FAR = 256  # a claim this far from the queue's head moves the head's id into its place (fair_scripts.TAKE)
 POPS = 64  # a take pops at most this many index entries per job it may take, stale ones included,
 EXTRA_POPS = 4096  # and this many more
@@ -207,7 +211,8 @@ class FairQueue:
         mark, indexed = keys.fair_key(name, "mark"), keys.fair_key(name, "indexed")
         prefix = rq_start.job_hash_prefix()
         looked = self._look(
-            keys=[queue.key, mark, indexed], args=[LOOK_LIMIT, HEAD, prefix, SCAN_BACK, MARK_NEAR]
+            keys=[queue.key, mark, indexed, keys.fair_key(name, "order")],
+            args=[LOOK_LIMIT, HEAD, prefix, SCAN_BACK, MARK_NEAR, RESCAN],
         )
         expected, newest, found = decoded(looked[0]), decoded(looked[1]), looked[2:]
         entries: list[str] = []

@@ -2,9 +2,10 @@
 `LOOK` reads what a queue holds past the index's mark, `TAKE` indexes it and claims jobs, `CHARGE` adds to the
 fleet's counters. Each runs atomically in Redis."""
 
-# KEYS: queue, mark, indexed. ARGV: limit, head, job hash prefix, scan back, ids read around where the mark should
-# be (from the tail, then around as many ids from the head as the index holds). Returns {mark, newest id looked at,
-# then (id, front "1"/"0", the job's data) for each id not in the index}.
+# KEYS: queue, mark, indexed, order. ARGV: limit, head (at least 1), job hash prefix, scan back, ids read around
+# where the mark should be (from the tail, then around as many ids from the head as the index holds), ids read before
+# the mark when the one before it is not indexed. Returns {mark, newest id looked at, then (id, front "1"/"0", the
+# job's data) for each id not in the index}.
 LOOK = """
 local mark = redis.call('GET', KEYS[2])
 local start = nil
@@ -31,17 +32,22 @@ if mark then  -- LPOS reads one id after another: where the mark should be is re
   end
 end
 -- the id before the mark, past the head's window, not indexed: ids pushed to the front up to it, or the mark's job
--- left the queue and came back at its tail (a canceled job requeued) past ids no look read. An indexed id shortly
--- before them, past the head's window too (where ids pushed to the front were read), says the latter: the look
--- reads on from it (else the head's window reads them, as pushed to the front)
+-- left the queue and came back at its tail (a canceled job requeued) past ids no look read. An indexed id at most
+-- ARGV[6] ids before them, past the head's window, and no further from the head than its place in the order says the
+-- latter: the look reads on from it. Else they are read by the head's window, as pushed to the front (ids pushed to
+-- the front since an earlier push was read put that push's ids further than their places).
 local head_n = tonumber(ARGV[2])
 if start ~= nil and start - 2 >= head_n then
   local before = start - 2
   if redis.call('HEXISTS', KEYS[3], redis.call('LINDEX', KEYS[1], before)) == 0 then
-    local lo = math.max(head_n, before - 256)
+    local lo = math.max(head_n, before - tonumber(ARGV[6]))
     local chunk = redis.call('LRANGE', KEYS[1], lo, before - 1)
     for j = #chunk, 1, -1 do
-      if redis.call('HEXISTS', KEYS[3], chunk[j]) == 1 then start = lo + j; break end
+      if redis.call('HEXISTS', KEYS[3], chunk[j]) == 1 then
+        local place = redis.call('ZRANK', KEYS[4], chunk[j])
+        if place and lo + j - 1 <= place then start = lo + j end
+        break
+      end
     end
   end
 end
