@@ -185,14 +185,16 @@ class Engine:
         text, ids = tokenize_prompt(prompt, self.tokenizer, self.vocab_size)
         max_tokens = room_to_generate(len(ids), params.max_tokens, self.max_model_len)
         if params.n == 1:
-            self.scheduler.add(self._new(request_id, text, ids, params, max_tokens, bad_words, placement))
+            self.scheduler.add(
+                self._sequence(request_id, text, ids, params, max_tokens, bad_words, placement)
+            )
             return
         children = [child_id(request_id, i) for i in range(params.n)]
         taken = [c for c in children if c in self.scheduler.requests]
         if taken:
             raise ValueError(f"request id {taken[0]!r} (a choice of {request_id!r}) is already in the engine")
         seqs = [
-            self._new(c, text, ids, child_params(params, i), max_tokens, bad_words, placement)
+            self._sequence(c, text, ids, child_params(params, i), max_tokens, bad_words, placement)
             for i, c in enumerate(children)
         ]  # all built before any is added: one that raises adds none
         share = PromptShare(pending=set(children))
@@ -202,7 +204,7 @@ class Engine:
         for seq in seqs:
             self.scheduler.add(seq)
 
-    def _new(
+    def _sequence(
         self,
         request_id: str,
         text: str | None,
@@ -221,12 +223,12 @@ class Engine:
             text,
             ids,
             params,
-            max_tokens,
-            bad_words,
-            placement,
-            structured,
-            self.device,
-            self.tokenizer,
+            max_tokens=max_tokens,
+            bad_words=bad_words,
+            placement=placement,
+            structured=structured,
+            device=self.device,
+            tokenizer=self.tokenizer,
         )
 
     def abort(self, request_id: str) -> RequestOutput | None:

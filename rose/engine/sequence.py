@@ -145,6 +145,7 @@ def new_sequence(
     text: str | None,
     ids: list[int],
     params: SamplingParams,
+    *,
     max_tokens: int,
     bad_words: list[list[int]] | None,
     placement: Placement,
