@@ -26,8 +26,8 @@ the cost of one HGET; taking the mark's job moves the mark to the id before it. 
 entries per job it may take plus `EXTRA_POPS`; an index found with the queue empty is dropped whole. If the index is
 empty while the queue is not (a look that fell behind a burst), the queue's head is taken first come, first served.
 
-The mark's job canceled and requeued (RQ puts it at the tail) leaves the jobs enqueued meanwhile before the mark,
-unread. When the id just before the mark lies past the head's window unindexed, the look reads on from the first
+The mark's job canceled and requeued (RQ puts it at the tail) leaves the jobs after it that no look had read before
+the mark. When the id just before the mark lies past the head's window unindexed, the look reads on from the first
 indexed id before it, if that lies within `RESCAN` ids, past the head's window, and no further from the head than its
 place in the order (ids pushed to the front since put it further: it then tells nothing). Otherwise (from the list
 alone they look like ids pushed to the front) they are read on reaching the head's window, as pushed to the front: no
