@@ -71,7 +71,8 @@ class Model:
 
     waiting: set[str] = field(default_factory=set)
     taken: list[str] = field(default_factory=list)
-    canceled: dict[str, int] = field(default_factory=dict)  # -> its place among the jobs enqueued
+    # -> the jobs after it on the list then, and how many jobs had been enqueued
+    canceled: dict[str, tuple[list[str], int]] = field(default_factory=dict)
     plain: dict[str, list[str]] = field(default_factory=dict)  # never front, deadline nor requeued: FIFO
     tenant: dict[str, str] = field(default_factory=dict)  # every job's, in the order enqueued
 
@@ -119,8 +120,9 @@ class Run:
                 )
             job = Job.fetch(job_id, connection=self.r, serializer=JSONSerializer)
             if self.rng.random() < 0.5:
+                listed = [i.decode() for i in self.r.lrange(self.queue.key, 0, -1)]
                 job.cancel()
-                self.model.canceled[job_id] = list(self.model.tenant).index(job_id)
+                self.model.canceled[job_id] = listed[listed.index(job_id) + 1 :], len(self.model.tenant)
             else:
                 job.delete()
             self.model.waiting.discard(job_id)
@@ -128,14 +130,16 @@ class Run:
 
     def requeue(self) -> None:
         """A taken job put back at the queue's head (a worker's shutdown, recovery) or tail (RQ's requeue), or a
-        canceled one at the tail (RQ's). If that was the look's mark, the jobs enqueued after it that no look had
-        read may be read late, at the head's window (fair_queue's docstring): their order is not checked."""
+        canceled one at the tail (RQ's). If that was the look's mark, the jobs after it on the list that no look had
+        read, and those enqueued while it was away, may be read late, at the head's window (fair_queue's docstring):
+        their order is not checked."""
         pool = [i for i in self.model.taken if self.rng.random() < 0.5] + list(self.model.canceled)
         if not pool:
             return
         job_id = self.rng.choice(pool)
         if job_id in self.model.canceled:
-            for later in list(self.model.tenant)[self.model.canceled.pop(job_id) + 1 :]:
+            after, enqueued = self.model.canceled.pop(job_id)
+            for later in after + list(self.model.tenant)[enqueued:]:  # unread then, or enqueued since
                 self.unorder(later)
             CanceledJobRegistry("rose", connection=self.r, serializer=JSONSerializer).requeue(job_id)
         else:
