@@ -24,9 +24,9 @@ if TYPE_CHECKING:
 # followed by its arguments. The writes go through only if every job is still started by this worker and has no
 # dependents to enqueue, all at once (a script is atomic, as RQ's WATCH + MULTI/EXEC is); a write Redis refuses does
 # not stop the others (as in a MULTI/EXEC). Then each stream named of at most ARGV[5] entries and ARGV[6] bytes is
-# copied and the copy renamed over it (`COMPACT_ENTRIES`, `COMPACT_BYTES`): the same entries, ids, groups and expiry, stored at their
-# size; a Redis without COPY (before 6.2, or renamed away) leaves it as it was. Returns {1, refusals...} once written,
-# {0} with nothing written.
+# copied and the copy renamed over it (`COMPACT_ENTRIES`, `COMPACT_BYTES`): the same entries, ids, groups and expiry,
+# stored at their size; a Redis without COPY (before 6.2, or renamed away) leaves it as it was. Returns
+# {1, refusals...} once written, {0} with nothing written.
 _STORE_IF_OURS = """
 for i = 1, #KEYS, 2 do
   local f = redis.call('HMGET', KEYS[i], ARGV[3], ARGV[4])

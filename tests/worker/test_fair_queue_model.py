@@ -20,6 +20,7 @@ from rq import Queue
 from rq.job import Job
 from rq.registry import CanceledJobRegistry
 from rq.serializers import JSONSerializer
+from test_fair_queue import submit, taker
 
 from rose.jobs import keys
 from rose.jobs.client import Client
@@ -33,22 +34,6 @@ TENANTS = ("a", "b", "c")
 SEEDS = int(os.environ.get("ROSE_MODEL_SEEDS", "6"))  # more to explore (session 21: 300 ran clean)
 DEADLINES = 2_000_000_000  # Unix seconds: deadlines from here, as the seed says
 TAKE_SHA = hashlib.sha1(TAKE.encode()).hexdigest()
-
-
-class Accounts:
-    """A worker's accounts as a take sees them: a fixed estimate, nothing pending."""
-
-    def estimate(self) -> float:
-        return 100.0
-
-    def typical(self) -> float | None:
-        return None
-
-    def take_pending(self) -> dict[str, float]:
-        return {}
-
-    def prepaid(self, job_id: str, tenant: str, tokens: float) -> None:
-        pass
 
 
 class Interrupted(redis.Redis):
@@ -83,7 +68,7 @@ class Run:
         self.queue = Queue("rose", connection=r, serializer=JSONSerializer)
         pool = r.connection_pool.connection_kwargs
         self.hooked = Interrupted(host=pool["host"], port=pool["port"])
-        self.workers = [FairQueue(c, JSONSerializer, {"b": 2.0}, Accounts()) for c in (r, r, self.hooked)]
+        self.workers = [taker(c, {"b": 2.0}) for c in (r, r, self.hooked)]
 
     def enqueue(self) -> None:
         t, kind = self.rng.choice(TENANTS), self.rng.random()
@@ -200,11 +185,6 @@ def test_the_fair_take_keeps_rqs_lists_and_each_tenants_order(r, monkeypatch, se
     assert not run.model.waiting, f"{len(run.model.waiting)} waiting jobs never taken"
 
 
-def submit(r, n: int, tenant: str, **fields) -> list[str]:
-    client = Client(r, queue="rose", tenant=tenant)
-    return [client.submit(f"{tenant} {i}", max_tokens=2, **fields).id for i in range(n)]
-
-
 def drain(fair: FairQueue, queue: Queue) -> list[str]:
     taken: list[str] = []
     while batch := fair.take([queue], 1):
@@ -220,7 +200,7 @@ def test_a_mark_whose_job_came_back_at_the_tail_is_read_on_from_the_indexed_id_b
     queue = Queue("rose", connection=r, serializer=JSONSerializer)
     monkeypatch.setattr(fair_queue, "HEAD", 2)
     a, x, old, m = submit(r, 1, "a"), submit(r, 2, "x"), submit(r, 1, "b"), submit(r, 1, "m")
-    fair = FairQueue(r, JSONSerializer, {}, Accounts())
+    fair = taker(r)
     assert [i for i, _, _ in fair.take([queue], 1)] == a  # x, old and m indexed; the mark on m
     Job.fetch(m[0], connection=r, serializer=JSONSerializer).cancel()
     new = submit(r, 2, "b")
@@ -240,7 +220,7 @@ def test_ids_pushed_to_the_front_up_to_the_mark_keep_their_turn(r, monkeypatch):
     queue = Queue("rose", connection=r, serializer=JSONSerializer)
     monkeypatch.setattr(fair_queue, "HEAD", 2)
     a, m = submit(r, 1, "a"), submit(r, 1, "b")
-    fair = FairQueue(r, JSONSerializer, {}, Accounts())
+    fair = taker(r)
     assert [i for i, _, _ in fair.take([queue], 1)] == a  # m indexed: the mark
     front = submit(r, 5, "b", at_front=True)[::-1]  # the last pushed first
     assert [i.decode() for i in r.lrange(queue.key, 0, -1)] == front + m
@@ -257,7 +237,7 @@ def test_ids_pushed_to_the_front_after_an_earlier_push_was_read_keep_their_turn(
     queue = Queue("rose", connection=r, serializer=JSONSerializer)
     monkeypatch.setattr(fair_queue, "HEAD", 2)
     a, m = submit(r, 1, "a"), submit(r, 1, "b")
-    fair = FairQueue(r, JSONSerializer, {}, Accounts())
+    fair = taker(r)
     assert [i for i, _, _ in fair.take([queue], 1)] == a  # m indexed: the mark
     first = submit(r, 4, "b", at_front=True)[::-1]
     assert [i for i, _, _ in fair.take([queue], 1)] == first[:1]  # the window read first[0], first[1]
