@@ -65,10 +65,7 @@ _VLLM_CHAT_EXTRAS = (
 _NO_EFFECT = ("user", "safety_identifier", "prompt_cache_key", "store")
 # accepted only with these values (the default); anything else is a feature rose does not have.
 # parallel_tool_calls (chat) is accepted as it is, as vLLM does: the model writes as many calls as it writes.
-_ONLY = {
-    "echo": (False,),
-    "best_of": (1,),
-}
+_ONLY = {"echo": (False,), "best_of": (1,)}
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound on chat's top_logprobs, and vLLM's default max_logprobs
 _STREAM_OPTIONS = ("include_usage", "include_obfuscation")  # OpenAI's; what rose does with each: see _stream
 _ENDPOINT_FIELDS = {

@@ -13,9 +13,10 @@ On a busy loop nothing waits for a Redis round trip: the probe and the retirer's
 read after it. A finished job's result is stored only once Redis has acknowledged its token events
 (`Outbox.delivered`), so a job stored as finished never lacks tokens in its stream, whatever Redis went through; if
 Redis refused or lost events (`Publisher.take_dropped` / `lost`), the streams of the jobs held here start over
-(`Outbox.resync`) before any of them is stored, and the iteration asks the worker to reconcile with Redis. `running` (job id -> rose.worker.running.Running) is owned here: only this module adds or removes a
-job, or changes its phase. Each stage touching Redis runs through the worker's RedisGuard: while Redis is down the
-engine keeps stepping, and whatever a failed stage owed (a check, a store, a stop) is tried again later.
+(`Outbox.resync`) before any of them is stored, and the iteration asks the worker to reconcile with Redis. `running`
+(job id -> rose.worker.running.Running) is owned here: only this module adds or removes a job, or changes its phase.
+Each stage touching Redis runs through the worker's RedisGuard: while Redis is down the engine keeps stepping, and
+whatever a failed stage owed (a check, a store, a stop) is tried again later.
 """
 
 from __future__ import annotations
@@ -178,9 +179,6 @@ class JobLoop:
             self.outbox.resync(run, reason)
 
     # ---- take ----------------------------------------------------------------------------------------------------
-
-    def max_jobs(self) -> int:
-        return int(self.engine.max_num_seqs)
 
     def room(self) -> int:
         """How many more jobs the engine can take now: what its free KV blocks admit (`num_admittable`). A worker
@@ -399,13 +397,6 @@ class JobLoop:
             self.resync("redis lost events")
             self._reconcile = True
         elif dropped:
-            for job_id in dropped:
-                run = self.running.get(job_id)
-                if run is None:
-                    continue
-                run.refusals += 1
-                if run.refusals == 1:
-                    self.outbox.resync(run, "redis refused events")
-                elif run.refusals == 2:
-                    log.error("job %s: Redis refuses its events again; it goes on without its stream", run.id)
+            for run in filter(None, map(self.running.get, dropped)):
+                self.outbox.refused(run)
             self._reconcile = True  # an ended job's terminal event may be among them: its stream is repaired

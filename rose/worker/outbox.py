@@ -16,6 +16,7 @@ only (one Redis command less per event otherwise).
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +28,8 @@ from rose.jobs.events import DoneEvent, ResetEvent, Usage, token_event_json
 from rose.jobs.logprobs import LogprobEntry
 from rose.worker.publisher import KEEP_TTL, NO_EXPIRY, Outgoing, Publisher
 from rose.worker.running import Running
+
+log = logging.getLogger(__name__)
 
 STREAM_TTL_REFRESH_S = 60  # a running job's events re-set its stream's expiry this often (it is hours long)
 
@@ -132,6 +135,15 @@ class Outbox:
             if choice.token_ids:
                 logprobs = list(choice.logprobs) if choice.logprobs is not None else None
                 self._token_event(_Held(run, index, list(choice.text), list(choice.token_ids), logprobs))
+
+    def refused(self, run: Running) -> None:
+        """Redis refused events of the job (rose.worker.publisher `take_dropped`): its stream starts over once; if
+        Redis refuses them again, the job goes on without its stream (a key of the wrong type stays so)."""
+        run.refusals += 1
+        if run.refusals == 1:
+            self.resync(run, "redis refused events")
+        elif run.refusals == 2:
+            log.error("job %s: Redis refuses its events again; it goes on without its stream", run.id)
 
     def terminal(self, run: Running, kind: Any, **fields: Any) -> None:
         """The job's last event (`kind`: DoneEvent, ErrorEvent, CanceledEvent, with its `fields`), after its held

@@ -221,7 +221,7 @@ class RoseWorker:
             self.name,
             ", ".join(self.queue_names()),
             self.engine.model_name,
-            self.jobs.max_jobs(),
+            int(self.engine.max_num_seqs),
             _policy(self.settings),
         )
         parser = self.jobs.tool_parser  # rose.jobs.tools.resolve_parser
@@ -374,7 +374,7 @@ class RoseWorker:
             "model": str(engine.model_name),
             "device": str(engine.device),
             "dtype": metrics.dtype_name(engine),
-            "max_num_seqs": self.jobs.max_jobs(),
+            "max_num_seqs": int(engine.max_num_seqs),
             "max_model_len": int(engine.max_model_len),
             "num_running": int(engine.num_running),
             "num_waiting": int(engine.num_waiting),
