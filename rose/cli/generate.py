@@ -106,8 +106,9 @@ def _lora(args: argparse.Namespace) -> tuple[LoRARequest | None, dict[str, Any]]
 
 
 def run(args: argparse.Namespace) -> int:
-    from rose import LLM, SamplingParams
-    from rose.engine.chat import ChatOptions, render_chat
+    # the flags are checked before torch and transformers load (seconds): a bad one fails at once
+    from rose.engine.chat import ChatOptions
+    from rose.engine.sampling_params import SamplingParams
 
     chat = chat_kwargs(args)
     if not args.chat and (chat or args.system is not None):
@@ -120,6 +121,9 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--stream prints one text per prompt: --n > 1 needs the printing of whole choices")
     options = ChatOptions(**chat) if args.chat else None  # checked before the model loads
     lora, lora_options = _lora(args)
+    from rose import LLM
+    from rose.engine.chat import render_chat
+
     llm = LLM(
         args.model,
         args.tokenizer,

@@ -54,6 +54,27 @@ def test_generate_rejects_bad_sampling_flag_with_its_name() -> None:
     assert "top_p" in res.stderr and "(0, 1]" in res.stderr
 
 
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--top-p", "2"], "top_p must be in (0, 1]"),
+        (["--system", "x"], "--system: needs --chat"),
+        (["--stream", "--n", "2"], "--n > 1 needs the printing of whole choices"),
+    ],
+)
+def test_a_bad_flag_fails_before_torch_and_transformers_load(args: list[str], message: str) -> None:
+    """A user's typo is answered at once, not after the seconds torch and transformers take to import."""
+    code = (
+        "import sys; from rose.cli import main; rc = main(sys.argv[1:]); "
+        "print(rc, 'torch' in sys.modules, 'transformers' in sys.modules)"
+    )
+    res = subprocess.run(
+        [sys.executable, "-c", code, "generate", *args, "Hello"], capture_output=True, text=True, timeout=300
+    )
+    assert res.stdout.split() == ["2", "False", "False"], res.stderr
+    assert message in res.stderr
+
+
 def test_generate_takes_logit_bias_as_json() -> None:
     llm = LLM("tiny-llama", device="cpu", max_num_seqs=2)
     forced = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logit_bias={"42": 100})
