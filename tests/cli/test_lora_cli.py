@@ -166,9 +166,12 @@ GENERATE = (
 )
 
 
-def test_generate_with_an_adapter(rose, tmp_path) -> None:
+def test_generate_with_an_adapter(rose, tmp_path, capsys) -> None:
     """`rose generate --lora NAME=PATH`: the offline LLM's output with that adapter. Its rank (32) is above the
-    default max_lora_rank (16): the engine is sized by the adapter's adapter_config.json."""
+    default max_lora_rank (16): the engine is sized by the adapter's adapter_config.json. The first run is the real
+    command; the others go through the same `main` in this process (each subprocess costs seconds of imports)."""
+    from rose.cli import main
+
     path = make_adapter(tmp_path / "wide", ["q_proj", "v_proj", "down_proj"], rank=32, seed=3)
     request = LoRARequest("wide", 1, path)
     llm = LLM("tiny-llama", device="cpu", max_model_len=256, enable_lora=True, max_lora_rank=32)
@@ -184,21 +187,19 @@ def test_generate_with_an_adapter(rose, tmp_path) -> None:
     res = rose(*GENERATE, "--ignore-eos", "--lora", f"wide={path}", PROMPT)
     assert res.returncode == 0, res.stderr
     assert res.stdout == f"[0] {PROMPT!r} -> length, 4 tokens\n{wide.text}\n"
+    capsys.readouterr()
     # --stream and --chat take it too, and so does the JSON form of --lora-modules
-    res = rose(*GENERATE, "--ignore-eos", "--stream", "--lora", f"wide={path}", PROMPT)
-    assert res.returncode == 0, res.stderr
-    assert res.stdout == PROMPT + wide.text + "\n"
+    assert main([*GENERATE, "--ignore-eos", "--stream", "--lora", f"wide={path}", PROMPT]) == 0
+    assert capsys.readouterr().out == PROMPT + wide.text + "\n"
     as_json = json.dumps({"name": "wide", "path": path, "base_model_name": "tiny-llama"})
-    res = rose(*GENERATE, "--ignore-eos", "--chat", "--stream", "--lora", as_json, PROMPT)
-    assert res.returncode == 0, res.stderr
-    assert res.stdout == reply + "\n"
+    assert main([*GENERATE, "--ignore-eos", "--chat", "--stream", "--lora", as_json, PROMPT]) == 0
+    assert capsys.readouterr().out == reply + "\n"
 
     # an adapter above an explicit --max-lora-rank is refused before any output, naming it
-    res = rose(*GENERATE, "--lora", f"wide={path}", "--max-lora-rank", "16", PROMPT)
-    assert res.returncode == 2 and res.stdout == ""
-    assert (
-        f"rose generate: error: LoRA adapter 'wide' ({path}): rank 32 is above max_lora_rank 16" in res.stderr
-    )
+    assert main([*GENERATE, "--lora", f"wide={path}", "--max-lora-rank", "16", PROMPT]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert f"rose generate: error: LoRA adapter 'wide' ({path}): rank 32 is above max_lora_rank 16" in err
 
 
 def test_generate_lora_flags_are_checked_before_the_model_loads(capsys) -> None:
