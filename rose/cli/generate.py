@@ -80,7 +80,6 @@ def _lora(args: argparse.Namespace) -> tuple[LoRARequest | None, dict[str, Any]]
     max_lora_rank (--max-lora-rank, else the adapter's rank as its adapter_config.json gives it; an adapter that
     cannot be read is left to the engine's register, which names what is wrong)."""
     from rose.config import parse_lora_module
-    from rose.engine.lora import LoRAError, LoRARequest, adapter_dir
 
     if args.lora is None:
         if args.max_lora_rank is not None:
@@ -90,6 +89,8 @@ def _lora(args: argparse.Namespace) -> tuple[LoRARequest | None, dict[str, Any]]
         name, path = parse_lora_module(args.lora)
     except ValueError as exc:
         raise ValueError(f"--lora: {exc}") from None
+    from rose.engine.lora import LoRAError, LoRARequest, adapter_dir  # torch: only once the flags are good
+
     request = LoRARequest(name, 1, os.path.expanduser(path))
     rank = args.max_lora_rank
     if rank is None:

@@ -397,6 +397,7 @@ class JobLoop:
             self.resync("redis lost events")
             self._reconcile = True
         elif dropped:
-            for run in filter(None, map(self.running.get, dropped)):
-                self.outbox.refused(run)
+            for job_id in dropped:
+                if (run := self.running.get(job_id)) is not None:
+                    self.outbox.refused(run)
             self._reconcile = True  # an ended job's terminal event may be among them: its stream is repaired

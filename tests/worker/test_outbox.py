@@ -1,9 +1,11 @@
 """rose.worker.outbox.Outbox.token alone, without Redis: which tokens go out at once, which are held, and that every
-event (first, held, a finished choice's, released, resynced) carries exactly the tokens since the choice's last."""
+event (first, held, a finished choice's, released, resynced) carries exactly the tokens since the choice's last; and
+what a refusal of a job's events starts (`refused`)."""
 
 from __future__ import annotations
 
 import json
+import logging
 import time
 from types import SimpleNamespace
 
@@ -112,3 +114,21 @@ def test_a_resync_sends_every_token_so_far_after_a_reset():
     assert reset["type"] == "reset" and reset["reason"] == "redis lost events"
     assert (tokens["seq"], tokens["text"], tokens["token_ids"]) == (0, "ab", [1, 2])
     assert outbox.idle
+
+
+def test_refused_events_start_the_stream_over_once_then_the_job_goes_on_without_one(caplog):
+    publisher = StubPublisher()
+    outbox, run = Outbox(publisher, 500, stream_interval=3600), running()
+    run.choices[0].text, run.choices[0].token_ids = ["a"], [1]
+    with caplog.at_level(logging.ERROR, logger="rose.worker.outbox"):
+        outbox.refused(run)
+        reset, tokens = sent(outbox, publisher)
+        assert (reset["type"], reset["reason"]) == ("reset", "redis refused events")
+        assert (tokens["seq"], tokens["token_ids"]) == (0, [1])
+        assert not caplog.records
+        outbox.refused(run)  # refused again: logged once, no new reset
+        outbox.refused(run)
+        assert sent(outbox, publisher) == []
+    assert [r.getMessage() for r in caplog.records] == [
+        "job j: Redis refuses its events again; it goes on without its stream"
+    ]
