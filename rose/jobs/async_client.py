@@ -39,7 +39,7 @@ class AsyncJob:
         quiet_polls = 0
         while True:
             for _, fields in pending:
-                event = parse_event(fields[keys.STREAM_FIELD.encode()])
+                event = parse_event(fields[keys.STREAM_FIELD.encode()], self.id)
                 yield event
                 if event.type in TERMINAL_TYPES:
                     return

@@ -117,7 +117,7 @@ class Job:
         quiet_polls = 0
         while True:
             for _, fields in pending:
-                event = parse_event(fields[keys.STREAM_FIELD.encode()])
+                event = parse_event(fields[keys.STREAM_FIELD.encode()], self.id)
                 yield event
                 if event.type in TERMINAL_TYPES:
                     return

@@ -1,5 +1,8 @@
 """Events published for each job on `rose:tokens:<id>` (pub/sub) and `rose:stream:<id>` (replayable stream).
 
+The JSON written carries no `job_id`: the channel and the stream are the job's (the id was a third of a
+token event's bytes). `parse_event(data, job_id)` fills it in from the key, and still reads events that carry it.
+
 Within one attempt, token events carry seq 0, 1, 2, ... without gaps and the single terminal event (done, error
 or canceled) carries the next seq. A `reset` event means the job restarts from scratch (worker crash, requeue):
 drop what was received so far; the seq of the new attempt starts again at 0.
@@ -29,10 +32,10 @@ __all__ = [
 class _Base(BaseModel):
     model_config = ConfigDict(extra="allow", frozen=True)  # extra: newer workers may add fields
 
-    job_id: str
+    job_id: str  # not in the JSON written: the channel and stream it is written to name the job
 
     def to_json(self) -> str:
-        return self.model_dump_json()
+        return self.model_dump_json(exclude={"job_id"})
 
 
 class Usage(BaseModel):
@@ -52,7 +55,9 @@ class TokenEvent(_Base):
     index: int | None = None
 
     def to_json(self) -> str:
-        return self.model_dump_json(exclude={k for k in ("logprobs", "index") if getattr(self, k) is None})
+        return self.model_dump_json(
+            exclude={"job_id"} | {k for k in ("logprobs", "index") if getattr(self, k) is None}
+        )
 
 
 class DoneEvent(_Base):
@@ -89,7 +94,6 @@ _encode = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 
 
 def token_event_json(
-    job_id: str,
     seq: int,
     text: str,
     token_ids: list[int],
@@ -99,7 +103,7 @@ def token_event_json(
     """`TokenEvent(...).to_json()` for the worker's hot path (one per job per step), at a quarter of the cost; the
     `logprobs` and `index` keys only when given."""
     ids = ",".join(map(str, token_ids))
-    head = f'{{"job_id":{_encode(job_id)},"type":"token","seq":{seq:d},"text":{_encode(text)},"token_ids":[{ids}]'
+    head = f'{{"type":"token","seq":{seq:d},"text":{_encode(text)},"token_ids":[{ids}]'
     if logprobs is not None:
         head += f',"logprobs":{_encode(logprobs)}'
     if index is not None:
@@ -107,7 +111,13 @@ def token_event_json(
     return head + "}"
 
 
-def parse_event(data: str | bytes | dict) -> TokenEvent | DoneEvent | ErrorEvent | CanceledEvent | ResetEvent:
+def parse_event(
+    data: str | bytes | dict, job_id: str | None = None
+) -> TokenEvent | DoneEvent | ErrorEvent | CanceledEvent | ResetEvent:
+    """An event from its JSON (or dict). `job_id`: the job whose channel or stream it was read from (the JSON a
+    worker writes does not carry it; one that does keeps its own)."""
     if isinstance(data, str | bytes):
         data = json.loads(data)
+    if job_id is not None and "job_id" not in data:
+        data = {**data, "job_id": job_id}
     return _adapter.validate_python(data)

@@ -20,7 +20,7 @@ FAIR_PREFIX = (
 # (rose.worker.seal). Normally empty but for the jobs ending this instant.
 SEALS_KEY = "rose:seals"
 
-STREAM_FIELD = "event"  # each stream entry holds the event JSON in this field
+STREAM_FIELD = "event"  # each stream entry holds the event JSON (rose.jobs.events) in this field
 
 # job.meta keys the worker maintains
 META_REQUEUES = "rose_requeues"  # times the job was requeued because its worker died
@@ -30,6 +30,11 @@ META_LAST_WORKER = "rose_last_worker"
 def tokens_channel(job_id: str) -> str:
     """Pub/sub channel carrying the job's events live."""
     return f"{TOKENS_CHANNEL_PREFIX}{job_id}"
+
+
+def job_id_of_channel(channel: bytes | str) -> str:
+    """The job whose events `channel` carries (a `PSUBSCRIBE rose:tokens:*` message's channel): events name no job."""
+    return (channel.decode() if isinstance(channel, bytes) else channel).removeprefix(TOKENS_CHANNEL_PREFIX)
 
 
 def stream_key(job_id: str) -> str:

@@ -222,9 +222,7 @@ class Outbox:
         (n > 1)."""
         run = held.run
         index = held.index if len(run.choices) > 1 else None
-        data = token_event_json(
-            run.id, run.next_seq(), "".join(held.texts), held.token_ids, held.logprobs, index
-        )
+        data = token_event_json(run.next_seq(), "".join(held.texts), held.token_ids, held.logprobs, index)
         self._append(run, Outgoing(run.id, data, self._running_ttl(run)))
 
     def _append(self, run: Running, event: Outgoing) -> None:

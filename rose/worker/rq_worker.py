@@ -10,6 +10,7 @@ the methods below; RQ's private attributes are touched only here, in rq_store.py
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -39,6 +40,20 @@ _SET_STATE_IF_REGISTERED = (
 )
 
 
+class CompactJSONSerializer(JSONSerializer):
+    """RQ's JSONSerializer writing JSON without spaces and text as UTF-8, not `\\uXXXX` (but for what UTF-8 cannot
+    hold: a lone surrogate): the same values for any JSON reader, RQ's JSONSerializer included. What the worker
+    writes through RQ, a job's result above all (base64'd by RQ), is smaller by the spaces between its token ids
+    (~1 byte a token) and, for text outside ASCII, by up to half of its text."""
+
+    @staticmethod
+    def dumps(*args: Any, **kwargs: Any) -> bytes:
+        try:
+            return json.dumps(*args, separators=(",", ":"), ensure_ascii=False, **kwargs).encode()
+        except UnicodeEncodeError:
+            return json.dumps(*args, separators=(",", ":"), **kwargs).encode()
+
+
 class RQWorker(BaseWorker):
     """`RQWorker(queues, name=..., connection=r, worker_ttl=s, on_command=fn, socket_timeout=s)`. `on_command`
     receives each worker command (on RQ's pub/sub thread) as a `Command`."""
@@ -55,7 +70,7 @@ class RQWorker(BaseWorker):
         self._on_command = on_command
         self._socket_timeout = socket_timeout
         self.suspended = False  # `rq suspend` held at the last `check_suspended`
-        super().__init__(queues, connection=connection, serializer=JSONSerializer, **kwargs)
+        super().__init__(queues, connection=connection, serializer=CompactJSONSerializer, **kwargs)
         # Every connection of this process carries the worker's name, so a restart can tell a live holder of
         # the name (connections open) from a killed one (connections closed by the kernel).
         self.connection.connection_pool.connection_kwargs["client_name"] = self.name

@@ -159,7 +159,7 @@ def repair(conn: redis.Redis, rq: RQWorker, job_id: str, owner: str = "") -> boo
     seq = len(attempt)
     if end.status == rq_store.FINISHED and value is not None:
         for index, text, ids, logprobs in tail or []:
-            events.append(token_event_json(job_id, seq, text, ids, logprobs, index))
+            events.append(token_event_json(seq, text, ids, logprobs, index))
             seq += 1
         usage = (
             Usage(**value["usage"])

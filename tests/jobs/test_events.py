@@ -25,7 +25,19 @@ def test_keys():
 
 def test_token_event_wire_format():
     data = json.loads(TokenEvent(job_id="j", seq=0, text="Hi", token_ids=[5]).to_json())
-    assert data == {"job_id": "j", "type": "token", "seq": 0, "text": "Hi", "token_ids": [5]}
+    assert data == {"type": "token", "seq": 0, "text": "Hi", "token_ids": [5]}  # the key names the job
+
+
+def test_the_job_id_comes_from_the_key_and_an_event_that_carries_one_keeps_it():
+    assert parse_event('{"type":"reset","reason":"restart"}', "j") == ResetEvent(job_id="j")
+    older = '{"job_id":"k","type":"token","seq":0,"text":"a","token_ids":[1]}'  # as workers wrote it before
+    assert (
+        parse_event(older, "j")
+        == parse_event(older)
+        == TokenEvent(job_id="k", seq=0, text="a", token_ids=[1])
+    )
+    with pytest.raises(ValidationError, match="job_id"):
+        parse_event('{"type":"reset","reason":"restart"}')
 
 
 @given(
@@ -35,9 +47,10 @@ def test_token_event_wire_format():
     token_ids=st.lists(st.integers(min_value=0, max_value=2**31)),
 )
 def test_hot_path_token_json_is_the_models_json(job_id, seq, text, token_ids):
-    fast = token_event_json(job_id, seq, text, token_ids)
+    fast = token_event_json(seq, text, token_ids)
     model = TokenEvent(job_id=job_id, seq=seq, text=text, token_ids=token_ids)
     assert json.loads(fast) == json.loads(model.to_json())
+    assert parse_event(fast, job_id) == model
 
 
 @given(
@@ -45,12 +58,12 @@ def test_hot_path_token_json_is_the_models_json(job_id, seq, text, token_ids):
     index=st.none() | st.integers(min_value=0, max_value=127),
 )
 def test_hot_path_token_json_with_logprobs_and_index(logprobs, index):
-    fast = token_event_json("j", 3, "t", [1], logprobs, index)
+    fast = token_event_json(3, "t", [1], logprobs, index)
     model = TokenEvent(job_id="j", seq=3, text="t", token_ids=[1], logprobs=logprobs, index=index)
     assert json.loads(fast) == json.loads(model.to_json())
     assert ("logprobs" in json.loads(fast)) == (logprobs is not None)
     assert ("index" in json.loads(fast)) == (index is not None)
-    assert parse_event(fast) == model
+    assert parse_event(fast, "j") == model
 
 
 @pytest.mark.parametrize(
@@ -63,7 +76,8 @@ def test_hot_path_token_json_with_logprobs_and_index(logprobs, index):
     ],
 )
 def test_round_trip(event):
-    assert parse_event(event.to_json()) == event
+    assert "job_id" not in json.loads(event.to_json())
+    assert parse_event(event.to_json(), "j") == event
 
 
 def test_unknown_type_rejected_and_extra_fields_kept():

@@ -113,7 +113,7 @@ def test_producer_subscriber_bad_inputs_cancel_timeout(server, spawn, tmp_path):
             msg = sub.get_message(timeout=0.2)
             if msg and msg["type"] == "pmessage":
                 event = json.loads(msg["data"])
-                heard.setdefault(event["job_id"], []).append(event)
+                heard.setdefault(keys.job_id_of_channel(msg["channel"]), []).append(event)
 
     listener = threading.Thread(target=listen, daemon=True)
     listener.start()

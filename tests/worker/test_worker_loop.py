@@ -50,7 +50,7 @@ def test_batch_of_jobs_finishes_with_results_streams_and_pubsub(run_worker, r, q
         msg = sub.get_message(timeout=0.1)
         if msg and msg["type"] == "message":
             event = json.loads(msg["data"])
-            got.setdefault(event["job_id"], []).append(event)
+            got.setdefault(keys.job_id_of_channel(msg["channel"]), []).append(event)
         return sum(len(v) for v in got.values()) >= sum(len(stream_events(r, j.id)) for j in jobs)
 
     wait_for(heard_all, 5, "every job's events on pub/sub", interval=0)
