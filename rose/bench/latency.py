@@ -44,7 +44,6 @@ class _Subscriber(threading.Thread):
         self._r = connect(redis_url)
         self._pubsub = self._r.pubsub(ignore_subscribe_messages=True)
         self._pubsub.psubscribe(keys.TOKENS_CHANNEL_PREFIX + "*")
-        self._job_of = keys.job_id_of_channel  # events name no job: their channel does
         # Wait for the subscription to be confirmed, so that no event of the first job is missed.
         deadline = time.monotonic() + 10
         while not self._pubsub.subscribed and time.monotonic() < deadline:
@@ -59,6 +58,8 @@ class _Subscriber(threading.Thread):
         self._lock = threading.Lock()
 
     def run(self) -> None:
+        from rose.jobs import keys
+
         while not self._halt.is_set():
             msg = self._pubsub.get_message(timeout=0.2)
             if msg is None or msg["type"] != "pmessage":
@@ -66,7 +67,7 @@ class _Subscriber(threading.Thread):
             now = time.perf_counter()
             event = json.loads(msg["data"])
             kind = event.get("type", "")
-            job_id = self._job_of(msg["channel"])
+            job_id = keys.job_id_of_channel(msg["channel"])  # events name no job: their channel does
             with self._lock:
                 if kind == "reset":
                     self.events[job_id] = []

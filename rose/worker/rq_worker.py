@@ -41,17 +41,22 @@ _SET_STATE_IF_REGISTERED = (
 
 
 class CompactJSONSerializer(JSONSerializer):
-    """RQ's JSONSerializer writing JSON without spaces and text as UTF-8, not `\\uXXXX` (but for what UTF-8 cannot
-    hold: a lone surrogate): the same values for any JSON reader, RQ's JSONSerializer included. What the worker
-    writes through RQ, a job's result above all (base64'd by RQ), is smaller by the spaces between its token ids
-    (~1 byte a token) and, for text outside ASCII, by up to half of its text."""
+    """RQ's JSONSerializer writing JSON without spaces and its text as UTF-8, not `\\uXXXX`: the same values for any
+    JSON reader, RQ's JSONSerializer included. What the worker writes through RQ, a job's result above all (base64'd
+    by RQ), is smaller by the spaces between its token ids (~1 byte a token) and, for text outside ASCII, by up to
+    half of its text. A value holding what UTF-8 cannot (a lone surrogate, which a producer's JSON can carry) is
+    written all-ASCII, as RQ's JSONSerializer would, still without spaces."""
 
     @staticmethod
-    def dumps(*args: Any, **kwargs: Any) -> bytes:
+    def dumps(obj: Any) -> bytes:
         try:
-            return json.dumps(*args, separators=(",", ":"), ensure_ascii=False, **kwargs).encode()
+            return _COMPACT_UTF8(obj).encode()
         except UnicodeEncodeError:
-            return json.dumps(*args, separators=(",", ":"), **kwargs).encode()
+            return _COMPACT_ASCII(obj).encode()
+
+
+_COMPACT_UTF8 = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
+_COMPACT_ASCII = json.JSONEncoder(separators=(",", ":")).encode
 
 
 class RQWorker(BaseWorker):

@@ -20,6 +20,7 @@ from rose.jobs.events import (
 def test_keys():
     assert keys.tokens_channel("abc") == "rose:tokens:abc"
     assert keys.stream_key("abc") == "rose:stream:abc"
+    assert keys.job_id_of_channel("rose:tokens:abc") == keys.job_id_of_channel(b"rose:tokens:abc") == "abc"
     assert keys.FUNC_PATH == "rose.jobs.generate"
 
 

@@ -4,7 +4,6 @@ says which of them are still ours to store through RQ's handler (rose.worker.end
 
 from __future__ import annotations
 
-import base64
 import json
 import threading
 import time
@@ -28,7 +27,7 @@ from rose.worker.metrics import WorkerMetrics
 from rose.worker.outbox import Outbox
 from rose.worker.publisher import Publisher
 from rose.worker.retirer import Retirer
-from rose.worker.rq_worker import CompactJSONSerializer, RQWorker
+from rose.worker.rq_worker import RQWorker
 from rose.worker.running import Choice, Phase
 from rose.worker.watch import Verdict, Watch
 
@@ -292,34 +291,6 @@ def test_a_failure_rqs_handler_could_not_store_raises_for_the_caller_to_retry(pa
     assert calls and r.hget(run.key, "status") == b"started"
     parts.endings.fail(run, "bad input", retry=False)
     assert r.hget(run.key, "status") == b"failed"
-
-
-def test_results_are_stored_as_compact_utf8_json_that_rqs_serializer_reads(parts, r):
-    """The worker's serializer writes a result without spaces and its text as UTF-8 (RQ base64s it: every byte
-    counts four thirds), through the batch and through RQ's own handler alike; producers read it unchanged."""
-    by_handler, *batch = finished_runs(parts, r, 3)
-    for run in (by_handler, *batch):
-        run.result["text"] = "héllo 世界 \U0001f339"
-        run.result["token_ids"] = [5, 6, 151643]
-    parts.endings.succeed(by_handler)
-    parts.retirer.submit(batch)
-    assert parts.retirer.drain().stored == batch
-    for run in (by_handler, *batch):
-        ((_, fields),) = r.xrange(keys.rq_results_key(run.id))
-        raw = base64.b64decode(fields[b"return_value"])
-        assert raw == json.dumps(run.result, separators=(",", ":"), ensure_ascii=False).encode()
-        assert "世界".encode() in raw and b", " not in raw and b": " not in raw
-        assert Client(r, queue="rose").job(run.id).result(timeout=1) == run.result
-        assert Job.fetch(run.id, connection=r, serializer=JSONSerializer).return_value() == run.result
-    parts.announce(batch)
-
-
-def test_a_lone_surrogate_is_written_escaped():
-    """Text UTF-8 cannot hold (a lone surrogate, which a producer's JSON can carry) is written as `\\udXXX`."""
-    value = {"metadata": {"note": "\udc80"}, "text": "é"}
-    written = CompactJSONSerializer.dumps(value)
-    assert written == b'{"metadata":{"note":"\\udc80"},"text":"\\u00e9"}'
-    assert JSONSerializer.loads(written) == value
 
 
 def stream_sizes(r, run) -> dict[str, int]:

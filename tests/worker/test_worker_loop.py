@@ -41,6 +41,7 @@ def test_batch_of_jobs_finishes_with_results_streams_and_pubsub(run_worker, r, q
         assert result["metrics"]["queue_s"] >= 0 and result["metrics"]["generation_s"] >= 0
         assert result["metadata"] == {"i": i}
         events = check_stream(r, j.id, "done")
+        assert not any("job_id" in e for e in events)  # the stream's key names the job
         assert "".join(e["text"] for e in events if e["type"] == "token") == result["text"]
         assert events[-1]["usage"] == result["usage"]
     # pub/sub carried the same events, in order
@@ -50,6 +51,7 @@ def test_batch_of_jobs_finishes_with_results_streams_and_pubsub(run_worker, r, q
         msg = sub.get_message(timeout=0.1)
         if msg and msg["type"] == "message":
             event = json.loads(msg["data"])
+            assert "job_id" not in event  # the channel names the job
             got.setdefault(keys.job_id_of_channel(msg["channel"]), []).append(event)
         return sum(len(v) for v in got.values()) >= sum(len(stream_events(r, j.id)) for j in jobs)
 
