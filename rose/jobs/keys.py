@@ -34,7 +34,7 @@ def tokens_channel(job_id: str) -> str:
 
 def job_id_of_channel(channel: bytes | str) -> str:
     """The job whose events `channel` carries (a `PSUBSCRIBE rose:tokens:*` message's channel): events name no job."""
-    return (channel.decode() if isinstance(channel, bytes) else channel).removeprefix(TOKENS_CHANNEL_PREFIX)
+    return _after(TOKENS_CHANNEL_PREFIX, channel)
 
 
 def stream_key(job_id: str) -> str:
@@ -78,4 +78,9 @@ def rq_results_key(job_id: str) -> str:
 
 
 def job_id_of_results_key(key: bytes | str) -> str:
-    return (key.decode() if isinstance(key, bytes) else key).removeprefix(rq_results_key(""))
+    return _after(rq_results_key(""), key)
+
+
+def _after(prefix: str, key: bytes | str) -> str:
+    """The job id a key or channel name holds after its family's prefix."""
+    return (key.decode() if isinstance(key, bytes) else key).removeprefix(prefix)
