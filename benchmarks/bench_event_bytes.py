@@ -7,8 +7,9 @@ For each count of events, a job's `--tokens` tokens split evenly into that many 
 5-character words) and a `done` event, XADDed to one stream as each form writes them, then copied onto itself as the
 worker's retirement compacts a finished job's streams (rose.worker.batch_store: COPY stores the nodes at their
 size), and measured with `MEMORY USAGE`. Forms: `json+id`, the event JSON with its `job_id` (workers before session
-23); `json`, the JSON the worker writes now (rose.jobs.events); `fields`, the event's fields as the stream entry's own
-(not rose's format: what storing them so would save, Redis keeping a node's field names once).
+23); `json`, the JSON alone (session 23); `fields`, what the worker writes since session 24 (rose.jobs.events: a token
+event as the entry's own fields, `seq`, `text`, `token_ids`, Redis keeping a node's field names once; the `done`
+event as its JSON).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from rose.harness.redis_server import RedisServerProcess  # noqa: E402
-from rose.jobs.events import DoneEvent, Usage, token_event_json  # noqa: E402
+from rose.jobs.events import TOKEN_ENTRY_FIELDS, DoneEvent, Usage, token_entry, token_event_json  # noqa: E402
 
 JOB_ID = "b03550c1-48ab-447b-9f7c-69ccf2981846"  # a uuid4, as RQ names jobs
 
@@ -47,7 +48,12 @@ def entries(form: str, evs: list[dict]) -> list[dict[str, str]]:
         return [{"event": json.dumps({"job_id": JOB_ID, **e}, **compact)} for e in evs]
     if form == "json":
         return [{"event": json.dumps(e, **compact)} for e in evs]
-    return [{k: v if isinstance(v, str) else json.dumps(v, **compact) for k, v in e.items()} for e in evs]
+    return [
+        dict(zip(TOKEN_ENTRY_FIELDS, map(str, token_entry(e["seq"], e["text"], e["token_ids"])), strict=True))
+        if e["type"] == "token"
+        else {"event": json.dumps(e, **compact)}
+        for e in evs
+    ]
 
 
 def main() -> None:

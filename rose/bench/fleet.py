@@ -36,6 +36,7 @@ from rose.bench.sim_engine import LATENCY_PROMPT, SimEngine, produced_ms
 from rose.harness.redis_server import RedisServerProcess
 from rose.harness.worker_process import WorkerProcess
 from rose.jobs import keys
+from rose.jobs.events import entry_dict
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +157,6 @@ class LatencyReader(threading.Thread):
             self.streams[keys.stream_key(job_id)] = "0"
 
     def run(self) -> None:
-        import json
 
         while not self.stopped.is_set():
             with self.lock:
@@ -169,7 +169,7 @@ class LatencyReader(threading.Thread):
             for key, entries in reply or []:
                 name = key.decode()
                 for entry_id, fields in entries:
-                    event = json.loads(fields[keys.STREAM_FIELD.encode()])
+                    event = entry_dict(fields)
                     if event.get("type") == "token":
                         seen = time.monotonic()
                         if self.recording:

@@ -8,7 +8,6 @@ result's (a job sent with `stream: false`: no token event at all). A job expecte
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from rq.job import Job
@@ -16,11 +15,11 @@ from rq.results import Result
 from rq.serializers import JSONSerializer
 
 from rose.jobs import keys
-from rose.jobs.events import TERMINAL_TYPES
+from rose.jobs.events import TERMINAL_TYPES, entry_dict
 
 
 def stream_events(r: Any, job_id: str) -> list[dict]:
-    return [json.loads(f[keys.STREAM_FIELD.encode()]) for _, f in r.xrange(keys.stream_key(job_id))]
+    return [entry_dict(f) for _, f in r.xrange(keys.stream_key(job_id))]
 
 
 def last_attempt(events: list[dict]) -> list[dict]:

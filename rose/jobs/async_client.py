@@ -16,7 +16,7 @@ from rq.job import Job as RQJob
 from rose.jobs import keys
 from rose.jobs.client import POLL_S, Client, Job, JobCanceled, JobFailed, StreamReset, reset_point
 from rose.jobs.connection import connect_async
-from rose.jobs.events import TERMINAL_TYPES, parse_event
+from rose.jobs.events import TERMINAL_TYPES, parse_entry
 
 __all__ = ["AsyncClient", "AsyncJob"]
 
@@ -39,7 +39,7 @@ class AsyncJob:
         quiet_polls = 0
         while True:
             for _, fields in pending:
-                event = parse_event(fields[keys.STREAM_FIELD.encode()], self.id)
+                event = parse_entry(fields, self.id)
                 yield event
                 if event.type in TERMINAL_TYPES:
                     return

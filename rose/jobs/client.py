@@ -6,7 +6,6 @@ The asyncio twins (`AsyncClient`, `AsyncJob`) live in rose.jobs.async_client.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
@@ -22,7 +21,7 @@ from rq.serializers import JSONSerializer
 from rose.jobs import gather, keys
 from rose.jobs.connection import connect
 from rose.jobs.errors import InvalidRequest, JobCanceled, JobFailed, StreamReset
-from rose.jobs.events import TERMINAL_TYPES, CanceledEvent, parse_event
+from rose.jobs.events import TERMINAL_TYPES, CanceledEvent, entry_dict, parse_entry
 from rose.jobs.schemas import GenerateRequest, ValidationError, format_validation_error
 
 __all__ = ["Client", "InvalidRequest", "Job", "JobCanceled", "JobFailed", "StreamReset"]
@@ -80,7 +79,7 @@ def reset_point(entries: list[tuple[Any, dict]]) -> int:
     """Index just after the last reset among already stored entries: earlier attempts are superseded."""
     start = 0
     for i, (_, fields) in enumerate(entries):
-        if json.loads(fields[keys.STREAM_FIELD.encode()]).get("type") == "reset":
+        if keys.STREAM_FIELD.encode() in fields and entry_dict(fields).get("type") == "reset":
             start = i + 1
     return start
 
@@ -117,7 +116,7 @@ class Job:
         quiet_polls = 0
         while True:
             for _, fields in pending:
-                event = parse_event(fields[keys.STREAM_FIELD.encode()], self.id)
+                event = parse_entry(fields, self.id)
                 yield event
                 if event.type in TERMINAL_TYPES:
                     return

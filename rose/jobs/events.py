@@ -3,6 +3,11 @@
 The JSON written carries no `job_id`: the channel and the stream are the job's (the id was a third of a
 token event's bytes). `parse_event(data, job_id)` fills it in from the key, and still reads events that carry it.
 
+Pub/sub carries every event as JSON. A stream entry holds either an event's JSON in its field `event`
+(keys.STREAM_FIELD), or a plain token event (no `logprobs`, no `index`) as its own fields `seq`, `text` and
+`token_ids` (the ids in decimal, joined by commas): Redis keeps the field names of a stream's node once, so a
+token event is stored at the size of its values (`token_entry`). `parse_entry(fields, job_id)` reads both forms.
+
 Within one attempt, token events carry seq 0, 1, 2, ... without gaps and the single terminal event (done, error
 or canceled) carries the next seq. A `reset` event means the job restarts from scratch (worker crash, requeue):
 drop what was received so far; the seq of the new attempt starts again at 0.
@@ -24,7 +29,10 @@ __all__ = [
     "ResetEvent",
     "TokenEvent",
     "Usage",
+    "entry_dict",
+    "parse_entry",
     "parse_event",
+    "token_entry",
     "token_event_json",
 ]
 
@@ -121,3 +129,37 @@ def parse_event(
     if job_id is not None and "job_id" not in data:
         data = {**data, "job_id": job_id}
     return _adapter.validate_python(data)
+
+
+TOKEN_ENTRY_FIELDS = ("seq", "text", "token_ids")  # a plain token event's fields in its stream entry
+_EVENT_FIELD, _SEQ, _TEXT, _IDS = b"event", b"seq", b"text", b"token_ids"
+
+
+def token_entry(seq: int, text: str, token_ids: list[int]) -> tuple[int, str, str]:
+    """The values of a plain token event's stream entry, in `TOKEN_ENTRY_FIELDS`' order."""
+    return seq, text, ",".join(map(str, token_ids))
+
+
+def entry_dict(fields: dict[bytes, bytes] | dict[str, str]) -> dict[str, Any]:
+    """The event a stream entry holds, as the dict of its JSON (no `job_id`), from either form (the fields as
+    redis-py reads them, bytes or decoded). ValueError for an entry that holds neither."""
+    if any(isinstance(k, str) for k in fields):  # a connection with decode_responses
+        fields = {str(k).encode(): str(v).encode() for k, v in fields.items()}
+    data = fields.get(_EVENT_FIELD)
+    if data is not None:
+        return json.loads(data)
+    try:
+        seq, text, ids = fields[_SEQ], fields[_TEXT], fields[_IDS]
+    except KeyError:
+        raise ValueError(
+            f"a stream entry with neither an event nor a token's fields: {sorted(fields)}"
+        ) from None
+    token_ids = [int(i) for i in ids.split(b",")] if ids else []
+    return {"type": "token", "seq": int(seq), "text": text.decode(), "token_ids": token_ids}
+
+
+def parse_entry(
+    fields: dict[bytes, bytes] | dict[str, str], job_id: str | None = None
+) -> TokenEvent | DoneEvent | ErrorEvent | CanceledEvent | ResetEvent:
+    """The event a stream entry holds (`entry_dict`), with the job's id (`parse_event`)."""
+    return parse_event(entry_dict(fields), job_id)

@@ -20,7 +20,8 @@ FAIR_PREFIX = (
 # (rose.worker.seal). Normally empty but for the jobs ending this instant.
 SEALS_KEY = "rose:seals"
 
-STREAM_FIELD = "event"  # each stream entry holds the event JSON (rose.jobs.events) in this field
+# a stream entry holds an event's JSON in this field, or a plain token event as its own fields (rose.jobs.events)
+STREAM_FIELD = "event"
 
 # job.meta keys the worker maintains
 META_REQUEUES = "rose_requeues"  # times the job was requeued because its worker died

@@ -1,8 +1,9 @@
 """Writes job events to Redis without waiting for Redis.
 
 Each batch handed over (one engine step's events) is one atomic command: a Lua script that, for each event, XADDs it
-to the job's stream, sets the stream's expiry when the event says so (a job's first event and, now and then, a
-refresh; terminal events) and PUBLISHes it on the job's channel. The batch is sent at once, on the publisher's own
+to the job's stream (a plain token event as its own fields, any other as its JSON: rose.jobs.events), sets the
+stream's expiry when the event says so (a job's first event and, now and then, a refresh; terminal events) and
+PUBLISHes its JSON on the job's channel. The batch is sent at once, on the publisher's own
 connection, and its reply is read later: at the next `send` or `poll`, one engine step on, when Redis has long
 answered. So the loop pays a socket write per step, never a round trip, and no publishing thread competes with it
 for the GIL (measured with a thread doing the same: -4% tokens/s on a busy 2-core host).
@@ -62,15 +63,17 @@ APPLIED, DUPLICATE, APPLIED_AFTER_LOSS = 1, 0, -1  # the script's replies
 
 # KEYS[1]: this publisher's batch counter; KEYS[2]: the seal markers (job id -> worker); KEYS[2 + i]: stream of
 # event i. ARGV[1]: batch number; ARGV[2]: counter TTL; ARGV[3]: where the job id starts in a channel name (1-based);
-# then per event: data, channel, spec: '' for most events, else 's' if sealed (written only if the job's seal marker
-# is there, which it removes) and/or 't' and the stream's TTL to set (-1: persist), e.g. 't3600', 'st600'. Returns
-# {code, the first refusal's message, the ids of the jobs whose events Redis refused...}; code APPLIED, DUPLICATE
+# then per event: data (its JSON), channel, spec, and for a token event stored as its fields (rose.jobs.events
+# `token_entry`, TOKEN_ENTRY_FIELDS) their three values. spec: '' for most token events; 'j' first for an event
+# stored as its JSON (field `event`); 's' if sealed (written only if the job's seal marker is there, which it
+# removes); 't' and the stream's TTL to set (-1: persist) last; e.g. 't3600', 'j', 'jst600'. Returns {code, the first refusal's message, the ids of the jobs whose events Redis refused...}; code APPLIED, DUPLICATE
 # (applied before, its reply lost) or APPLIED_AFTER_LOSS. A refused event (XADD on a key of another type, ...) does
 # not stop the batch, so the counter always says which batches were applied. Batches are sent, and sent again, in
 # order from the first one unacknowledged, so a batch number beyond the counter's next means batches Redis had
 # applied, and acknowledged, are gone (a failover to a replica that had not received them, a restart without
-# persistence), or a whole batch was refused before it ran (out of memory). Three arguments an event, most with an
-# empty spec: the script's cost is mostly its arguments.
+# persistence), or a whole batch was refused before it ran (out of memory). Six arguments a token event, most with
+# an empty spec: the script's cost is mostly its arguments (sending the JSON alongside the fields costs Redis less than
+# building it in Lua: benchmarks/README.md, session 24).
 _SCRIPT = """
 local batch = tonumber(ARGV[1])
 local last = tonumber(redis.call('GET', KEYS[1]) or '0')
@@ -81,10 +84,17 @@ if batch > last + 1 then out[1] = -1 end
 local skip, a = tonumber(ARGV[3]), 4
 for i = 3, #KEYS do
   local data, channel, spec = ARGV[a], ARGV[a + 1], ARGV[a + 2]
-  a = a + 3
-  local sealed = string.byte(spec) == 115  -- 's'
+  local token = string.byte(spec) ~= 106  -- not 'j': a token event, its fields in the next three arguments
+  local f = a + 3
+  a = token and a + 6 or a + 3
+  local sealed = spec ~= '' and string.find(spec, 's', 1, true) ~= nil
   if not sealed or redis.call('HEXISTS', KEYS[2], string.sub(channel, skip)) == 1 then
-    local added = redis.pcall('XADD', KEYS[i], '*', 'event', data)
+    local added
+    if token then
+      added = redis.pcall('XADD', KEYS[i], '*', 'seq', ARGV[f], 'text', ARGV[f + 1], 'token_ids', ARGV[f + 2])
+    else
+      added = redis.pcall('XADD', KEYS[i], '*', 'event', data)
+    end
     if type(added) == 'table' and added.err then  -- refused: a sealed job keeps its marker, for the repair
       if out[2] == '' then out[2] = added.err end
       out[#out + 1] = string.sub(channel, skip)
@@ -111,6 +121,9 @@ class Outgoing:
     data: str  # event JSON
     stream_ttl: int | None  # seconds; NO_EXPIRY to persist the stream; KEEP_TTL to leave it as it is
     seals: bool = False  # the job's terminal event, its end stored in RQ: written only by the seal's holder
+    token: tuple[int, str, str] | None = (
+        None  # a token event's stream fields (events.token_entry); else its JSON
+    )
 
 
 @dataclass(slots=True)
@@ -212,10 +225,12 @@ class Publisher:
         items += [self._batch_no, _COUNTER_TTL_S, len(keys.TOKENS_CHANNEL_PREFIX) + 1]
         for e in events:
             ttl = e.stream_ttl
-            spec = ("s" if e.seals else "") + (
-                "" if ttl is KEEP_TTL else f"t{ttl if ttl == NO_EXPIRY else max(1, ttl)}"
-            )
+            spec = ("" if e.token else "j") + ("s" if e.seals else "")
+            if ttl is not KEEP_TTL:
+                spec += f"t{ttl if ttl == NO_EXPIRY else max(1, ttl)}"
             items += [e.data, keys.tokens_channel(e.job_id), spec]
+            if e.token:
+                items += e.token
         return _Batch(self._batch_no, resp.pack_command(items), tuple(e.job_id for e in events))
 
     def _pump(self, wait_s: float = 0.0) -> None:

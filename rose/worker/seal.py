@@ -18,7 +18,6 @@ A job that will run again (RQ's Retry, requeued) is never marked: its next attem
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable
 
@@ -32,6 +31,7 @@ from rose.jobs.events import (
     ErrorEvent,
     ResetEvent,
     Usage,
+    entry_dict,
     token_event_json,
 )
 from rose.worker import rq_scan, rq_store
@@ -135,7 +135,7 @@ def repair(conn: redis.Redis, rq: RQWorker, job_id: str, owner: str = "") -> boo
     end = rq_scan.job_end(conn, job_id, rq)
     raw = conn.xrange(keys.stream_key(job_id))
     last_id = rq_store.decoded(raw[-1][0]) if raw else ""
-    entries = [json.loads(f[keys.STREAM_FIELD.encode()]) for _, f in raw]
+    entries = [entry_dict(f) for _, f in raw]
     resets = [i for i, e in enumerate(entries) if e.get("type") == "reset"]
     attempt = entries[resets[-1] + 1 :] if resets else entries
     if any(e.get("type") in TERMINAL_TYPES for e in attempt):

@@ -12,7 +12,10 @@ from rose.jobs.events import (
     ResetEvent,
     TokenEvent,
     Usage,
+    entry_dict,
+    parse_entry,
     parse_event,
+    token_entry,
     token_event_json,
 )
 
@@ -65,6 +68,33 @@ def test_hot_path_token_json_with_logprobs_and_index(logprobs, index):
     assert ("logprobs" in json.loads(fast)) == (logprobs is not None)
     assert ("index" in json.loads(fast)) == (index is not None)
     assert parse_event(fast, "j") == model
+
+
+def stored(values) -> dict[bytes, bytes]:
+    """A stream entry as redis-py reads it back: each value's text, in bytes."""
+    return {k.encode(): str(v).encode() for k, v in values.items()}
+
+
+@given(
+    seq=st.integers(min_value=0, max_value=2**40),
+    text=st.text(),
+    token_ids=st.lists(st.integers(min_value=0, max_value=2**31)),
+)
+def test_a_token_event_stored_as_its_fields_reads_as_its_json(seq, text, token_ids):
+    values = dict(zip(("seq", "text", "token_ids"), token_entry(seq, text, token_ids), strict=True))
+    want = json.loads(token_event_json(seq, text, token_ids))
+    assert (
+        entry_dict(stored(values)) == entry_dict(values) == want
+    )  # bytes, or a decode_responses connection's
+    assert parse_entry(stored(values), "j") == TokenEvent(job_id="j", seq=seq, text=text, token_ids=token_ids)
+
+
+def test_an_entry_holding_json_reads_as_it_and_one_holding_neither_is_refused():
+    done = '{"type":"done","seq":4,"finish_reason":"stop","usage":{"prompt_tokens":1,"completion_tokens":4}}'
+    assert entry_dict({b"event": done.encode()}) == json.loads(done)
+    assert parse_entry({b"event": done.encode()}, "j").type == "done"
+    with pytest.raises(ValueError, match=r"neither an event nor a token's fields: \[b'seq', b'x'\]"):
+        entry_dict({b"x": b"1", b"seq": b"2"})
 
 
 @pytest.mark.parametrize(

@@ -11,6 +11,7 @@ import redis
 
 from rose.harness.worker_process import wait_for
 from rose.jobs import keys
+from rose.jobs.events import entry_dict, token_entry, token_event_json
 from rose.worker import publisher as publisher_mod
 from rose.worker.publisher import KEEP_TTL, NO_EXPIRY, Outgoing, Publisher
 
@@ -18,12 +19,13 @@ pytestmark = pytest.mark.timeout(30)
 
 
 def ev(job_id: str, seq: int, ttl: int | None = 100) -> Outgoing:
-    data = json.dumps({"job_id": job_id, "type": "token", "seq": seq, "text": f"t{seq}", "token_ids": [seq]})
-    return Outgoing(job_id, data, ttl)
+    """A token event as the worker sends it: its JSON, and its fields for the stream."""
+    text, ids = f"t{seq}", [seq]
+    return Outgoing(job_id, token_event_json(seq, text, ids), ttl, token=token_entry(seq, text, ids))
 
 
 def seqs(r, job_id: str) -> list[int]:
-    return [json.loads(f[b"event"])["seq"] for _, f in r.xrange(keys.stream_key(job_id))]
+    return [entry_dict(f)["seq"] for _, f in r.xrange(keys.stream_key(job_id))]
 
 
 def test_batches_reach_stream_and_pubsub_in_order(r):
@@ -44,6 +46,44 @@ def test_batches_reach_stream_and_pubsub_in_order(r):
         if msg["type"] == "message":
             heard.append(json.loads(msg["data"])["seq"])
     assert heard == list(range(50))
+
+
+def test_token_events_are_stored_as_their_fields_and_the_others_as_json(r):
+    """A plain token event is stored as its fields (Redis keeps their names once a node); an event with more keys
+    (logprobs, a choice's index) and every other event as its JSON, and pub/sub gets every event's JSON."""
+    sub = r.pubsub()
+    sub.subscribe(keys.tokens_channel("a"))
+    sub.get_message(timeout=1)
+    reset = '{"type":"reset","reason":"restart"}'
+    with_index = token_event_json(1, "b", [8], index=0)
+    done = '{"type":"done","seq":2,"finish_reason":"stop","usage":{"prompt_tokens":1,"completion_tokens":3}}'
+    r.hset(keys.SEALS_KEY, "a", "w")
+    sent = [
+        Outgoing("a", reset, 100),
+        Outgoing("a", token_event_json(0, " é,", [5, 70000]), 50, token=token_entry(0, " é,", [5, 70000])),
+        Outgoing("a", with_index, KEEP_TTL),
+        Outgoing("a", done, 60, seals=True),
+    ]
+    pub = Publisher(r)
+    pub.send(sent)
+    assert pub.flush(timeout=5)
+    pub.close()
+    stored = [fields for _, fields in r.xrange(keys.stream_key("a"))]
+    assert stored == [
+        {b"event": reset.encode()},
+        {b"seq": b"0", b"text": " é,".encode(), b"token_ids": b"5,70000"},
+        {b"event": with_index.encode()},
+        {b"event": done.encode()},
+    ]
+    assert [entry_dict(f) for f in stored] == [json.loads(e.data) for e in sent]
+    assert 50 < r.ttl(keys.stream_key("a")) <= 60 and not r.hexists(
+        keys.SEALS_KEY, "a"
+    )  # the seal's spec held
+    heard = []
+    while (msg := sub.get_message(timeout=0.5)) is not None:
+        if msg["type"] == "message":
+            heard.append(msg["data"].decode())
+    assert heard == [e.data for e in sent]
 
 
 def test_send_does_not_wait_for_the_reply(r):
