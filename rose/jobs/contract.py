@@ -225,11 +225,12 @@ def job_result(
         "token_ids": first["token_ids"],
         "finish_reason": first["finish_reason"],
         "usage": {"prompt_tokens": len(output.prompt_token_ids), "completion_tokens": completion},
+        # to the microsecond (the clocks' resolution; more digits are float noise a stored result pays for)
         "metrics": {
             "queue_s": queue_seconds(job),
-            "ttft_s": (m.first_token_time - start) if m.first_token_time else None,
-            "generation_s": generation_s,
-            "tokens_per_s": completion / generation_s if generation_s > 0 else None,
+            "ttft_s": round(m.first_token_time - start, 6) if m.first_token_time else None,
+            "generation_s": round(generation_s, 6),
+            "tokens_per_s": round(completion / generation_s, 3) if generation_s > 0 else None,
         },
         "worker": worker,
         "metadata": metadata,

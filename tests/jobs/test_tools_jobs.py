@@ -304,3 +304,21 @@ def test_contract_imports_no_torch():
     code = "import sys, rose.jobs.contract, rose.jobs.tools; print('torch' in sys.modules)"
     ran = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert ran.stdout.strip() == "False"
+
+
+def test_job_result_metrics_are_stored_to_the_microsecond():
+    """The clocks' float noise is not stored: seconds to the microsecond, tokens a second to the thousandth."""
+    out = output("hi")
+    out.metrics.arrival_time, out.metrics.first_token_time, out.metrics.finished_time = (
+        0.1,
+        0.1 + 1 / 3,
+        0.1 + 2 / 3,
+    )
+    job = SimpleNamespace(enqueued_at=None, started_at=None)
+    result = contract.job_result(out, job, started_wall=0.0, worker="w", metadata=None)  # type: ignore[arg-type]
+    assert result["metrics"] == {
+        "queue_s": None,
+        "ttft_s": 0.333333,
+        "generation_s": 0.666667,
+        "tokens_per_s": 4.5,
+    }
