@@ -157,7 +157,6 @@ class LatencyReader(threading.Thread):
             self.streams[keys.stream_key(job_id)] = "0"
 
     def run(self) -> None:
-
         while not self.stopped.is_set():
             with self.lock:
                 streams = dict(self.streams)

@@ -79,7 +79,7 @@ def reset_point(entries: list[tuple[Any, dict]]) -> int:
     """Index just after the last reset among already stored entries: earlier attempts are superseded."""
     start = 0
     for i, (_, fields) in enumerate(entries):
-        if keys.STREAM_FIELD.encode() in fields and entry_dict(fields).get("type") == "reset":
+        if entry_dict(fields).get("type") == "reset":
             start = i + 1
     return start
 

@@ -20,8 +20,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
+from rose.jobs import keys
+
 __all__ = [
     "TERMINAL_TYPES",
+    "TOKEN_ENTRY_FIELDS",
     "CanceledEvent",
     "DoneEvent",
     "ErrorEvent",
@@ -132,7 +135,8 @@ def parse_event(
 
 
 TOKEN_ENTRY_FIELDS = ("seq", "text", "token_ids")  # a plain token event's fields in its stream entry
-_EVENT_FIELD, _SEQ, _TEXT, _IDS = b"event", b"seq", b"text", b"token_ids"
+_EVENT_FIELD = keys.STREAM_FIELD.encode()
+_SEQ, _TEXT, _IDS = (name.encode() for name in TOKEN_ENTRY_FIELDS)
 
 
 def token_entry(seq: int, text: str, token_ids: list[int]) -> tuple[int, str, str]:

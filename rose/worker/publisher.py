@@ -66,14 +66,15 @@ APPLIED, DUPLICATE, APPLIED_AFTER_LOSS = 1, 0, -1  # the script's replies
 # then per event: data (its JSON), channel, spec, and for a token event stored as its fields (rose.jobs.events
 # `token_entry`, TOKEN_ENTRY_FIELDS) their three values. spec: '' for most token events; 'j' first for an event
 # stored as its JSON (field `event`); 's' if sealed (written only if the job's seal marker is there, which it
-# removes); 't' and the stream's TTL to set (-1: persist) last; e.g. 't3600', 'j', 'jst600'. Returns {code, the first refusal's message, the ids of the jobs whose events Redis refused...}; code APPLIED, DUPLICATE
-# (applied before, its reply lost) or APPLIED_AFTER_LOSS. A refused event (XADD on a key of another type, ...) does
-# not stop the batch, so the counter always says which batches were applied. Batches are sent, and sent again, in
-# order from the first one unacknowledged, so a batch number beyond the counter's next means batches Redis had
-# applied, and acknowledged, are gone (a failover to a replica that had not received them, a restart without
-# persistence), or a whole batch was refused before it ran (out of memory). Six arguments a token event, most with
-# an empty spec: the script's cost is mostly its arguments (sending the JSON alongside the fields costs Redis less than
-# building it in Lua: benchmarks/README.md, session 24).
+# removes); 't' and the stream's TTL to set (-1: persist) last; e.g. 't3600', 'j', 'jst600'. Returns {code, the first
+# refusal's message, the ids of the jobs whose events Redis refused...}; code APPLIED, DUPLICATE (applied before, its
+# reply lost) or APPLIED_AFTER_LOSS. A refused event (XADD on a key of another type, ...) does not stop the batch, so
+# the counter always says which batches were applied. Batches are sent, and sent again, in order from the first one
+# unacknowledged, so a batch number beyond the counter's next means batches Redis had applied, and acknowledged, are
+# gone (a failover to a replica that had not received them, a restart without persistence), or a whole batch was
+# refused before it ran (out of memory). Six arguments a token event, most with an empty spec: the script's cost is
+# mostly its arguments (sending the JSON beside the fields costs Redis less than building it in Lua: benchmarks/
+# README.md, session 24).
 _SCRIPT = """
 local batch = tonumber(ARGV[1])
 local last = tonumber(redis.call('GET', KEYS[1]) or '0')
@@ -121,9 +122,8 @@ class Outgoing:
     data: str  # event JSON
     stream_ttl: int | None  # seconds; NO_EXPIRY to persist the stream; KEEP_TTL to leave it as it is
     seals: bool = False  # the job's terminal event, its end stored in RQ: written only by the seal's holder
-    token: tuple[int, str, str] | None = (
-        None  # a token event's stream fields (events.token_entry); else its JSON
-    )
+    # a token event's values, stored as its entry's fields (events.token_entry); None: the event stored as its JSON
+    token: tuple[int, str, str] | None = None
 
 
 @dataclass(slots=True)

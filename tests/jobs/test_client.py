@@ -10,8 +10,16 @@ from rq.serializers import JSONSerializer
 
 from rose.jobs import keys
 from rose.jobs.async_client import AsyncClient
-from rose.jobs.client import Client, InvalidRequest, JobCanceled, JobFailed, StreamReset
-from rose.jobs.events import DoneEvent, ErrorEvent, ResetEvent, TokenEvent, Usage
+from rose.jobs.client import Client, InvalidRequest, JobCanceled, JobFailed, StreamReset, reset_point
+from rose.jobs.events import (
+    TOKEN_ENTRY_FIELDS,
+    DoneEvent,
+    ErrorEvent,
+    ResetEvent,
+    TokenEvent,
+    Usage,
+    token_entry,
+)
 from rose.jobs.schemas import ValidationError
 
 
@@ -20,8 +28,16 @@ def client(fake_r):
     return Client(fake_r, queue="rose")
 
 
-def add(r, event):
-    r.xadd(keys.stream_key(event.job_id), {keys.STREAM_FIELD: event.to_json()})
+def add(r, event, as_json: bool = False):
+    """Store an event as a worker does: a token event as its entry's fields (`as_json`: its JSON, as a stream's repair
+    and earlier workers store it), any other as its JSON."""
+    if isinstance(event, TokenEvent) and not as_json:
+        fields = dict(
+            zip(TOKEN_ENTRY_FIELDS, token_entry(event.seq, event.text, event.token_ids), strict=True)
+        )
+    else:
+        fields = {keys.STREAM_FIELD: event.to_json()}
+    r.xadd(keys.stream_key(event.job_id), fields)
 
 
 def done(job_id, seq):
@@ -98,10 +114,18 @@ def test_submit_many(client, fake_r):
 def test_stream_reads_replay_and_ends_on_done(client, fake_r):
     job = client.submit("x")
     for i, t in enumerate(["He", "llo"]):
-        add(fake_r, TokenEvent(job_id=job.id, seq=i, text=t, token_ids=[i]))
+        add(fake_r, TokenEvent(job_id=job.id, seq=i, text=t, token_ids=[i]), as_json=i == 1)  # either form
     add(fake_r, done(job.id, 2))
     assert "".join(job.stream(timeout=5)) == "Hello"
     assert "".join(job.stream(timeout=5)) == "Hello"  # replayable, no duplicates
+
+
+def test_the_last_reset_is_found_in_entries_read_as_bytes_or_decoded():
+    token = dict(zip(TOKEN_ENTRY_FIELDS, map(str, token_entry(0, "a", [1])), strict=True))
+    entries = [("1-0", token), ("2-0", {"event": '{"type":"reset","reason":"restart"}'}), ("3-0", token)]
+    assert reset_point(entries) == 2  # a connection with decode_responses
+    as_bytes = [(i, {k.encode(): v.encode() for k, v in f.items()}) for i, f in entries]
+    assert reset_point(as_bytes) == 2
 
 
 def test_late_reader_skips_superseded_attempts(client, fake_r):

@@ -7,6 +7,7 @@ from pydantic import ValidationError
 
 from rose.jobs import keys
 from rose.jobs.events import (
+    TOKEN_ENTRY_FIELDS,
     DoneEvent,
     ErrorEvent,
     ResetEvent,
@@ -81,11 +82,10 @@ def stored(values) -> dict[bytes, bytes]:
     token_ids=st.lists(st.integers(min_value=0, max_value=2**31)),
 )
 def test_a_token_event_stored_as_its_fields_reads_as_its_json(seq, text, token_ids):
-    values = dict(zip(("seq", "text", "token_ids"), token_entry(seq, text, token_ids), strict=True))
+    values = dict(zip(TOKEN_ENTRY_FIELDS, token_entry(seq, text, token_ids), strict=True))
     want = json.loads(token_event_json(seq, text, token_ids))
-    assert (
-        entry_dict(stored(values)) == entry_dict(values) == want
-    )  # bytes, or a decode_responses connection's
+    # read back as bytes, or by a connection with decode_responses
+    assert entry_dict(stored(values)) == entry_dict(values) == want
     assert parse_entry(stored(values), "j") == TokenEvent(job_id="j", seq=seq, text=text, token_ids=token_ids)
 
 
