@@ -58,8 +58,8 @@ return out
 # Redis gives a stream's newest node 4 KB at its first entry and trims it only once it is full, so a finished job's
 # two streams (RQ's result, rose's events: one entry each if it does not stream) kept ~4.7 KB each. A COPY stores the
 # nodes at their size: 9.6 -> 3.4 KB a job for ~5 µs of Redis's CPU (DUMP + RESTORE: twice that). The copy grows with
-# the stream while the saving is at most one node's spare room: large streams are left as they are. Token events
-# stored as fields take ~50 bytes an entry: a 128-token job streamed at a slow pace (~35 events) is well inside.
+# the stream while the saving is at most one node's spare room: large streams are left as they are. A token event
+# stored as fields takes ~70 bytes at 4 tokens: a 128-token job streamed at a slow pace (~35-65 events) is inside.
 COMPACT_ENTRIES = 256  # the most entries of a stream compacted at its job's end,
 COMPACT_BYTES = 16384  # and the most bytes (MEMORY USAGE)
 

@@ -3,10 +3,10 @@
 Each batch handed over (one engine step's events) is one atomic command: a Lua script that, for each event, XADDs it
 to the job's stream (a plain token event as its own fields, any other as its JSON: rose.jobs.events), sets the
 stream's expiry when the event says so (a job's first event and, now and then, a refresh; terminal events) and
-PUBLISHes its JSON on the job's channel. The batch is sent at once, on the publisher's own
-connection, and its reply is read later: at the next `send` or `poll`, one engine step on, when Redis has long
-answered. So the loop pays a socket write per step, never a round trip, and no publishing thread competes with it
-for the GIL (measured with a thread doing the same: -4% tokens/s on a busy 2-core host).
+PUBLISHes its JSON on the job's channel. The batch is sent at once, on the publisher's own connection, and its reply
+is read later: at the next `send` or `poll`, one engine step on, when Redis has long answered. So the loop pays a
+socket write per step, never a round trip, and no publishing thread competes with it for the GIL (measured with a
+thread doing the same: -4% tokens/s on a busy 2-core host).
 
 Batches are applied in order: on a connection error every batch not yet acknowledged is sent again, with a short
 backoff (at most MAX_BACKOFF_S, so events go out within a second of Redis answering again), at a later `send` /
