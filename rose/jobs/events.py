@@ -36,6 +36,7 @@ __all__ = [
     "parse_entry",
     "parse_event",
     "token_entry",
+    "token_event",
     "token_event_json",
 ]
 
@@ -113,7 +114,25 @@ def token_event_json(
 ) -> str:
     """`TokenEvent(...).to_json()` for the worker's hot path (one per job per step), at a quarter of the cost; the
     `logprobs` and `index` keys only when given."""
+    return _token_json(seq, text, ",".join(map(str, token_ids)), logprobs, index)
+
+
+def token_event(
+    seq: int,
+    text: str,
+    token_ids: list[int],
+    logprobs: list[Any] | None = None,
+    index: int | None = None,
+) -> tuple[str, tuple[int, str, str] | None]:
+    """A token event as the worker publishes it: its JSON (`token_event_json`), and the values of its stream entry
+    (`token_entry`) when it is stored as fields: a plain token event, without `logprobs` or `index` (those keys have
+    no field); None: stored as its JSON."""
     ids = ",".join(map(str, token_ids))
+    entry = (seq, text, ids) if logprobs is None and index is None else None
+    return _token_json(seq, text, ids, logprobs, index), entry
+
+
+def _token_json(seq: int, text: str, ids: str, logprobs: list[Any] | None, index: int | None) -> str:
     head = f'{{"type":"token","seq":{seq:d},"text":{_encode(text)},"token_ids":[{ids}]'
     if logprobs is not None:
         head += f',"logprobs":{_encode(logprobs)}'

@@ -24,7 +24,7 @@ from typing import Any
 from rq.job import Job
 
 from rose.jobs import keys
-from rose.jobs.events import DoneEvent, ResetEvent, Usage, token_entry, token_event_json
+from rose.jobs.events import DoneEvent, ResetEvent, Usage, token_event
 from rose.jobs.logprobs import LogprobEntry
 from rose.worker.publisher import KEEP_TTL, NO_EXPIRY, Outgoing, Publisher
 from rose.worker.running import Running
@@ -222,12 +222,8 @@ class Outbox:
         (n > 1)."""
         run = held.run
         index = held.index if len(run.choices) > 1 else None
-        seq, text = run.next_seq(), "".join(held.texts)
-        data = token_event_json(seq, text, held.token_ids, held.logprobs, index)
-        # stored as its fields but for a job with logprobs or choices (those keys have no field: its JSON)
-        plain = held.logprobs is None and index is None
-        token = token_entry(seq, text, held.token_ids) if plain else None
-        self._append(run, Outgoing(run.id, data, self._running_ttl(run), token=token))
+        data, entry = token_event(run.next_seq(), "".join(held.texts), held.token_ids, held.logprobs, index)
+        self._append(run, Outgoing(run.id, data, self._running_ttl(run), token=entry))
 
     def _append(self, run: Running, event: Outgoing) -> None:
         self._events.append(event)

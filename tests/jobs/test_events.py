@@ -17,6 +17,7 @@ from rose.jobs.events import (
     parse_entry,
     parse_event,
     token_entry,
+    token_event,
     token_event_json,
 )
 
@@ -87,6 +88,13 @@ def test_a_token_event_stored_as_its_fields_reads_as_its_json(seq, text, token_i
     # read back as bytes, or by a connection with decode_responses
     assert entry_dict(stored(values)) == entry_dict(values) == want
     assert parse_entry(stored(values), "j") == TokenEvent(job_id="j", seq=seq, text=text, token_ids=token_ids)
+
+
+def test_the_worker_stores_a_token_event_as_fields_only_without_logprobs_or_index():
+    assert token_event(2, "ab", [7, 8]) == (token_event_json(2, "ab", [7, 8]), token_entry(2, "ab", [7, 8]))
+    assert token_event(2, "ab", [7], index=1) == (token_event_json(2, "ab", [7], index=1), None)
+    logprobs = [{"token_id": 7, "logprob": -0.5}]
+    assert token_event(2, "ab", [7], logprobs) == (token_event_json(2, "ab", [7], logprobs), None)
 
 
 def test_an_entry_holding_json_reads_as_it_and_one_holding_neither_is_refused():
