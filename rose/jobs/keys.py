@@ -49,7 +49,8 @@ def worker_info_key(worker_name: str) -> str:
 
 
 def fair_key(queue_name: str, part: str) -> str:
-    """A key of `queue_name`'s fair-share index: mark, indexed, tenants, deadlines (rose.worker.fair_queue)."""
+    """A key of `queue_name`'s fair-share index: mark, mark_enqueued, indexed, tenants, deadlines, order
+    (rose.worker.fair_queue)."""
     return f"{FAIR_PREFIX}{queue_name}:{part}"
 
 

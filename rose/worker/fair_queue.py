@@ -5,6 +5,7 @@ Producers enqueue to the RQ queue as ever, and its list stays the truth: `rq inf
 shared by the fleet (`keys.fair_key`):
 
     rose:fair:<queue>:mark          the newest id indexed, while it waits: the next look starts after it
+    rose:fair:<queue>:mark_enqueued "<id>|<its job's enqueued_at>" as it became the mark: did its job come back?
     rose:fair:<queue>:indexed       hash: the ids in the index -> "<prompt tokens>|<all its tokens>", expected
     rose:fair:<queue>:tenant:<T>    list: tenant T's waiting ids, in queue order
     rose:fair:<queue>:tenants       set: the tenants whose list may hold ids
@@ -26,14 +27,14 @@ the cost of one HGET; taking the mark's job moves the mark to the id before it. 
 entries per job it may take plus `EXTRA_POPS`; an index found with the queue empty is dropped whole. If the index is
 empty while the queue is not (a look that fell behind a burst), the queue's head is taken first come, first served.
 
-The mark's job canceled and requeued (RQ puts it at the tail) leaves the jobs after it that no look had read before
-the mark. When the id just before the mark lies past the head's window unindexed, the look reads on from the first
-indexed id before it, if that lies within `RESCAN` ids, past the head's window, and no further from the head than its
-place in the order (ids pushed to the front since put it further: it then tells nothing). Otherwise (from the list
-alone they look like ids pushed to the front) they are read on reaching the head's window, as pushed to the front: no
-job is lost; some come later than their turn or ahead of their tenant's older jobs (also when another requeued
-indexed id lies just before the mark). Ids pushed to the front beyond the head's window are read a window at a time,
-each window ahead of those read before.
+The mark's job canceled and requeued (RQ puts it at the tail and stamps its `enqueued_at` anew) leaves the jobs
+after it that no look had read before the mark. A take records the mark's job's `enqueued_at` beside it; a look that
+finds it changed reads on from the newest indexed id (found from the tail, within `SCAN_BACK`; none: from the head)
+enqueued no later than the mark was (an indexed id stamped later came back as well). A mark without its record (set
+by an earlier version, during a rolling upgrade) is trusted, as then: if its job came back, the ids before it are
+read on reaching the head's window, as pushed to the front (later than their turn, never lost); so are the ids behind
+one requeued by a clock that runs behind the mark's producer's. Ids pushed to the front beyond the head's window are
+read a window at a time, each window ahead of those read before.
 
 Counters: a claim charges the job's tenant its prompt's expected tokens at once, as VTC does at admission (so that
 workers taking at the same moment see each other's picks), and a take spreads its picks by each job's whole expected
@@ -67,7 +68,6 @@ SCAN_BACK = (
     4096  # ids looked at from the tail for the newest indexed one, when the mark's job has left the queue
 )
 MARK_NEAR = 1024  # ids read near the tail, then near where the index says, for the mark
-RESCAN = 1024  # ids read before the mark when the one before it is not indexed (its job came back: fair_scripts.LOOK)
 FAR = 256  # a claim this far from the queue's head moves the head's id into its place (fair_scripts.TAKE)
 POPS = 64  # a take pops at most this many index entries per job it may take, stale ones included,
 EXTRA_POPS = 4096  # and this many more
@@ -209,10 +209,11 @@ class FairQueue:
         """Index what `queue` holds past the mark, claim up to `room` of its jobs: the script's reply (flat)."""
         name = queue.name
         mark, indexed = keys.fair_key(name, "mark"), keys.fair_key(name, "indexed")
+        record, order = keys.fair_key(name, "mark_enqueued"), keys.fair_key(name, "order")
         prefix = rq_start.job_hash_prefix()
         looked = self._look(
-            keys=[queue.key, mark, indexed, keys.fair_key(name, "order")],
-            args=[LOOK_LIMIT, HEAD, prefix, SCAN_BACK, MARK_NEAR, RESCAN],
+            keys=[queue.key, mark, indexed, order, record],
+            args=[LOOK_LIMIT, HEAD, prefix, SCAN_BACK, MARK_NEAR, rq_store.JOB_ENQUEUED_FIELD],
         )
         expected, newest, found = decoded(looked[0]), decoded(looked[1]), looked[2:]
         entries: list[str] = []
@@ -235,7 +236,8 @@ class FairQueue:
                 tenants,
                 deadlines,
                 keys.fair_counters_key(),
-                keys.fair_key(name, "order"),
+                order,
+                record,
             ],
             args=[
                 keys.fair_tenant_key(name, ""),
@@ -248,6 +250,7 @@ class FairQueue:
                 rq_store.JOB_STATUS_FIELD,
                 rq_store.QUEUED,
                 FAR,
+                rq_store.JOB_ENQUEUED_FIELD,
                 len(self.weights) // 2,
                 *self.weights,
                 len(charges) // 2,

@@ -2,14 +2,27 @@
 `LOOK` reads what a queue holds past the index's mark, `TAKE` indexes it and claims jobs, `CHARGE` adds to the
 fleet's counters. Each runs atomically in Redis."""
 
-# KEYS: queue, mark, indexed, order. ARGV: limit, head (at least 1), job hash prefix, scan back, ids read around
-# where the mark should be (from the tail, then around as many ids from the head as the index holds), ids read before
-# the mark when the one before it is not indexed. Returns {mark, newest id looked at, then (id, front "1"/"0", the
-# job's data) for each id not in the index}.
+# KEYS: queue, mark, indexed, order, the mark's record ("<id>|<its job's enqueued_at>" when it became the mark).
+# ARGV: limit, head (at least 1), job hash prefix, scan back, ids read around where the mark should be (from the tail,
+# then around as many ids from the head as the index holds), the job hash's enqueued_at field. Returns {mark, newest
+# id looked at, then (id, front "1"/"0", the job's data) for each id not in the index}.
 LOOK = """
 local mark = redis.call('GET', KEYS[2])
+-- the mark's job left the queue and came back (a canceled job requeued: RQ puts it at the tail and stamps it anew),
+-- past ids no look read: the mark says nothing of them. They follow the newest indexed id enqueued no later than the
+-- mark was (`since`; an indexed id stamped later came back as well), found from the tail, as when the mark's job has
+-- left. A mark without its record (set by an earlier version) is trusted, and the tail's indexed ids with it.
+local since, came_back = nil, false
+local record = redis.call('GET', KEYS[5])
+if record then  -- with no mark, the last one's (TAKE's set_mark)
+  local id, at = string.match(record, '^(.*)|([^|]*)$')
+  if id == (mark or '') then
+    since = at
+    came_back = mark and redis.call('HGET', ARGV[3] .. mark, ARGV[6]) ~= at
+  end
+end
 local start = nil
-if mark then  -- LPOS reads one id after another: where the mark should be is read first
+if mark and not came_back then  -- LPOS reads one id after another: where the mark should be is read first
   local near, n = tonumber(ARGV[5]), redis.call('LLEN', KEYS[1])
   local p = redis.call('LPOS', KEYS[1], mark, 'RANK', -1, 'MAXLEN', near)  -- a look that keeps up: near the tail
   if p then
@@ -31,27 +44,13 @@ if mark then  -- LPOS reads one id after another: where the mark should be is re
     end
   end
 end
--- the id before the mark, past the head's window, not indexed: ids pushed to the front up to it, or the mark's job
--- left the queue and came back at its tail (a canceled job requeued) past ids no look read. An indexed id at most
--- ARGV[6] ids before them, past the head's window, and no further from the head than its place in the order says the
--- latter: the look reads on from it. Else they are read by the head's window, as pushed to the front (ids pushed to
--- the front since an earlier push was read put that push's ids further than their places).
-local head_n = tonumber(ARGV[2])
-if start ~= nil and start - 2 >= head_n then
-  local before = start - 2
-  if redis.call('HEXISTS', KEYS[3], redis.call('LINDEX', KEYS[1], before)) == 0 then
-    local lo = math.max(head_n, before - tonumber(ARGV[6]))
-    local chunk = redis.call('LRANGE', KEYS[1], lo, before - 1)
-    for j = #chunk, 1, -1 do
-      if redis.call('HEXISTS', KEYS[3], chunk[j]) == 1 then
-        local place = redis.call('ZRANK', KEYS[4], chunk[j])
-        if place and lo + j - 1 <= place then start = lo + j end
-        break
-      end
-    end
-  end
+local function boundary(id)  -- the ids after an indexed one were read, unless it came back after the mark was set
+  if redis.call('HEXISTS', KEYS[3], id) == 0 then return false end
+  if not since then return true end
+  local at = redis.call('HGET', ARGV[3] .. id, ARGV[6])
+  return at ~= false and at <= since  -- RQ's stamps (ISO 8601, UTC, fixed width) sort as they read
 end
-if start == nil then  -- no mark, or its job left the queue: after the newest indexed id, found from the tail
+if start == nil then  -- no mark, its job left the queue, or came back: after the newest indexed id, from the tail
   start = 0
   local n, back = redis.call('LLEN', KEYS[1]), tonumber(ARGV[4])
   local i = n - 1
@@ -59,7 +58,7 @@ if start == nil then  -- no mark, or its job left the queue: after the newest in
     local lo = math.max(0, i - 255, n - back)
     local chunk = redis.call('LRANGE', KEYS[1], lo, i)
     for j = #chunk, 1, -1 do
-      if redis.call('HEXISTS', KEYS[3], chunk[j]) == 1 then start = lo + j; break end
+      if boundary(chunk[j]) then start = lo + j; break end
     end
     i = lo - 1
   end
@@ -84,10 +83,10 @@ return out
 """
 
 # KEYS: queue, intermediate, mark, indexed, tenants, deadlines, counters (a sorted set: tenant -> service), order (a
-# sorted set: the indexed ids by their place in the queue).
+# sorted set: the indexed ids by their place in the queue), the mark's record (LOOK).
 # ARGV: tenant list prefix, job hash prefix, expected mark, new mark, room, a job's tokens (unindexed), max pops, job
-# status field, its queued value, how far from the head a claim moves the head's id into its place (`unqueue`),
-# n weights, (tenant, weight) x n, c charges, (tenant, amount) x c, m entries,
+# status field, its queued value, how far from the head a claim moves the head's id into its place (`unqueue`), the
+# job hash's enqueued_at field, n weights, (tenant, weight) x n, c charges, (tenant, amount) x c, m entries,
 # (id, tenant, deadline or '', front '1'/'0', "<prompt tokens>|<all its tokens>" expected) x m.
 # Returns {jobs still on the queue, then (id, tenant charged in advance or '', the advance: its prompt tokens, the
 # job's hash (flat)) per job taken}.
@@ -95,8 +94,8 @@ TAKE = """
 local queue, prefix, counters, FAR = KEYS[1], ARGV[1], KEYS[7], tonumber(ARGV[10])
 local function counter(t) return tonumber(redis.call('ZSCORE', counters, t) or '0') end
 local weight = {}
-local a = 12
-for _ = 1, tonumber(ARGV[11]) do weight[ARGV[a]] = tonumber(ARGV[a + 1]); a = a + 2 end
+local a = 13
+for _ = 1, tonumber(ARGV[12]) do weight[ARGV[a]] = tonumber(ARGV[a + 1]); a = a + 2 end
 local c = tonumber(ARGV[a]); a = a + 1
 for _ = 1, c do redis.call('ZINCRBY', counters, ARGV[a + 1], ARGV[a]); a = a + 2 end
 -- VTC's lift: the lowest counter among the tenants with waiting jobs (found once), else the highest of all
@@ -119,6 +118,19 @@ local function lift(t)
   local ct = math.max(counter(t), target)
   if ct > counter(t) then redis.call('ZADD', counters, ct, t) end
   if lowest == nil or ct < lowest then lowest = ct end  -- t waits now
+end
+-- the mark with its record: its job's enqueued_at now, by which a look tells its coming back. No mark (false): the
+-- record keeps the last one's stamp, which still tells the indexed ids that came back since
+local function set_mark(id)
+  if id then
+    redis.call('SET', KEYS[3], id)
+    local at = redis.call('HGET', ARGV[2] .. id, ARGV[11])
+    if at then redis.call('SET', KEYS[9], id .. '|' .. at) else redis.call('DEL', KEYS[9]) end
+  else
+    redis.call('DEL', KEYS[3])
+    local record = redis.call('GET', KEYS[9])
+    if record then redis.call('SET', KEYS[9], string.match(record, '|[^|]*$')) end
+  end
 end
 -- index what the look found, unless another worker moved the mark meanwhile (it indexed the same ids)
 local m = tonumber(ARGV[a]); a = a + 1
@@ -143,11 +155,11 @@ if (redis.call('GET', KEYS[3]) or '') == ARGV[3] then
       end
     end
   end
-  if ARGV[4] ~= '' then redis.call('SET', KEYS[3], ARGV[4]) end
+  if ARGV[4] ~= '' then set_mark(ARGV[4]) end
 end
 if redis.call('LLEN', queue) == 0 then  -- nothing waits: whatever the index holds is stale (canceled, emptied)
   for _, t in ipairs(redis.call('SMEMBERS', KEYS[5])) do redis.call('DEL', prefix .. t) end
-  redis.call('DEL', KEYS[3], KEYS[4], KEYS[5], KEYS[6], order)
+  redis.call('DEL', KEYS[3], KEYS[4], KEYS[5], KEYS[6], order, KEYS[9])
   return {0}
 end
 -- ids the order holds but the index does not (taken by a worker of an earlier version) put places off: a few a take
@@ -203,7 +215,7 @@ local function claim(id, t)
   if id == mark then  -- the mark moves to the id before it (none: look from the head)
     local p = at or redis.call('LPOS', queue, id)
     mark = p and p > 0 and redis.call('LINDEX', queue, p - 1)
-    if mark then redis.call('SET', KEYS[3], mark) else redis.call('DEL', KEYS[3]) end
+    set_mark(mark)
   end
   if unqueue(id, at, score) == 0 then return false end
   redis.call('RPUSH', KEYS[2], id)
@@ -281,7 +293,7 @@ if left > 0 and pops > 0 and redis.call('SCARD', KEYS[5]) == 0 and redis.call('Z
     redis.call('ZREM', order, id)
     if id == mark then
       mark = false
-      redis.call('DEL', KEYS[3])
+      set_mark(false)
     end
     out[#out + 1] = id
     out[#out + 1] = ''

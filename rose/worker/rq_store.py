@@ -13,7 +13,8 @@ that an RQ upgrade touches these four files:
 - requeue / recovery: a started job put back on its queue with its execution removed; the registries, execution
   hashes and intermediate lists read raw (RQ's own readers would FAIL expired entries);
 - names: keys from RQ's classes (`Job.key_for`, `Execution.key`, `ExecutionRegistry.key`, the worker prefix), so
-  `RQ_KEY_PREFIX` is honoured, and the job-hash fields other modules read (`JOB_STATUS_FIELD`, `JOB_OWNER_FIELD`).
+  `RQ_KEY_PREFIX` is honoured, and the job-hash fields other modules read (`JOB_STATUS_FIELD`, `JOB_OWNER_FIELD`,
+  `JOB_ENQUEUED_FIELD`).
 
 Contract: functions that take a `pipe` only queue commands (the caller executes, and only then calls the matching
 `hold` / `release`); the others talk to Redis themselves. The in-memory `worker.executions` (RQ 3's per-worker dict,
@@ -58,6 +59,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 JOB_STATUS_FIELD, JOB_OWNER_FIELD = "status", "worker_name"  # fields of RQ's job hash
+JOB_ENQUEUED_FIELD = "enqueued_at"  # RQ stamps it at each enqueue, a requeue too (ISO 8601, UTC)
 STARTED, QUEUED, FINISHED = JobStatus.STARTED.value, JobStatus.QUEUED.value, JobStatus.FINISHED.value
 CANCELED, STOPPED, FAILED = JobStatus.CANCELED.value, JobStatus.STOPPED.value, JobStatus.FAILED.value
 
