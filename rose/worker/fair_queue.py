@@ -15,26 +15,28 @@ shared by the fleet (`keys.fair_key`):
 
 `FairQueue.take` is two round trips a queue: `look` reads what the queue holds past the mark (sought near the tail,
 then around as many ids from the head as the index holds, then from the list's nearer end: `MARK_NEAR`; when the
-mark's job has left the queue, the newest indexed id found from the tail stands for it) and at its head (where ids
-pushed to the front land), with each new job's data; the worker reads each one's tenant and deadline (`placement`);
-then one script indexes them (unless another worker moved the mark meanwhile: it indexed the same ids) and claims up
-to `room` jobs: the deadline jobs earliest first, then one at a time the oldest job of the tenant with the lowest
-counter (a heap). A claim is LREM from the queue's list and RPUSH to RQ's intermediate list in one script, as RQ's
-own dequeue moves ids (one `FAR` from the head or more, found by its place in the order, has the head's id moved
-into its place instead: LREM reads every id ahead), so a crash at any point loses nothing and rose.worker.recovery
-applies unchanged; a job no longer `queued` (canceled, deleted) is dropped from the index when its turn comes, at
-the cost of one HGET; taking the mark's job moves the mark to the id before it. A take pops at most `POPS` index
-entries per job it may take plus `EXTRA_POPS`; an index found with the queue empty is dropped whole. If the index is
-empty while the queue is not (a look that fell behind a burst), the queue's head is taken first come, first served.
+mark's job has left the queue or came back, the newest indexed id found from the tail stands for it) and at its head
+(where ids pushed to the front land), with each new job's data; the worker reads each one's tenant and deadline
+(`placement`); then one script indexes them (unless another worker moved the mark meanwhile: it indexed the same ids)
+and claims up to `room` jobs: the deadline jobs earliest first, then one at a time the oldest job of the tenant with
+the lowest counter (a heap). A claim is LREM from the queue's list and RPUSH to RQ's intermediate list in one script,
+as RQ's own dequeue moves ids (one `FAR` from the head or more, found by its place in the order, has the head's id
+moved into its place instead: LREM reads every id ahead), so a crash at any point loses nothing and
+rose.worker.recovery applies unchanged; a job no longer `queued` (canceled, deleted) is dropped from the index when
+its turn comes, at the cost of one HGET; taking the mark's job moves the mark to the id before it. A take pops at most
+`POPS` index entries per job it may take plus `EXTRA_POPS`; an index found with the queue empty is dropped whole. If
+the index is empty while the queue is not (a look that fell behind a burst), the queue's head is taken first come,
+first served.
 
-The mark's job canceled and requeued (RQ puts it at the tail and stamps its `enqueued_at` anew) leaves the jobs
-after it that no look had read before the mark. A take records the mark's job's `enqueued_at` beside it; a look that
-finds it changed reads on from the newest indexed id (found from the tail, within `SCAN_BACK`; none: from the head)
-enqueued no later than the mark was (an indexed id stamped later came back as well). A mark without its record (set
-by an earlier version, during a rolling upgrade) is trusted, as then: if its job came back, the ids before it are
-read on reaching the head's window, as pushed to the front (later than their turn, never lost); so are the ids behind
-one requeued by a clock that runs behind the mark's producer's. Ids pushed to the front beyond the head's window are
-read a window at a time, each window ahead of those read before.
+The mark's job canceled and requeued (RQ puts it at the tail and stamps its `enqueued_at` anew) leaves the jobs after
+it that no look had read before the mark. A take records the mark's job's `enqueued_at` beside it, as the look read it
+(a requeue between the two is a coming back too); a look that finds it changed reads on from the newest indexed id
+(found from the tail, within `SCAN_BACK`; none: from the head) enqueued no later than the mark was (an indexed id
+stamped later came back as well). A mark without its record (set by an earlier version, during a rolling upgrade) is
+trusted, as then: if its job came back, the ids before it are read on reaching the head's window, as pushed to the
+front (later than their turn, never lost); so are the ids behind one requeued by a clock that runs behind the mark's
+producer's. Ids pushed to the front beyond the head's window are read a window at a time, each window ahead of those
+read before.
 
 Counters: a claim charges the job's tenant its prompt's expected tokens at once, as VTC does at admission (so that
 workers taking at the same moment see each other's picks), and a take spreads its picks by each job's whole expected
@@ -64,9 +66,7 @@ if TYPE_CHECKING:
 DEFAULT_TENANT = "default"  # the tenant of jobs that name none
 LOOK_LIMIT = 512  # new ids indexed per take at most: a burst is indexed over a few takes
 HEAD = 16  # ids at the queue's head looked at for ones pushed to the front
-SCAN_BACK = (
-    4096  # ids looked at from the tail for the newest indexed one, when the mark's job has left the queue
-)
+SCAN_BACK = 4096  # ids looked at from the tail for the newest indexed one: the mark's job left or came back
 MARK_NEAR = 1024  # ids read near the tail, then near where the index says, for the mark
 FAR = 256  # a claim this far from the queue's head moves the head's id into its place (fair_scripts.TAKE)
 POPS = 64  # a take pops at most this many index entries per job it may take, stale ones included,
@@ -212,10 +212,15 @@ class FairQueue:
         record, order = keys.fair_key(name, "mark_enqueued"), keys.fair_key(name, "order")
         prefix = rq_start.job_hash_prefix()
         looked = self._look(
-            keys=[queue.key, mark, indexed, order, record],
+            keys=[queue.key, mark, indexed, record],
             args=[LOOK_LIMIT, HEAD, prefix, SCAN_BACK, MARK_NEAR, rq_store.JOB_ENQUEUED_FIELD],
         )
-        expected, newest, found = decoded(looked[0]), decoded(looked[1]), looked[2:]
+        expected, newest, stamp, found = (
+            decoded(looked[0]),
+            decoded(looked[1]),
+            decoded(looked[2]),
+            looked[3:],
+        )
         entries: list[str] = []
         for i in range(0, len(found), 3):
             kwargs = rq_start.job_kwargs(found[i + 2], self.serializer)
@@ -251,6 +256,7 @@ class FairQueue:
                 rq_store.QUEUED,
                 FAR,
                 rq_store.JOB_ENQUEUED_FIELD,
+                stamp,
                 len(self.weights) // 2,
                 *self.weights,
                 len(charges) // 2,

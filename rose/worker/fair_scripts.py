@@ -2,10 +2,10 @@
 `LOOK` reads what a queue holds past the index's mark, `TAKE` indexes it and claims jobs, `CHARGE` adds to the
 fleet's counters. Each runs atomically in Redis."""
 
-# KEYS: queue, mark, indexed, order, the mark's record ("<id>|<its job's enqueued_at>" when it became the mark).
+# KEYS: queue, mark, indexed, the mark's record ("<id>|<its job's enqueued_at>" as a look read it, TAKE's set_mark).
 # ARGV: limit, head (at least 1), job hash prefix, scan back, ids read around where the mark should be (from the tail,
 # then around as many ids from the head as the index holds), the job hash's enqueued_at field. Returns {mark, newest
-# id looked at, then (id, front "1"/"0", the job's data) for each id not in the index}.
+# id looked at, its enqueued_at as read, then (id, front "1"/"0", the job's data) for each id not in the index}.
 LOOK = """
 local mark = redis.call('GET', KEYS[2])
 -- the mark's job left the queue and came back (a canceled job requeued: RQ puts it at the tail and stamps it anew),
@@ -13,7 +13,7 @@ local mark = redis.call('GET', KEYS[2])
 -- mark was (`since`; an indexed id stamped later came back as well), found from the tail, as when the mark's job has
 -- left. A mark without its record (set by an earlier version) is trusted, and the tail's indexed ids with it.
 local since, came_back = nil, false
-local record = redis.call('GET', KEYS[5])
+local record = redis.call('GET', KEYS[4])
 if record then  -- with no mark, the last one's (TAKE's set_mark)
   local id, at = string.match(record, '^(.*)|([^|]*)$')
   if id == (mark or '') then
@@ -65,7 +65,8 @@ if start == nil then  -- no mark, its job left the queue, or came back: after th
 end
 local limit = tonumber(ARGV[1])
 local tail = redis.call('LRANGE', KEYS[1], start, start + limit - 1)
-local out = {mark or '', tail[#tail] or ''}
+local newest = tail[#tail]
+local out = {mark or '', newest or '', newest and redis.call('HGET', ARGV[3] .. newest, ARGV[6]) or ''}
 local seen = {}
 local function add(id, front)
   if seen[id] or redis.call('HEXISTS', KEYS[3], id) == 1 then return end
@@ -86,7 +87,7 @@ return out
 # sorted set: the indexed ids by their place in the queue), the mark's record (LOOK).
 # ARGV: tenant list prefix, job hash prefix, expected mark, new mark, room, a job's tokens (unindexed), max pops, job
 # status field, its queued value, how far from the head a claim moves the head's id into its place (`unqueue`), the
-# job hash's enqueued_at field, n weights, (tenant, weight) x n, c charges, (tenant, amount) x c, m entries,
+# job hash's enqueued_at field, the new mark's enqueued_at as the look read it, n weights, (tenant, weight) x n, c charges, (tenant, amount) x c, m entries,
 # (id, tenant, deadline or '', front '1'/'0', "<prompt tokens>|<all its tokens>" expected) x m.
 # Returns {jobs still on the queue, then (id, tenant charged in advance or '', the advance: its prompt tokens, the
 # job's hash (flat)) per job taken}.
@@ -94,8 +95,8 @@ TAKE = """
 local queue, prefix, counters, FAR = KEYS[1], ARGV[1], KEYS[7], tonumber(ARGV[10])
 local function counter(t) return tonumber(redis.call('ZSCORE', counters, t) or '0') end
 local weight = {}
-local a = 13
-for _ = 1, tonumber(ARGV[12]) do weight[ARGV[a]] = tonumber(ARGV[a + 1]); a = a + 2 end
+local a = 14
+for _ = 1, tonumber(ARGV[13]) do weight[ARGV[a]] = tonumber(ARGV[a + 1]); a = a + 2 end
 local c = tonumber(ARGV[a]); a = a + 1
 for _ = 1, c do redis.call('ZINCRBY', counters, ARGV[a + 1], ARGV[a]); a = a + 2 end
 -- VTC's lift: the lowest counter among the tenants with waiting jobs (found once), else the highest of all
@@ -119,13 +120,13 @@ local function lift(t)
   if ct > counter(t) then redis.call('ZADD', counters, ct, t) end
   if lowest == nil or ct < lowest then lowest = ct end  -- t waits now
 end
--- the mark with its record: its job's enqueued_at now, by which a look tells its coming back. No mark (false): the
--- record keeps the last one's stamp, which still tells the indexed ids that came back since
-local function set_mark(id)
+-- the mark with its record: its job's enqueued_at when the ids up to it were read (by the look: a requeue since then
+-- is a coming back), by which a look tells it came back. No mark (false): the record keeps the last one's stamp,
+-- which still tells the indexed ids that came back since
+local function set_mark(id, at)
   if id then
     redis.call('SET', KEYS[3], id)
-    local at = redis.call('HGET', ARGV[2] .. id, ARGV[11])
-    if at then redis.call('SET', KEYS[9], id .. '|' .. at) else redis.call('DEL', KEYS[9]) end
+    if at and at ~= '' then redis.call('SET', KEYS[9], id .. '|' .. at) else redis.call('DEL', KEYS[9]) end
   else
     redis.call('DEL', KEYS[3])
     local record = redis.call('GET', KEYS[9])
@@ -155,7 +156,7 @@ if (redis.call('GET', KEYS[3]) or '') == ARGV[3] then
       end
     end
   end
-  if ARGV[4] ~= '' then set_mark(ARGV[4]) end
+  if ARGV[4] ~= '' then set_mark(ARGV[4], ARGV[12]) end
 end
 if redis.call('LLEN', queue) == 0 then  -- nothing waits: whatever the index holds is stale (canceled, emptied)
   for _, t in ipairs(redis.call('SMEMBERS', KEYS[5])) do redis.call('DEL', prefix .. t) end
@@ -215,7 +216,7 @@ local function claim(id, t)
   if id == mark then  -- the mark moves to the id before it (none: look from the head)
     local p = at or redis.call('LPOS', queue, id)
     mark = p and p > 0 and redis.call('LINDEX', queue, p - 1)
-    set_mark(mark)
+    set_mark(mark, mark and redis.call('HGET', ARGV[2] .. mark, ARGV[11]))
   end
   if unqueue(id, at, score) == 0 then return false end
   redis.call('RPUSH', KEYS[2], id)
