@@ -23,20 +23,21 @@ the lowest counter (a heap). A claim is LREM from the queue's list and RPUSH to 
 as RQ's own dequeue moves ids (one `FAR` from the head or more, found by its place in the order, has the head's id
 moved into its place instead: LREM reads every id ahead), so a crash at any point loses nothing and
 rose.worker.recovery applies unchanged; a job no longer `queued` (canceled, deleted) is dropped from the index when
-its turn comes, at the cost of one HGET; taking the mark's job moves the mark to the id before it. A take pops at most
-`POPS` index entries per job it may take plus `EXTRA_POPS`; an index found with the queue empty is dropped whole. If
-the index is empty while the queue is not (a look that fell behind a burst), the queue's head is taken first come,
-first served.
+its turn comes, at the cost of one HGET; taking the mark's job moves the mark to the id before it (unless its job came
+back: below). A take pops at most `POPS` index entries per job it may take plus `EXTRA_POPS`; an index found with the
+queue empty is dropped whole. If the index is empty while the queue is not (a look that fell behind a burst), the
+queue's head is taken first come, first served.
 
 The mark's job canceled and requeued (RQ puts it at the tail and stamps its `enqueued_at` anew) leaves the jobs after
 it that no look had read before the mark. A take records the mark's job's `enqueued_at` beside it, as the look read it
 (a requeue between the two is a coming back too); a look that finds it changed reads on from the newest indexed id
 (found from the tail, within `SCAN_BACK`; none: from the head) enqueued no later than the mark was (an indexed id
-stamped later came back as well). A mark without its record (set by an earlier version, during a rolling upgrade) is
-trusted, as then: if its job came back, the ids before it are read on reaching the head's window, as pushed to the
-front (later than their turn, never lost); so are the ids behind one requeued by a clock that runs behind the mark's
-producer's. Ids pushed to the front beyond the head's window are read a window at a time, each window ahead of those
-read before.
+stamped later came back as well). A mark without its record (set by an earlier version, during a rolling upgrade, or
+whose job's stamp the look could not read) is trusted, as then: if its job came back, the ids before it are read on
+reaching the head's window, as pushed to the front (later than their turn, never lost); so are the ids behind one
+requeued by a clock that runs behind the mark's producer's, and, in some interleavings of a cancel, new jobs and a
+requeue between a worker's look and its take (tests/worker/test_fair_queue_model.py), ids that arrived meanwhile. Ids
+pushed to the front beyond the head's window are read a window at a time, each window ahead of those read before.
 
 Counters: a claim charges the job's tenant its prompt's expected tokens at once, as VTC does at admission (so that
 workers taking at the same moment see each other's picks), and a take spreads its picks by each job's whole expected

@@ -85,10 +85,11 @@ return out
 
 # KEYS: queue, intermediate, mark, indexed, tenants, deadlines, counters (a sorted set: tenant -> service), order (a
 # sorted set: the indexed ids by their place in the queue), the mark's record (LOOK).
-# ARGV: tenant list prefix, job hash prefix, expected mark, new mark, room, a job's tokens (unindexed), max pops, job
-# status field, its queued value, how far from the head a claim moves the head's id into its place (`unqueue`), the
-# job hash's enqueued_at field, the new mark's enqueued_at as the look read it, n weights, (tenant, weight) x n, c charges, (tenant, amount) x c, m entries,
-# (id, tenant, deadline or '', front '1'/'0', "<prompt tokens>|<all its tokens>" expected) x m.
+# ARGV: tenant list prefix, job hash prefix, expected mark, new mark, room, a job's tokens (unindexed), max pops,
+# job status field, its queued value, how far from the head a claim moves the head's id into its place (`unqueue`),
+# the job hash's enqueued_at field, the new mark's enqueued_at as the look read it, n weights, (tenant, weight) x n,
+# c charges, (tenant, amount) x c, m entries, (id, tenant, deadline or '', front '1'/'0', "<prompt tokens>|<all its
+# tokens>" expected) x m.
 # Returns {jobs still on the queue, then (id, tenant charged in advance or '', the advance: its prompt tokens, the
 # job's hash (flat)) per job taken}.
 TAKE = """
@@ -132,6 +133,10 @@ local function set_mark(id, at)
     local record = redis.call('GET', KEYS[9])
     if record then redis.call('SET', KEYS[9], string.match(record, '|[^|]*$')) end
   end
+end
+local function came_back(id)  -- the mark's job: requeued since the ids up to it were read (LOOK's test)
+  local rid, rat = string.match(redis.call('GET', KEYS[9]) or '', '^(.*)|([^|]*)$')
+  return rid == id and redis.call('HGET', ARGV[2] .. id, ARGV[11]) ~= rat
 end
 -- index what the look found, unless another worker moved the mark meanwhile (it indexed the same ids)
 local m = tonumber(ARGV[a]); a = a + 1
@@ -213,7 +218,9 @@ local function claim(id, t)
   end
   if status ~= ARGV[9] then return false end  -- canceled, ended
   local at = (id == mark or score) and locate(id, place)
-  if id == mark then  -- the mark moves to the id before it (none: look from the head)
+  -- the mark moves to the id before it (none: look from the head), unless its job came back since the ids up to it
+  -- were read (its stamp is not the record's): those before it now arrived meanwhile, and the next look reads them
+  if id == mark and not came_back(id) then
     local p = at or redis.call('LPOS', queue, id)
     mark = p and p > 0 and redis.call('LINDEX', queue, p - 1)
     set_mark(mark, mark and redis.call('HGET', ARGV[2] .. mark, ARGV[11]))

@@ -20,6 +20,7 @@ from rq import Queue
 from rq.job import Job
 from rq.registry import CanceledJobRegistry
 from rq.serializers import JSONSerializer
+from rq.utils import now, utcformat
 from test_fair_queue import submit, taker
 
 from rose.jobs import keys
@@ -125,10 +126,35 @@ class Run:
         else:
             self.model.taken.remove(job_id)
             self.r.lrem(self.queue.intermediate_queue_key, 1, job_id)
-            self.r.hset(Job.key_for(job_id), "status", "queued")
-            (self.r.lpush if self.rng.random() < 0.5 else self.r.rpush)(self.queue.key, job_id)
+            if self.rng.random() < 0.5:  # at the head, as rose's recovery puts it back (its stamp kept)
+                self.r.hset(Job.key_for(job_id), "status", "queued")
+                self.r.lpush(self.queue.key, job_id)
+            else:  # at the tail, as RQ's requeue (of a failed job) enqueues it again: stamped anew
+                self.r.hset(
+                    Job.key_for(job_id), mapping={"status": "queued", "enqueued_at": utcformat(now())}
+                )
+                self.r.rpush(self.queue.key, job_id)
         self.unorder(job_id)
         self.model.waiting.add(job_id)
+
+    def come_back(self) -> None:
+        """A waiting job (the newest on the list, or the look's mark) canceled, jobs enqueued, and it requeued at the
+        tail, in one step: between a look and its take, the look's newest id or mark coming back past jobs it did not
+        read. Those jobs, and the ones after it on the list, may come later than their turn in some interleavings
+        (fair_queue's docstring): their order is not checked (the single cancel and requeue steps check it)."""
+        listed = [i.decode() for i in self.r.lrange(self.queue.key, 0, -1)]
+        mark = (self.r.get(keys.fair_key("rose", "mark")) or b"").decode()
+        if not listed:
+            return
+        job_id = mark if mark in listed and self.rng.random() < 0.5 else listed[-1]
+        Job.fetch(job_id, connection=self.r, serializer=JSONSerializer).cancel()
+        self.model.waiting.discard(job_id)
+        enqueued = len(self.model.tenant)
+        self.enqueue()
+        CanceledJobRegistry("rose", connection=self.r, serializer=JSONSerializer).requeue(job_id)
+        self.model.waiting.add(job_id)
+        for later in [job_id, *listed[listed.index(job_id) + 1 :], *list(self.model.tenant)[enqueued:]]:
+            self.unorder(later)
 
     def unorder(self, job_id: str) -> None:
         plain = self.model.plain.get(self.model.tenant[job_id], [])
@@ -143,7 +169,13 @@ class Run:
             worker = self.rng.choice(self.workers)
             if worker is self.workers[2]:
                 other = self.rng.choice(
-                    [self.enqueue, self.leave, self.requeue, lambda: self.take(self.workers[0])]
+                    [
+                        self.enqueue,
+                        self.leave,
+                        self.requeue,
+                        self.come_back,
+                        lambda: self.take(self.workers[0]),
+                    ]
                 )
                 self.hooked.between = other
             self.take(worker)
@@ -330,18 +362,21 @@ def test_a_mark_without_its_record_is_trusted_as_by_earlier_versions(r):
     assert [i for i in taken if i in old + new] == new + old and sorted(taken) == sorted(old + new + m)
 
 
-def test_a_mark_requeued_between_the_look_and_its_take_is_told_by_the_stamp_the_look_read(r, monkeypatch):
+@pytest.mark.parametrize("tenant", ["y", "w"])  # y's turn after x's; w's first: the same take claims it
+def test_a_mark_requeued_between_the_look_and_its_take_is_told_by_the_stamp_the_look_read(
+    r, monkeypatch, tenant
+):
     """The newest id a look read is canceled, jobs are enqueued and it is requeued, all between that look and its
     take: the take records the stamp the look read, so the next look tells the mark came back and reads the jobs
     enqueued meanwhile in their turn (a stamp read by the take would hide it: they would come at the head's window,
-    ahead of their tenant's older job)."""
+    ahead of their tenant's older job). Claimed by that take, the mark stays: the id before it arrived meanwhile."""
     queue = Queue("rose", connection=r, serializer=JSONSerializer)
     monkeypatch.setattr(fair_queue, "HEAD", 2)
     a, x, old = submit(r, 1, "a"), submit(r, 2, "x"), submit(r, 1, "b")
     fair = taker(r)
     assert [i for i, _, _ in fair.take([queue], 1)] == a
     fair_queue.charge(r, {"b": 1000.0})
-    y = submit(r, 1, "y")
+    y = submit(r, 1, tenant)
     new: list[str] = []
 
     def between() -> None:
