@@ -2,25 +2,28 @@
 `LOOK` reads what a queue holds past the index's mark, `TAKE` indexes it and claims jobs, `CHARGE` adds to the
 fleet's counters. Each runs atomically in Redis."""
 
+# The mark's record, read by both scripts: "<id>|<its job's enqueued_at as a look read it>" (TAKE's set_mark; with
+# no mark, "|<the last one's stamp>"). Against the mark `id` ('' for none): the stamp it holds and whether the mark's
+# job came back since (a requeue stamps it anew); nil, false: no record of this mark (one an earlier version set).
+_MARK_RECORD = """
+local function mark_record(key, prefix, field, id)
+  local rid, at = string.match(redis.call('GET', key) or '', '^(.*)|([^|]*)$')
+  if rid ~= id then return nil, false end
+  return at, id ~= '' and redis.call('HGET', prefix .. id, field) ~= at
+end
+"""
+
 # KEYS: queue, mark, indexed, the mark's record ("<id>|<its job's enqueued_at>" as a look read it, TAKE's set_mark).
 # ARGV: limit, head (at least 1), job hash prefix, scan back, ids read around where the mark should be (from the tail,
 # then around as many ids from the head as the index holds), the job hash's enqueued_at field. Returns {mark, newest
 # id looked at, its enqueued_at as read, then (id, front "1"/"0", the job's data) for each id not in the index}.
-LOOK = """
+_LOOK = """
 local mark = redis.call('GET', KEYS[2])
 -- the mark's job left the queue and came back (a canceled job requeued: RQ puts it at the tail and stamps it anew),
 -- past ids no look read: the mark says nothing of them. They follow the newest indexed id enqueued no later than the
 -- mark was (`since`; an indexed id stamped later came back as well), found from the tail, as when the mark's job has
 -- left. A mark without its record (set by an earlier version) is trusted, and the tail's indexed ids with it.
-local since, came_back = nil, false
-local record = redis.call('GET', KEYS[4])
-if record then  -- with no mark, the last one's (TAKE's set_mark)
-  local id, at = string.match(record, '^(.*)|([^|]*)$')
-  if id == (mark or '') then
-    since = at
-    came_back = mark and redis.call('HGET', ARGV[3] .. mark, ARGV[6]) ~= at
-  end
-end
+local since, came_back = mark_record(KEYS[4], ARGV[3], ARGV[6], mark or '')  -- with no mark, the last one's stamp
 local start = nil
 if mark and not came_back then  -- LPOS reads one id after another: where the mark should be is read first
   local near, n = tonumber(ARGV[5]), redis.call('LLEN', KEYS[1])
@@ -92,7 +95,7 @@ return out
 # tokens>" expected) x m.
 # Returns {jobs still on the queue, then (id, tenant charged in advance or '', the advance: its prompt tokens, the
 # job's hash (flat)) per job taken}.
-TAKE = """
+_TAKE = """
 local queue, prefix, counters, FAR = KEYS[1], ARGV[1], KEYS[7], tonumber(ARGV[10])
 local function counter(t) return tonumber(redis.call('ZSCORE', counters, t) or '0') end
 local weight = {}
@@ -133,10 +136,6 @@ local function set_mark(id, at)
     local record = redis.call('GET', KEYS[9])
     if record then redis.call('SET', KEYS[9], string.match(record, '|[^|]*$')) end
   end
-end
-local function came_back(id)  -- the mark's job: requeued since the ids up to it were read (LOOK's test)
-  local rid, rat = string.match(redis.call('GET', KEYS[9]) or '', '^(.*)|([^|]*)$')
-  return rid == id and redis.call('HGET', ARGV[2] .. id, ARGV[11]) ~= rat
 end
 -- index what the look found, unless another worker moved the mark meanwhile (it indexed the same ids)
 local m = tonumber(ARGV[a]); a = a + 1
@@ -220,7 +219,7 @@ local function claim(id, t)
   local at = (id == mark or score) and locate(id, place)
   -- the mark moves to the id before it (none: look from the head), unless its job came back since the ids up to it
   -- were read (its stamp is not the record's): those before it now arrived meanwhile, and the next look reads them
-  if id == mark and not came_back(id) then
+  if id == mark and not select(2, mark_record(KEYS[9], ARGV[2], ARGV[11], id)) then
     local p = at or redis.call('LPOS', queue, id)
     mark = p and p > 0 and redis.call('LINDEX', queue, p - 1)
     set_mark(mark, mark and redis.call('HGET', ARGV[2] .. mark, ARGV[11]))
@@ -313,6 +312,8 @@ end
 out[1] = redis.call('LLEN', queue)
 return out
 """
+
+LOOK, TAKE = _MARK_RECORD + _LOOK, _MARK_RECORD + _TAKE
 
 # KEYS: counters. ARGV: (tenant, amount) pairs.
 CHARGE = """
