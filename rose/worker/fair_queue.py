@@ -13,14 +13,16 @@ shared by the fleet (`keys.fair_key`):
     rose:fair:<queue>:order         sorted set: the indexed ids by their place in the queue (first: lowest)
     rose:fair:counters              sorted set: each tenant's service in tokens / its weight (the fleet, all queues)
 
-`FairQueue.take` is two round trips a queue: `look` reads what the queue holds past the mark (sought near the tail,
-then around as many ids from the head as the index holds, then from the list's nearer end: `MARK_NEAR`; when the
-mark's job has left the queue or came back, the newest indexed id found from the tail stands for it) and at its head
-(where ids pushed to the front land), with each new job's data; the worker reads each one's tenant and deadline
-(`placement`); then one script indexes them (unless another worker moved the mark meanwhile: it indexed the same ids)
-and claims up to `room` jobs: the deadline jobs earliest first, then one at a time the oldest job of the tenant with
-the lowest counter (a heap). A claim is LREM from the queue's list and RPUSH to RQ's intermediate list in one script,
-as RQ's own dequeue moves ids (one `FAR` from the head or more, found by its place in the order, has the head's id
+`FairQueue.take` is one or two round trips a queue: the look reads what the queue holds past the mark (sought near
+the tail, then around as many ids from the head as the index holds, then from the list's nearer end: `MARK_NEAR`;
+when the mark's job has left the queue or came back, the newest indexed id found from the tail stands for it) and at
+its head (where ids pushed to the front land); finding nothing new, the same script takes at once (one round trip:
+the index holds every waiting job). Else it returns each new job's data; the worker reads each one's tenant and
+deadline (`placement`); then one script indexes them (unless another worker moved the mark meanwhile: it indexed the
+same ids) and claims up to `room` jobs: the deadline jobs earliest first, then one at a time the oldest job of the
+tenant with the lowest counter (a heap; the counters kept in the script, written once a tenant). A claim moves the id
+from the queue's list to RQ's intermediate list in one script, as RQ's own dequeue moves ids (LMOVE from the head; an
+id elsewhere LREM and RPUSH; one `FAR` from the head or more, found by its place in the order, has the head's id
 moved into its place instead: LREM reads every id ahead), so a crash at any point loses nothing and
 rose.worker.recovery applies unchanged; a job no longer `queued` (canceled, deleted) is dropped from the index when
 its turn comes, at the cost of one HGET; taking the mark's job moves the mark to the id before it (unless its job came
@@ -56,7 +58,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from rose.jobs import keys
 from rose.worker import rq_start, rq_store
-from rose.worker.fair_scripts import CHARGE, LOOK, TAKE
+from rose.worker.fair_scripts import CHARGE, LOOK_TAKE, TAKE
 from rose.worker.rq_store import decoded
 
 if TYPE_CHECKING:
@@ -177,7 +179,7 @@ class FairQueue:
         self.serializer = serializer
         self.weights = [x for tenant, w in weights.items() for x in (tenant, repr(float(w)))]
         self.accounts = accounts
-        self._look = conn.register_script(LOOK)
+        self._look_take = conn.register_script(LOOK_TAKE)
         self._take = conn.register_script(TAKE)
 
     def take(self, queues: list[Queue], room: int) -> list[tuple[str, Queue, Job | None]]:
@@ -207,45 +209,27 @@ class FairQueue:
         return taken
 
     def _take_from(self, queue: Queue, room: int) -> list[Any]:
-        """Index what `queue` holds past the mark, claim up to `room` of its jobs: the script's reply (flat)."""
+        """Index what `queue` holds past the mark, claim up to `room` of its jobs: the take's reply (flat). One round
+        trip when the look finds nothing new (it takes at once), else two."""
         name = queue.name
-        mark, indexed = keys.fair_key(name, "mark"), keys.fair_key(name, "indexed")
-        record, order = keys.fair_key(name, "mark_enqueued"), keys.fair_key(name, "order")
         prefix = rq_start.job_hash_prefix()
-        looked = self._look(
-            keys=[queue.key, mark, indexed, record],
-            args=[LOOK_LIMIT, HEAD, prefix, SCAN_BACK, MARK_NEAR, rq_store.JOB_ENQUEUED_FIELD],
-        )
-        expected, newest, stamp, found = (
-            decoded(looked[0]),
-            decoded(looked[1]),
-            decoded(looked[2]),
-            looked[3:],
-        )
-        entries: list[str] = []
-        for i in range(0, len(found), 3):
-            kwargs = rq_start.job_kwargs(found[i + 2], self.serializer)
-            place = placement(kwargs)
-            deadline = "" if place.deadline is None else repr(place.deadline)
-            prompt, total = expected_tokens(kwargs, self.accounts.typical())
-            cost = f"{prompt!r}|{total!r}"
-            entries += [decoded(found[i]), place.tenant, deadline, decoded(found[i + 1]), cost]
-        pending = self.accounts.take_pending()  # handed over last: an error before the script keeps them owed
+        script_keys = [
+            queue.key,
+            queue.intermediate_queue_key,
+            keys.fair_key(name, "mark"),
+            keys.fair_key(name, "indexed"),
+            keys.fair_key(name, "tenants"),
+            keys.fair_key(name, "deadlines"),
+            keys.fair_counters_key(),
+            keys.fair_key(name, "order"),
+            keys.fair_key(name, "mark_enqueued"),
+        ]
+        # handed over before the first script, which may take: a Redis error there drops them (counted at most once)
+        pending = self.accounts.take_pending()
         charges = [x for tenant, amount in pending.items() for x in (tenant, repr(float(amount)))]
-        tenants, deadlines = keys.fair_key(name, "tenants"), keys.fair_key(name, "deadlines")
-        return self._take(
-            keys=[
-                queue.key,
-                queue.intermediate_queue_key,
-                mark,
-                indexed,
-                tenants,
-                deadlines,
-                keys.fair_counters_key(),
-                order,
-                record,
-            ],
-            args=[
+
+        def take_args(expected: str, newest: str, stamp: str, entries: list[str]) -> list[Any]:
+            return [
                 keys.fair_tenant_key(name, ""),
                 prefix,
                 expected,
@@ -264,5 +248,19 @@ class FairQueue:
                 *charges,
                 len(entries) // 5,
                 *entries,
-            ],
-        )
+            ]
+
+        look_args = [LOOK_LIMIT, HEAD, prefix, SCAN_BACK, MARK_NEAR, rq_store.JOB_ENQUEUED_FIELD]
+        reply = self._look_take(keys=script_keys, args=[*look_args, *take_args("", "", "", [])])
+        if decoded(reply[0]) == "took":
+            return reply[1:]
+        expected, newest, stamp, found = decoded(reply[1]), decoded(reply[2]), decoded(reply[3]), reply[4:]
+        entries: list[str] = []
+        for i in range(0, len(found), 3):
+            kwargs = rq_start.job_kwargs(found[i + 2], self.serializer)
+            place = placement(kwargs)
+            deadline = "" if place.deadline is None else repr(place.deadline)
+            prompt, total = expected_tokens(kwargs, self.accounts.typical())
+            cost = f"{prompt!r}|{total!r}"
+            entries += [decoded(found[i]), place.tenant, deadline, decoded(found[i + 1]), cost]
+        return self._take(keys=script_keys, args=take_args(expected, newest, stamp, entries))

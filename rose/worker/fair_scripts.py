@@ -47,8 +47,7 @@ if mark and not came_back then  -- LPOS reads one id after another: where the ma
     end
   end
 end
-local function boundary(id)  -- the ids after an indexed one were read, unless it came back after the mark was set
-  if redis.call('HEXISTS', KEYS[3], id) == 0 then return false end
+local function stayed(id)  -- an indexed id: the ids after it were read, unless it came back after the mark was set
   if not since then return true end
   local at = redis.call('HGET', ARGV[3] .. id, ARGV[6])
   return at ~= false and at <= since  -- RQ's stamps (ISO 8601, UTC, fixed width) sort as they read
@@ -60,8 +59,9 @@ if start == nil then  -- no mark, its job left the queue, or came back: after th
   while i >= 0 and i >= n - back and start == 0 do
     local lo = math.max(0, i - 255, n - back)
     local chunk = redis.call('LRANGE', KEYS[1], lo, i)
+    local indexed = #chunk > 0 and redis.call('HMGET', KEYS[3], unpack(chunk)) or {}  -- one call a chunk
     for j = #chunk, 1, -1 do
-      if boundary(chunk[j]) then start = lo + j; break end
+      if indexed[j] and stayed(chunk[j]) then start = lo + j; break end
     end
     i = lo - 1
   end
@@ -71,17 +71,24 @@ local tail = redis.call('LRANGE', KEYS[1], start, start + limit - 1)
 local newest = tail[#tail]
 local out = {mark or '', newest or '', newest and redis.call('HGET', ARGV[3] .. newest, ARGV[6]) or ''}
 local seen = {}
-local function add(id, front)
-  if seen[id] or redis.call('HEXISTS', KEYS[3], id) == 1 then return end
-  seen[id] = true
-  out[#out + 1] = id
-  out[#out + 1] = front
-  out[#out + 1] = redis.call('HGET', ARGV[3] .. id, 'data') or ''
+-- the ids not in the index, with their data: one HMGET tells which are in it (a call a look, not one an id)
+local function add(ids, from, to, step, front)
+  if #ids == 0 then return end
+  local known = redis.call('HMGET', KEYS[3], unpack(ids))
+  for i = from, to, step do
+    local id = ids[i]
+    if not seen[id] and not known[i] then
+      seen[id] = true
+      out[#out + 1] = id
+      out[#out + 1] = front
+      out[#out + 1] = redis.call('HGET', ARGV[3] .. id, 'data') or ''
+    end
+  end
 end
-for _, id in ipairs(tail) do add(id, '0') end
+add(tail, 1, #tail, 1, '0')
 if start > 1 then  -- ahead of the mark: ids pushed to the front since
   local head = redis.call('LRANGE', KEYS[1], 0, math.min(tonumber(ARGV[2]), start - 1) - 1)
-  for i = #head, 1, -1 do add(head[i], '1') end  -- pushed to the front of the tenant's list in this order
+  add(head, #head, 1, -1, '1')  -- pushed to the front of the tenant's list in this order
 end
 return out
 """
@@ -97,7 +104,18 @@ return out
 # job's hash (flat)) per job taken}.
 _TAKE = """
 local queue, prefix, counters, FAR = KEYS[1], ARGV[1], KEYS[7], tonumber(ARGV[10])
-local function counter(t) return tonumber(redis.call('ZSCORE', counters, t) or '0') end
+-- the counters this take read or charged, kept here and written once a tenant at its end (`charged`): a claim adds
+-- as ZINCRBY would (the same doubles), without a call a job
+local known, charged = {}, {}
+local function counter(t)
+  if known[t] == nil then known[t] = tonumber(redis.call('ZSCORE', counters, t) or '0') end
+  return known[t]
+end
+local function add_to(t, x)
+  known[t] = counter(t) + x
+  charged[t] = true
+  return known[t]
+end
 local weight = {}
 local a = 14
 for _ = 1, tonumber(ARGV[13]) do weight[ARGV[a]] = tonumber(ARGV[a + 1]); a = a + 2 end
@@ -121,7 +139,7 @@ local function lift(t)
     target = tonumber(top[2] or '0')
   end
   local ct = math.max(counter(t), target)
-  if ct > counter(t) then redis.call('ZADD', counters, ct, t) end
+  if ct > counter(t) then redis.call('ZADD', counters, ct, t); known[t] = ct end
   if lowest == nil or ct < lowest then lowest = ct end  -- t waits now
 end
 -- the mark with its record: its job's enqueued_at when the ids up to it were read (by the look: a requeue since then
@@ -142,9 +160,10 @@ local m = tonumber(ARGV[a]); a = a + 1
 local order = KEYS[8]
 if (redis.call('GET', KEYS[3]) or '') == ARGV[3] then
   -- each id's place: after the newest indexed for the ids past the mark, before the first for those at the head
-  local last = redis.call('ZRANGE', order, -1, -1, 'WITHSCORES')
-  local first = redis.call('ZRANGE', order, 0, 0, 'WITHSCORES')
+  local last = m > 0 and redis.call('ZRANGE', order, -1, -1, 'WITHSCORES') or {}
+  local first = m > 0 and redis.call('ZRANGE', order, 0, 0, 'WITHSCORES') or {}
   local back, front_place = tonumber(last[2] or '0'), tonumber(first[2] or '0')
+  local listed = {}
   for _ = 1, m do
     local id, t, deadline, front, cost = ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3], ARGV[a + 4]
     a = a + 5
@@ -156,7 +175,10 @@ if (redis.call('GET', KEYS[3]) or '') == ARGV[3] then
       else  -- pushed first (the reply is the list's length); a list that was empty lifts its tenant
         local list = prefix .. t
         if redis.call(front == '1' and 'LPUSH' or 'RPUSH', list, id) == 1 then lift(t) end
-        redis.call('SADD', KEYS[5], t)  -- every time: a set that lost a tenant is mended by its next job
+        if not listed[t] then  -- every take: a set that lost a tenant is mended by its next job
+          redis.call('SADD', KEYS[5], t)
+          listed[t] = true
+        end
       end
     end
   end
@@ -186,21 +208,31 @@ local function locate(id, place)
   end
   return nil
 end
--- off the queue's list: LREM reads every id ahead of it, so one far from the head (`at`, located) has the head's id
--- moved into its place instead (LSET, then LPOP: a walk over the list's nodes, not its ids), which takes its place in
--- the order too. Not the mark (the ids it would jump would be before the mark unread), and only an indexed id (its
--- tenant's list keeps its turn; no look need see it again).
-local function unqueue(id, at, score)
+-- off the queue's list into the intermediate one (false: it was not on the queue's list). First in the order
+-- (`place` 0): most likely the queue's head, moved in one LMOVE (another id found there, one no look indexed, goes
+-- back). LREM reads every id ahead of it, so one far from the head (`at`, located) has the head's id moved into its
+-- place instead (LSET, then LPOP: a walk over the list's nodes, not its ids), which takes its place in the order too.
+-- Not the mark (the ids it would jump would be before the mark unread), and only an indexed id (its tenant's list
+-- keeps its turn; no look need see it again).
+local function unqueue(id, at, score, place)
+  if place == 0 then
+    local moved = redis.call('LMOVE', queue, KEYS[2], 'LEFT', 'RIGHT')
+    if moved == id then return true end
+    if moved then redis.call('LMOVE', KEYS[2], queue, 'RIGHT', 'LEFT') end
+  end
   if score and at and at >= FAR then  -- its place known far from the head, and where it is
     local head = redis.call('LINDEX', queue, 0)
     if head ~= id and head ~= mark and redis.call('HEXISTS', KEYS[4], head) == 1 then
       redis.call('LSET', queue, at, head)
       redis.call('LPOP', queue)
       redis.call('ZADD', order, score, head)
-      return 1
+      redis.call('RPUSH', KEYS[2], id)
+      return true
     end
   end
-  return redis.call('LREM', queue, 1, id)
+  if redis.call('LREM', queue, 1, id) == 0 then return false end
+  redis.call('RPUSH', KEYS[2], id)
+  return true
 end
 local function claim(id, t)
   local cost = redis.call('HGET', KEYS[4], id) or ('0|' .. estimate)
@@ -224,11 +256,10 @@ local function claim(id, t)
     mark = p and p > 0 and redis.call('LINDEX', queue, p - 1)
     set_mark(mark, mark and redis.call('HGET', ARGV[2] .. mark, ARGV[11]))
   end
-  if unqueue(id, at, score) == 0 then return false end
-  redis.call('RPUSH', KEYS[2], id)
+  if not unqueue(id, at, score, place) then return false end
   local now = nil
   if t ~= '' then  -- its prompt charged now, as VTC does at admission; the rest as it is generated
-    now = tonumber(redis.call('ZINCRBY', counters, prompt / (weight[t] or 1), t))
+    now = add_to(t, prompt / (weight[t] or 1))
     extra[t] = (extra[t] or 0) + (all - prompt) / (weight[t] or 1)
   end
   out[#out + 1] = id
@@ -309,11 +340,38 @@ if left > 0 and pops > 0 and redis.call('SCARD', KEYS[5]) == 0 and redis.call('Z
     left = left - 1
   end
 end
+for t in pairs(charged) do redis.call('ZADD', counters, known[t], t) end
 out[1] = redis.call('LLEN', queue)
 return out
 """
 
 LOOK, TAKE = _MARK_RECORD + _LOOK, _MARK_RECORD + _TAKE
+
+
+def _function(name: str, body: str) -> str:
+    """A script's `body` (it reads KEYS and ARGV) as the Lua function `name(KEYS, ARGV)`, for a script that runs it."""
+    return f"local function {name}(KEYS, ARGV)\n{body}end\n"
+
+
+# A look that, finding nothing new (no id past the mark, none pushed to the front unread), takes at once: one round
+# trip a take while the index holds every waiting job (a burst read, a worker taking as its sequences end). KEYS:
+# TAKE's. ARGV: LOOK's six, then TAKE's (its expected mark, new mark and the new mark's enqueued_at set here, from
+# the look; no entries). Returns {"took", TAKE's reply...}, or {"looked", LOOK's reply...} with nothing taken: the
+# caller places what the look found and sends TAKE.
+_LOOK_TAKE = """
+local looked = look({KEYS[1], KEYS[3], KEYS[4], KEYS[9]}, {ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]})
+if #looked > 3 then
+  table.insert(looked, 1, 'looked')
+  return looked
+end
+local args = {}
+for i = 7, #ARGV do args[#args + 1] = ARGV[i] end
+args[3], args[4], args[12] = looked[1], looked[2], looked[3]
+local took = take(KEYS, args)
+table.insert(took, 1, 'took')
+return took
+"""
+LOOK_TAKE = _MARK_RECORD + _function("look", _LOOK) + _function("take", _TAKE) + _LOOK_TAKE
 
 # KEYS: counters. ARGV: (tenant, amount) pairs.
 CHARGE = """

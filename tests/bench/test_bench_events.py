@@ -6,27 +6,14 @@ from __future__ import annotations
 
 import re
 import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server")
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
-
-def run(script: str, *args: str) -> list[str]:
-    proc = subprocess.run(
-        [sys.executable, str(BENCHMARKS / script), *args], capture_output=True, text=True, timeout=120
-    )
-    assert proc.returncode == 0, proc.stderr
-    return proc.stdout.splitlines()
-
-
-def test_bench_event_cpu_prints_each_forms_time_and_bytes():
-    lines = run("bench_event_cpu.py", "--jobs", "4", "--events", "40", "--repeats", "1")
+def test_bench_event_cpu_prints_each_forms_time_and_bytes(run_benchmark):
+    lines = run_benchmark("bench_event_cpu.py", "--jobs", "4", "--events", "40", "--repeats", "1")
     assert lines[0] == "4 jobs x 40 token events of 4 tokens; medians of 1"
     rows = {
         m[1]: m
@@ -39,8 +26,8 @@ def test_bench_event_cpu_prints_each_forms_time_and_bytes():
     assert re.fullmatch(r"fields / json: \d+\.\d\d of the time", lines[-1])
 
 
-def test_bench_event_bytes_prints_a_row_per_count_of_events():
-    lines = run("bench_event_bytes.py", "--events", "17,49")
+def test_bench_event_bytes_prints_a_row_per_count_of_events(run_benchmark):
+    lines = run_benchmark("bench_event_bytes.py", "--events", "17,49")
     assert [line.split()[0] for line in lines[1:]] == ["18", "50"]
     for line in lines[1:]:
         numbers = [int(x.replace(",", "")) for x in line.split()[1:]]

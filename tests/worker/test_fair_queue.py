@@ -14,7 +14,7 @@ from rq.serializers import JSONSerializer
 
 from rose.jobs import keys
 from rose.jobs.client import Client
-from rose.worker import fair_queue
+from rose.worker import fair_queue, fair_scripts
 from rose.worker.fair_queue import FairQueue, placement
 
 pytestmark = pytest.mark.timeout(60)
@@ -276,17 +276,19 @@ def test_the_head_is_not_moved_when_it_is_the_mark_and_a_far_mark_is_found_where
     assert [i for i, _, _ in fair.take([queue], 1)] == a  # indexes c, x, m; the mark on m
     for i in c + x:
         Job.fetch(i, connection=r, serializer=JSONSerializer).cancel()
-    look, arrived = fair._look, []
+    # the look alone, as LOOK_TAKE replies when its look found ids (here it finds none: it would take at once, and
+    # the interleaving needs another worker's take to move the mark; the look alone stands for that)
+    look, look_take, arrived = r.register_script(fair_scripts.LOOK), fair._look_take, []
 
-    def late_look(*args, **kwargs):  # jobs arrive and x is requeued between the look and the take
-        out = look(*args, **kwargs)
+    def late_look(keys, args):  # jobs arrive and x is requeued between the look and the take
+        out = [b"looked", *look(keys=[keys[0], keys[2], keys[3], keys[8]], args=args[:6])]
         arrived.extend(submit(r, 10, "u"))
         CanceledJobRegistry("rose", connection=r, serializer=JSONSerializer).requeue(x[0])
         return out
 
-    monkeypatch.setattr(fair, "_look", late_look)
+    monkeypatch.setattr(fair, "_look_take", late_look)
     assert [i for i, _, _ in fair.take([queue], 1)] == x
-    monkeypatch.setattr(fair, "_look", look)
+    monkeypatch.setattr(fair, "_look_take", look_take)
     assert [
         i.decode() for i in r.lrange(queue.key, 0, -1)
     ] == m + arrived  # m stayed the head, x removed by value
@@ -391,3 +393,29 @@ def test_an_id_whose_job_expired_leaves_the_queue(r):
     r.delete(Job.key_for(ids[1]))  # its hash expired (RQ's ttl): the id alone is left on the queue
     assert [i for i, _, _ in fair.take([queue], 2)] == ids[2:]
     assert queue.get_job_ids() == []  # dropped, as RQ's dequeue drops such ids, not indexed again
+
+
+def test_what_a_take_costs_redis_a_job(r):
+    """A take's commands: the index's membership read in one HMGET a chunk of ids (not an HEXISTS an id), the tenants set and
+    each tenant's counter written once a take (not a SADD and a ZINCRBY a job), a claim at the queue's head moved by
+    one LMOVE (not LREM + RPUSH); the counters as one ZINCRBY a claim would leave them."""
+    queue = Queue("rose", connection=r)
+    submit(r, 8, "a")
+    submit(r, 8, "b")
+    fair = taker(r)
+    r.config_resetstat()
+    taken = fair.take([queue], 10)
+    stats = r.info("commandstats")
+
+    def calls(name: str) -> int:
+        return int(stats.get(f"cmdstat_{name}", {}).get("calls", 0))
+
+    assert len(taken) == 10
+    # no mark yet: one HMGET for the scan from the tail for the newest indexed id (256 ids a chunk), one for the ids
+    # read; HEXISTS for the order's first two ids only (what an earlier version's take left)
+    assert calls("hmget") == 2 and calls("hexists") <= 2
+    assert calls("sadd") == 2 and calls("zincrby") == 0
+    # a's jobs are first in the queue: each claim of one finds it at the head; b's sit behind a's, removed by value
+    assert calls("lmove") == 5 and calls("lrem") == 5 and calls("rpush") == 16 + 5
+    prompt = fair.accounts.advances[taken[0][0]][1]  # every job's prompt: "a 0"... 3 characters
+    assert fair_queue.counters(r) == {"a": 5 * prompt, "b": 5 * prompt}
