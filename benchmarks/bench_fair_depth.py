@@ -42,6 +42,9 @@ class Accounts:
     def take_pending(self) -> dict[str, float]:
         return {}
 
+    def owe(self, charges) -> None:
+        pass
+
     def prepaid(self, job_id: str, tenant: str, tokens: float) -> None:
         pass
 

@@ -21,14 +21,14 @@ the index holds every waiting job). Else it returns each new job's data; the wor
 deadline (`placement`); then one script indexes them (unless another worker moved the mark meanwhile: it indexed the
 same ids) and claims up to `room` jobs: the deadline jobs earliest first, then one at a time the oldest job of the
 tenant with the lowest counter (a heap; the counters kept in the script, written once a tenant). A claim moves the id
-from the queue's list to RQ's intermediate list in one script, as RQ's own dequeue moves ids (LMOVE from the head; an
-id elsewhere LREM and RPUSH; one `FAR` from the head or more, found by its place in the order, has the head's id
-moved into its place instead: LREM reads every id ahead), so a crash at any point loses nothing and
-rose.worker.recovery applies unchanged; a job no longer `queued` (canceled, deleted) is dropped from the index when
-its turn comes, at the cost of one HGET; taking the mark's job moves the mark to the id before it (unless its job came
-back: below). A take pops at most `POPS` index entries per job it may take plus `EXTRA_POPS`; an index found with the
-queue empty is dropped whole. If the index is empty while the queue is not (a look that fell behind a burst), the
-queue's head is taken first come, first served.
+from the queue's list to RQ's intermediate list in one script, as RQ's own dequeue moves ids (the id first in the
+order: LMOVE from the head, moved back if another id was there; else LREM and RPUSH; one `FAR` from the head or more,
+found by its place in the order, has the head's id moved into its place instead: LREM reads every id ahead), so a
+crash at any point loses nothing and rose.worker.recovery applies unchanged; a job no longer `queued` (canceled,
+deleted) is dropped from the index when its turn comes, at the cost of one HGET; taking the mark's job moves the mark
+to the id before it (unless its job came back: below). A take pops at most `POPS` index entries per job it may take
+plus `EXTRA_POPS`; an index found with the queue empty is dropped whole. If the index is empty while the queue is not
+(a look that fell behind a burst), the queue's head is taken first come, first served.
 
 The mark's job canceled and requeued (RQ puts it at the tail and stamps its `enqueued_at` anew) leaves the jobs after
 it that no look had read before the mark. A take records the mark's job's `enqueued_at` beside it, as the look read it
@@ -44,10 +44,10 @@ pushed to the front beyond the head's window are read a window at a time, each w
 Counters: a claim charges the job's tenant its prompt's expected tokens at once, as VTC does at admission (so that
 workers taking at the same moment see each other's picks), and a take spreads its picks by each job's whole expected
 cost (`expected_tokens`); the worker settles each job as it is served (rose.worker.tenants: the tokens beyond the
-advance, a refund of what it did not use) and each take first adds what the worker owes
-(`Accounts.take_pending`). VTC's lift: a tenant whose list was empty when one of its jobs is indexed has its counter
-raised to the lowest counter among the tenants with waiting jobs in this queue (to the highest of all when none
-waits), so the service it did not ask for while idle is no credit later.
+advance, a refund of what it did not use) and each take first adds what the worker owes (`Accounts.take_pending`;
+owed again when the take's first script fails: `Accounts.owe`). VTC's lift: a tenant whose list was empty when one
+of its jobs is indexed has its counter raised to the lowest counter among the tenants with waiting jobs in this queue
+(to the highest of all when none waits), so the service it did not ask for while idle is no credit later.
 """
 
 from __future__ import annotations
@@ -162,6 +162,10 @@ class Accounts(Protocol):
         """The charges not yet added to the counters (tokens / weight, by tenant), handed over."""
         ...
 
+    def owe(self, charges: Mapping[str, float]) -> None:
+        """Charges handed over (`take_pending`) that no script added: owed again, added by a later take."""
+        ...
+
     def prepaid(self, job_id: str, tenant: str, tokens: float) -> None:
         """A job taken whose tenant was charged `tokens` in advance (settled as it is served)."""
         ...
@@ -224,7 +228,8 @@ class FairQueue:
             keys.fair_key(name, "order"),
             keys.fair_key(name, "mark_enqueued"),
         ]
-        # handed over before the first script, which may take: a Redis error there drops them (counted at most once)
+        # handed over before the first script, which may take: owed again if it fails (an outage must not lose them;
+        # counted twice only if it ran and its reply was lost). The second script's error drops them (at most once)
         pending = self.accounts.take_pending()
         charges = [x for tenant, amount in pending.items() for x in (tenant, repr(float(amount)))]
 
@@ -251,7 +256,11 @@ class FairQueue:
             ]
 
         look_args = [LOOK_LIMIT, HEAD, prefix, SCAN_BACK, MARK_NEAR, rq_store.JOB_ENQUEUED_FIELD]
-        reply = self._look_take(keys=script_keys, args=[*look_args, *take_args("", "", "", [])])
+        try:
+            reply = self._look_take(keys=script_keys, args=[*look_args, *take_args("", "", "", [])])
+        except Exception:
+            self.accounts.owe(pending)
+            raise
         if decoded(reply[0]) == "took":
             return reply[1:]
         expected, newest, stamp, found = decoded(reply[1]), decoded(reply[2]), decoded(reply[3]), reply[4:]

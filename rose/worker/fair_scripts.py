@@ -1,6 +1,7 @@
 """The Lua scripts of the fair intake (rose.worker.fair_queue, whose docstring states the policy and the keys):
-`LOOK` reads what a queue holds past the index's mark, `TAKE` indexes it and claims jobs, `CHARGE` adds to the
-fleet's counters. Each runs atomically in Redis."""
+`LOOK` reads what a queue holds past the index's mark, `TAKE` indexes it and claims jobs, `LOOK_TAKE` looks and,
+finding nothing new, takes in the same script (a take's first script); `CHARGE` adds to the fleet's counters. Each
+runs atomically in Redis."""
 
 # The mark's record, read by both scripts: "<id>|<its job's enqueued_at as a look read it>" (TAKE's set_mark; with
 # no mark, "|<the last one's stamp>"). Against the mark `id` ('' for none): the stamp it holds and whether the mark's
@@ -71,7 +72,8 @@ local tail = redis.call('LRANGE', KEYS[1], start, start + limit - 1)
 local newest = tail[#tail]
 local out = {mark or '', newest or '', newest and redis.call('HGET', ARGV[3] .. newest, ARGV[6]) or ''}
 local seen = {}
--- the ids not in the index, with their data: one HMGET tells which are in it (a call a look, not one an id)
+-- the ids not in the index, with their data: one HMGET tells which are in it (a call for the tail, one for the
+-- head's window; not one an id)
 local function add(ids, from, to, step, front)
   if #ids == 0 then return end
   local known = redis.call('HMGET', KEYS[3], unpack(ids))
@@ -105,7 +107,8 @@ return out
 _TAKE = """
 local queue, prefix, counters, FAR = KEYS[1], ARGV[1], KEYS[7], tonumber(ARGV[10])
 -- the counters this take read or charged, kept here and written once a tenant at its end (`charged`): a claim adds
--- as ZINCRBY would (the same doubles), without a call a job
+-- as ZINCRBY would (the same doubles), without a call a job. Nothing may read the counters from Redis once a claim
+-- charged one (lift's ZREVRANGE runs while indexing, before any claim)
 local known, charged = {}, {}
 local function counter(t)
   if known[t] == nil then known[t] = tonumber(redis.call('ZSCORE', counters, t) or '0') end
@@ -349,7 +352,7 @@ LOOK, TAKE = _MARK_RECORD + _LOOK, _MARK_RECORD + _TAKE
 
 
 def _function(name: str, body: str) -> str:
-    """A script's `body` (it reads KEYS and ARGV) as the Lua function `name(KEYS, ARGV)`, for a script that runs it."""
+    """A script's `body` (it reads KEYS and ARGV) as the Lua function `name(KEYS, ARGV)` another script calls."""
     return f"local function {name}(KEYS, ARGV)\n{body}end\n"
 
 

@@ -166,6 +166,10 @@ class Tenants:
         self.pending.clear()
         return pending
 
+    def owe(self, charges: Mapping[str, float]) -> None:
+        for tenant, amount in charges.items():
+            self.pending[tenant] += amount
+
     # ---- Redis -----------------------------------------------------------------------------------------------
 
     def flush(self, conn: Redis, now: float | None = None) -> None:

@@ -7,15 +7,21 @@ from __future__ import annotations
 import time
 
 import pytest
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 from rq import Queue
 from rq.job import Job
 from rq.registry import CanceledJobRegistry
 from rq.serializers import JSONSerializer
 
+from rose.harness.redis_server import free_port
 from rose.jobs import keys
 from rose.jobs.client import Client
 from rose.worker import fair_queue, fair_scripts
 from rose.worker.fair_queue import FairQueue, placement
+from rose.worker.metrics import WorkerMetrics
+from rose.worker.tenants import Tenants
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -42,6 +48,9 @@ class Accounts:
 
     def take_pending(self) -> dict[str, float]:
         return {}
+
+    def owe(self, charges) -> None:
+        pass
 
     def prepaid(self, job_id: str, tenant: str, tokens: float) -> None:
         self.advances[job_id] = (tenant, tokens)
@@ -276,8 +285,8 @@ def test_the_head_is_not_moved_when_it_is_the_mark_and_a_far_mark_is_found_where
     assert [i for i, _, _ in fair.take([queue], 1)] == a  # indexes c, x, m; the mark on m
     for i in c + x:
         Job.fetch(i, connection=r, serializer=JSONSerializer).cancel()
-    # the look alone, as LOOK_TAKE replies when its look found ids (here it finds none: it would take at once, and
-    # the interleaving needs another worker's take to move the mark; the look alone stands for that)
+    # the look alone, as LOOK_TAKE replies when its look finds ids: stands for a take whose look found ids that
+    # another worker indexed meanwhile (its TAKE indexes none; here the look finds none and would take at once)
     look, look_take, arrived = r.register_script(fair_scripts.LOOK), fair._look_take, []
 
     def late_look(keys, args):  # jobs arrive and x is requeued between the look and the take
@@ -396,13 +405,17 @@ def test_an_id_whose_job_expired_leaves_the_queue(r):
 
 
 def test_what_a_take_costs_redis_a_job(r):
-    """A take's commands: the index's membership read in one HMGET a chunk of ids (not an HEXISTS an id), the tenants set and
-    each tenant's counter written once a take (not a SADD and a ZINCRBY a job), a claim at the queue's head moved by
-    one LMOVE (not LREM + RPUSH); the counters as one ZINCRBY a claim would leave them."""
+    """A take's commands: the index's membership read in one HMGET a chunk of ids (not an HEXISTS an id), the
+    tenants set and each tenant's counter written once a take (not a SADD and a ZINCRBY a job), a claim at the queue's
+    head moved by one LMOVE (not LREM + RPUSH); the counters exactly as one ZINCRBY a claim would leave them."""
     queue = Queue("rose", connection=r)
     submit(r, 8, "a")
     submit(r, 8, "b")
-    fair = taker(r)
+    weights = {"a": 0.3, "b": 0.3}
+    fair_queue.charge(
+        r, {"a": 0.1, "b": 0.1}
+    )  # from 0.1, five additions of 0.8 / 0.3 differ from one of five times it
+    fair = taker(r, weights)
     r.config_resetstat()
     taken = fair.take([queue], 10)
     stats = r.info("commandstats")
@@ -417,5 +430,22 @@ def test_what_a_take_costs_redis_a_job(r):
     assert calls("sadd") == 2 and calls("zincrby") == 0
     # a's jobs are first in the queue: each claim of one finds it at the head; b's sit behind a's, removed by value
     assert calls("lmove") == 5 and calls("lrem") == 5 and calls("rpush") == 16 + 5
-    prompt = fair.accounts.advances[taken[0][0]][1]  # every job's prompt: "a 0"... 3 characters
-    assert fair_queue.counters(r) == {"a": 5 * prompt, "b": 5 * prompt}
+    prompt = fair.accounts.advances[taken[0][0]][1]  # every job's prompt: "a 0"... 3 characters, 0.8 tokens
+    counter = 0.1
+    for _ in range(5):
+        counter += prompt / 0.3
+    assert counter != 0.1 + 5 * (prompt / 0.3)
+    assert fair_queue.counters(r) == {"a": counter, "b": counter}
+
+
+def test_charges_handed_over_are_owed_again_when_the_take_cannot_reach_redis():
+    """An outage: the take's first script never runs, so the worker's charges (here a refund and a charge) stay owed
+    and the next take adds them (a failure that dropped them would leave those tenants' counters short for good)."""
+    metrics = WorkerMetrics(name="w", model="fake", device="cpu", dtype="", queues=["rose"], version="test")
+    accounts = Tenants({}, metrics)
+    accounts.pending.update({"a": 5.0, "b": -1.5})
+    dead = redis.Redis(port=free_port(), socket_connect_timeout=0.2, retry=Retry(NoBackoff(), 0))
+    fair = FairQueue(dead, JSONSerializer, {}, accounts)
+    with pytest.raises(redis.ConnectionError):
+        fair.take([Queue("rose", connection=dead)], 1)
+    assert accounts.take_pending() == {"a": 5.0, "b": -1.5}
