@@ -14,9 +14,9 @@ from typing import Any
 from rq.job import Job as RQJob
 
 from rose.jobs import keys
-from rose.jobs.client import POLL_S, Client, Job, JobCanceled, JobFailed, StreamReset, reset_point
+from rose.jobs.client import Client, Job, JobFailed
 from rose.jobs.connection import connect_async
-from rose.jobs.events import TERMINAL_TYPES, parse_entry
+from rose.jobs.stream_reader import POLL_S, Cursor, TextDeltas
 
 __all__ = ["AsyncClient", "AsyncJob"]
 
@@ -32,43 +32,25 @@ class AsyncJob:
     async def events(self, timeout: float | None = None) -> AsyncIterator[Any]:
         r = self.client.redis
         stream = keys.stream_key(self.id)
-        stored = await r.xrange(stream)
-        last_id: Any = stored[-1][0] if stored else "0"
-        pending = stored[reset_point(stored) :]
-        quiet_since = time.monotonic()
-        quiet_polls = 0
+        cursor = Cursor(self.id, timeout)
+        events = cursor.stored(await r.xrange(stream))
         while True:
-            for _, fields in pending:
-                event = parse_entry(fields, self.id)
+            for event in events:
                 yield event
-                if event.type in TERMINAL_TYPES:
-                    return
-            if pending:
-                quiet_since = time.monotonic()
-                quiet_polls = 0
-            reply = await r.xread({stream: last_id}, block=int(POLL_S * 1000), count=1000)
-            pending = reply[0][1] if reply else []
-            if pending:
-                last_id = pending[-1][0]
-                continue
-            quiet_polls += 1
-            await asyncio.to_thread(self._sync.raise_if_ended_silently, quiet_polls)
-            if timeout is not None and time.monotonic() - quiet_since > timeout:
-                raise TimeoutError(f"no event from job {self.id} for {timeout} s")
+            if cursor.ended:
+                return
+            events = cursor.read(
+                await r.xread({stream: cursor.last_id}, block=int(POLL_S * 1000), count=1000)
+            )
+            if not events:
+                await asyncio.to_thread(self._sync.raise_if_ended_silently, cursor.quiet())
+                cursor.check_timeout()
 
     async def stream(self, timeout: float | None = None) -> AsyncIterator[str]:
-        text: list[str] = []
+        deltas = TextDeltas(self.id)
         async for event in self.events(timeout=timeout):
-            if event.type == "token" and not event.index:  # the first choice's (n > 1: events() has them all)
-                text.append(event.text)
-                yield event.text
-            elif event.type == "reset":
-                if text:
-                    raise StreamReset(self.id, "".join(text))
-            elif event.type == "error":
-                raise JobFailed(self.id, event.message)
-            elif event.type == "canceled":
-                raise JobCanceled(self.id, event.reason)
+            if (text := deltas.delta(event)) is not None:
+                yield text
 
     async def result(self, timeout: float | None = None) -> dict[str, Any]:
         deadline = None if timeout is None else time.monotonic() + timeout

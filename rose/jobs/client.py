@@ -21,8 +21,9 @@ from rq.serializers import JSONSerializer
 from rose.jobs import gather, keys
 from rose.jobs.connection import connect
 from rose.jobs.errors import InvalidRequest, JobCanceled, JobFailed, StreamReset
-from rose.jobs.events import TERMINAL_TYPES, CanceledEvent, entry_dict, parse_entry
+from rose.jobs.events import CanceledEvent
 from rose.jobs.schemas import GenerateRequest, ValidationError, format_validation_error
+from rose.jobs.stream_reader import POLL_S, Cursor, TextDeltas
 
 __all__ = ["Client", "InvalidRequest", "Job", "JobCanceled", "JobFailed", "StreamReset"]
 
@@ -43,7 +44,6 @@ _RQ_OPTIONS = (
     "on_stopped",
 )
 _ENDED = {JobStatus.FAILED, JobStatus.CANCELED, JobStatus.STOPPED}
-POLL_S = 1.0  # seconds a stream read blocks (the async client shares it)
 _SILENT_POLLS = 3
 
 
@@ -75,15 +75,6 @@ def _failure_message(job: RQJob) -> str:
     return "no failure message stored"
 
 
-def reset_point(entries: list[tuple[Any, dict]]) -> int:
-    """Index just after the last reset among already stored entries: earlier attempts are superseded."""
-    start = 0
-    for i, (_, fields) in enumerate(entries):
-        if entry_dict(fields).get("type") == "reset":
-            start = i + 1
-    return start
-
-
 class Job:
     """Handle on one submitted job."""
 
@@ -109,31 +100,17 @@ class Job:
         """
         r = self.client.redis
         stream = keys.stream_key(self.id)
-        stored = r.xrange(stream)
-        last_id: Any = stored[-1][0] if stored else "0"
-        pending = stored[reset_point(stored) :]
-        quiet_since = time.monotonic()
-        quiet_polls = 0
+        cursor = Cursor(self.id, timeout)
+        events = cursor.stored(r.xrange(stream))
         while True:
-            for _, fields in pending:
-                event = parse_entry(fields, self.id)
-                yield event
-                if event.type in TERMINAL_TYPES:
-                    return
-            if pending:
-                quiet_since = time.monotonic()
-                quiet_polls = 0
-            reply = r.xread({stream: last_id}, block=int(POLL_S * 1000), count=1000)
-            pending = reply[0][1] if reply else []
-            if pending:
-                last_id = pending[-1][0]
-                continue
-            # Nothing new: a job that ended without reaching the worker (canceled while queued...) has no
-            # terminal event, so look at its status too.
-            quiet_polls += 1
-            self.raise_if_ended_silently(quiet_polls)
-            if timeout is not None and time.monotonic() - quiet_since > timeout:
-                raise TimeoutError(f"no event from job {self.id} for {timeout} s")
+            yield from events
+            if cursor.ended:
+                return
+            events = cursor.read(r.xread({stream: cursor.last_id}, block=int(POLL_S * 1000), count=1000))
+            if not events:
+                # a job that ended without reaching the worker (canceled while queued...) has no terminal event
+                self.raise_if_ended_silently(cursor.quiet())
+                cursor.check_timeout()
 
     def raise_if_ended_silently(self, quiet_polls: int) -> None:
         """Called after each quiet poll. The worker publishes the terminal event right after ending the job, so
@@ -154,18 +131,10 @@ class Job:
 
         Raises JobFailed / JobCanceled if the job ends that way, StreamReset if it restarts mid-stream.
         """
-        text: list[str] = []
+        deltas = TextDeltas(self.id)
         for event in self.events(timeout=timeout):
-            if event.type == "token" and not event.index:  # the first choice's (n > 1: events() has them all)
-                text.append(event.text)
-                yield event.text
-            elif event.type == "reset":
-                if text:
-                    raise StreamReset(self.id, "".join(text))
-            elif event.type == "error":
-                raise JobFailed(self.id, event.message)
-            elif event.type == "canceled":
-                raise JobCanceled(self.id, event.reason)
+            if (text := deltas.delta(event)) is not None:
+                yield text
 
     def result(self, timeout: float | None = None) -> dict[str, Any]:
         """Wait for the job to end: its result dict, or JobFailed / JobCanceled; TimeoutError after `timeout` s."""

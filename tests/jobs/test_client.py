@@ -10,7 +10,7 @@ from rq.serializers import JSONSerializer
 
 from rose.jobs import keys
 from rose.jobs.async_client import AsyncClient
-from rose.jobs.client import Client, InvalidRequest, JobCanceled, JobFailed, StreamReset, reset_point
+from rose.jobs.client import Client, InvalidRequest, JobCanceled, JobFailed, StreamReset
 from rose.jobs.events import (
     TOKEN_ENTRY_FIELDS,
     DoneEvent,
@@ -21,6 +21,7 @@ from rose.jobs.events import (
     token_entry,
 )
 from rose.jobs.schemas import ValidationError
+from rose.jobs.stream_reader import reset_point
 
 
 @pytest.fixture
