@@ -6,6 +6,7 @@ Every flag can also be set with its `ROSE_*` environment variable; flags win.
 from __future__ import annotations
 
 import argparse
+import itertools
 import logging
 import signal
 import sys
@@ -134,7 +135,38 @@ def connect(url: str) -> redis.Redis:
             file=sys.stderr,
         )
         raise SystemExit(2) from None
+    problem = server_version_problem(conn)
+    if problem is not None:
+        print(f"rose-worker: Redis at {redact_url(url)} {problem}", file=sys.stderr)
+        raise SystemExit(2)
     return conn
+
+
+# LMOVE / BLMOVE (rq_start, fair_scripts: RQ itself moves ids so from 6.2 on, LPOP before), LPOS, COPY
+MIN_REDIS = (6, 2)
+
+
+def server_version_problem(conn: redis.Redis) -> str | None:
+    """Why this worker cannot serve from the server `conn` reaches (one it names older than `MIN_REDIS`), or None.
+    A server that will not say (INFO refused) is given the benefit of the doubt."""
+    try:
+        reported = str(conn.info("server").get("redis_version", ""))
+    except redis.ResponseError:
+        log.debug("INFO server refused: the Redis version is not checked", exc_info=True)
+        return None
+    parts = []
+    for part in reported.split(".")[:2]:
+        digits = "".join(itertools.takewhile(str.isdigit, part))
+        if not digits:
+            return None  # not a version this can read
+        parts.append(int(digits))
+    if tuple(parts) >= MIN_REDIS:
+        return None
+    need = ".".join(map(str, MIN_REDIS))
+    return (
+        f"runs version {reported}; rose-worker needs Redis {need} or newer (it moves jobs with LMOVE and BLMOVE, "
+        "as RQ does from 6.2 on)"
+    )
 
 
 def build_engine(settings: WorkerSettings) -> Engine:

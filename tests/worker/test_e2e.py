@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socketserver
 import subprocess
 import sys
 import threading
@@ -261,6 +262,56 @@ def test_wrong_redis_password_is_one_clear_line_and_exit_2(server):
     assert len(lines) == 1, proc.stderr
     assert "cannot reach Redis" in lines[0] and "wrong" not in lines[0]  # the password is redacted
     assert "invalid username-password pair" in lines[0]
+
+
+class _OldRedis(socketserver.StreamRequestHandler):
+    """A server that answers as a Redis 6.0 would at a client's start: HELLO, PING, INFO server, CLIENT."""
+
+    def handle(self) -> None:
+        while line := self.rfile.readline():
+            args = [self.rfile.read(int(self.rfile.readline()[1:]) + 2)[:-2] for _ in range(int(line[1:]))]
+            command = args[0].upper()
+            if command == b"PING":
+                self.wfile.write(b"+PONG\r\n")
+            elif command == b"INFO":
+                body = b"# Server\r\nredis_version:6.0.16\r\nredis_mode:standalone\r\n"
+                self.wfile.write(b"$%d\r\n%s\r\n" % (len(body), body))
+            elif command == b"HELLO":  # RESP3, as redis-py asks for it
+                hello = [
+                    b"server",
+                    b"redis",
+                    b"version",
+                    b"6.0.16",
+                    b"mode",
+                    b"standalone",
+                    b"role",
+                    b"master",
+                ]
+                self.wfile.write(b"%%%d\r\n" % (len(hello) // 2 + 1))
+                self.wfile.write(
+                    b"".join(b"$%d\r\n%s\r\n" % (len(x), x) for x in hello) + b"$5\r\nproto\r\n:3\r\n"
+                )
+            elif command in (b"CLIENT", b"AUTH", b"SELECT"):
+                self.wfile.write(b"+OK\r\n")
+            else:
+                self.wfile.write(b"-ERR unknown command '%s'\r\n" % args[0])
+
+
+def test_a_redis_older_than_6_2_is_refused_at_start_in_one_line():
+    """RQ moves ids with LMOVE from Redis 6.2 on, and so does every take of rose-worker: an older server is named
+    at start, before the model is loaded, not found out by the first take's script."""
+    with socketserver.ThreadingTCPServer(("127.0.0.1", 0), _OldRedis) as old:
+        threading.Thread(target=old.serve_forever, daemon=True).start()
+        url = f"redis://u:hunter2@127.0.0.1:{old.server_address[1]}/0"
+        proc = subprocess.run(
+            [*worker_process.worker_command(), "--redis-url", url], capture_output=True, text=True, timeout=60
+        )
+        old.shutdown()
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert "runs version 6.0.16; rose-worker needs Redis 6.2 or newer" in lines[0], lines[0]
+    assert "u:***@127.0.0.1" in lines[0] and "hunter2" not in lines[0]
 
 
 def test_dead_workers_jobs_are_requeued_by_another_worker_after_heartbeat_lapse(server, spawn):
