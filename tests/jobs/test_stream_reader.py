@@ -72,7 +72,9 @@ def test_text_deltas_are_the_first_choices_and_an_end_other_than_done_raises():
     error = Cursor("j").read([("s", [("5-0", event('{"type":"error","seq":0,"message":"boom"}'))])])[0]
     with pytest.raises(JobFailed, match="boom"):
         TextDeltas("j").delta(error)
-    canceled = Cursor("j").read([("s", [("6-0", event('{"type":"canceled","seq":0,"reason":"stopped"}'))])])[0]
+    canceled = Cursor("j").read([("s", [("6-0", event('{"type":"canceled","seq":0,"reason":"stopped"}'))])])[
+        0
+    ]
     with pytest.raises(JobCanceled, match="stopped"):
         TextDeltas("j").delta(canceled)
     assert TextDeltas("j").delta(Cursor("j").read([("s", [("7-0", reset)])])[0]) is None  # no text given yet
