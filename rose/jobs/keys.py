@@ -19,6 +19,8 @@ FAIR_PREFIX = (
 # Jobs whose end is stored in RQ but whose terminal event may not be in their stream yet: job id -> worker name
 # (rose.worker.seal). Normally empty but for the jobs ending this instant.
 SEALS_KEY = "rose:seals"
+# never written: a `SET ... XX` on it changes nothing, and is refused while Redis is full (rose.worker.redis_guard)
+OOM_PROBE_KEY = "rose:oom-probe"
 
 # a stream entry holds an event's JSON in this field, or a plain token event as its own fields (rose.jobs.events)
 STREAM_FIELD = "event"

@@ -6,7 +6,6 @@ Every flag can also be set with its `ROSE_*` environment variable; flags win.
 from __future__ import annotations
 
 import argparse
-import itertools
 import logging
 import signal
 import sys
@@ -20,6 +19,7 @@ from rose.config.extras import missing_engine
 from rose.config.parser import Parser
 from rose.engine.tool_calls import TOOL_PARSERS
 from rose.jobs import connection
+from rose.worker import server_checks
 from rose.worker.logs import setup_logging
 
 if TYPE_CHECKING:
@@ -115,8 +115,9 @@ def load_settings(argv: list[str] | None = None) -> tuple[WorkerSettings, argpar
 
 
 def connect(url: str) -> redis.Redis:
-    """A client for `url`, checked with PING. On failure (unreachable, wrong password, bad URL) prints one line to
-    stderr and raises SystemExit(2), the exit code of every start-up error."""
+    """A client for `url`, checked with PING and INFO (rose.worker.server_checks). On failure (unreachable, wrong
+    password, bad URL, a Redis too old) prints one line to stderr and raises SystemExit(2), the exit code of every
+    start-up error; a server that may evict RQ's keys is a warning in the log."""
     try:
         conn = connection.connect(url, socket_connect_timeout=5, health_check_interval=30)
         conn.ping()
@@ -135,38 +136,15 @@ def connect(url: str) -> redis.Redis:
             file=sys.stderr,
         )
         raise SystemExit(2) from None
-    problem = server_version_problem(conn)
+    info = server_checks.server_info(conn)
+    problem = server_checks.version_problem(info)
     if problem is not None:
         print(f"rose-worker: Redis at {redact_url(url)} {problem}", file=sys.stderr)
         raise SystemExit(2)
+    warning = server_checks.eviction_warning(info)
+    if warning is not None:
+        log.warning("Redis at %s %s", redact_url(url), warning)
     return conn
-
-
-# LMOVE / BLMOVE (rq_start, fair_scripts: RQ itself moves ids so from 6.2 on, LPOP before), LPOS, COPY
-MIN_REDIS = (6, 2)
-
-
-def server_version_problem(conn: redis.Redis) -> str | None:
-    """Why this worker cannot serve from the server `conn` reaches (one it names older than `MIN_REDIS`), or None.
-    A server that will not say (INFO refused) is given the benefit of the doubt."""
-    try:
-        reported = str(conn.info("server").get("redis_version", ""))
-    except redis.ResponseError:
-        log.debug("INFO server refused: the Redis version is not checked", exc_info=True)
-        return None
-    parts = []
-    for part in reported.split(".")[:2]:
-        digits = "".join(itertools.takewhile(str.isdigit, part))
-        if not digits:
-            return None  # not a version this can read
-        parts.append(int(digits))
-    if tuple(parts) >= MIN_REDIS:
-        return None
-    need = ".".join(map(str, MIN_REDIS))
-    return (
-        f"runs version {reported}; rose-worker needs Redis {need} or newer (it moves jobs with LMOVE and BLMOVE, "
-        "as RQ does from 6.2 on)"
-    )
 
 
 def build_engine(settings: WorkerSettings) -> Engine:

@@ -391,13 +391,19 @@ class JobLoop:
         worker reconciles."""
         self.outbox.flush()
         publisher = self.outbox.publisher
-        dropped = publisher.take_dropped()
+        dropped, full = publisher.take_dropped()
         if publisher.lost:
             publisher.lost = False
             self.resync("redis lost events")
             self._reconcile = True
-        elif dropped:
+        elif dropped or full:
             for job_id in dropped:
                 if (run := self.running.get(job_id)) is not None:
                     self.outbox.refused(run)
+            for job_id in full - dropped:  # refused while Redis was full: not held against the job
+                if (run := self.running.get(job_id)) is not None:
+                    self.outbox.resync(run, "redis was full")
             self._reconcile = True  # an ended job's terminal event may be among them: its stream is repaired
+        else:
+            return
+        self.outbox.flush()  # the streams started over are handed on: no job counts as delivered before them

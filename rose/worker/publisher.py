@@ -16,11 +16,14 @@ broke is a no-op the second time: subscribers see every seq exactly once, withou
 a job's result only once its token events are, rose.worker.loop).
 
 Two things make the publisher's view of Redis wrong, and it reports both rather than hide them:
-- events Redis refused (a key of the wrong type; a whole batch, out of memory) are dropped, not retried forever:
+- events Redis refused (a key of the wrong type; a whole batch, a bug) are dropped, not retried forever:
   `take_dropped()` names their jobs, for the loop to repair their streams at once;
 - writes Redis acknowledged and then lost (a failover to a replica that had not received them, a restart without
   persistence): a batch comes after a gap in the counter. It is applied all the same and `lost` is set, for the
   loop to restart the streams of the jobs it holds (rose.worker.outbox `resync`).
+A batch a full Redis refused (`maxmemory`) wrote nothing (a script's first write is refused): `take_dropped()` names
+its jobs apart, whose streams start over as often as it takes (a refusal for good gives up on a job's stream), and
+the gap it leaves in the counter is not a loss.
 
 Used by the engine loop's thread only (not thread-safe).
 
@@ -40,6 +43,7 @@ from typing import Any
 
 import redis
 from redis.backoff import NoBackoff
+from redis.exceptions import OutOfMemoryError
 from redis.retry import Retry
 
 from rose.jobs import keys
@@ -144,9 +148,12 @@ class Publisher:
         self._backoff = 0.05
         self._down_since: float | None = None  # monotonic time of the first failure of an outage
         self._logged_at = 0.0
+        self._full_logged_at = -LOG_EVERY_S  # refusals for memory: logged once in a while
+        self._refused_for_memory = False  # since the last batch written: the counter's next gap is explained
         self._counter_key = f"rose:publisher:{uuid.uuid4().hex}"
         self._batch_no = 0
         self._dropped: set[str] = set()
+        self._full: set[str] = set()  # in batches a full Redis refused
         self.acked = 0  # number of the last batch Redis answered (applied, or refused and dropped)
         self.sent_events = 0  # events acknowledged by Redis
         self.lost = False  # Redis lost writes it had acknowledged (set here, cleared by the reader)
@@ -168,10 +175,11 @@ class Publisher:
         self._unacked.append(self._pack([]))
         self._pump()
 
-    def take_dropped(self) -> set[str]:
-        """The jobs whose events were in batches Redis refused since the last call."""
-        dropped, self._dropped = self._dropped, set()
-        return dropped
+    def take_dropped(self) -> tuple[set[str], set[str]]:
+        """The jobs whose events were in batches Redis refused since the last call: (for good, for memory)."""
+        dropped, full = self._dropped, self._full
+        self._dropped, self._full = set(), set()
+        return dropped, full
 
     def poll(self) -> None:
         """Collect replies; after a connection error, send the unacknowledged batches again once the backoff ends."""
@@ -277,11 +285,22 @@ class Publisher:
         batch = self._unacked[0]
         try:
             reply = conn.read_response()
-        except redis.ResponseError:
-            # The whole batch refused (out of memory, a bug): sending it again would fail forever. The loop repairs
-            # these jobs' streams; the counter did not move, so the next batch reports a loss too.
-            log.exception("publisher: Redis refused %d events; dropping them", len(batch.job_ids))
-            self._dropped.update(batch.job_ids)
+        except redis.ResponseError as exc:
+            # The whole batch refused: the counter did not move, so the next batch reports a loss too
+            if isinstance(
+                exc, OutOfMemoryError
+            ):  # transient: these jobs' streams start over (`take_dropped`)
+                self._refused_for_memory = True
+                self._full.update(batch.job_ids)
+                if (now := time.monotonic()) - self._full_logged_at >= LOG_EVERY_S:
+                    self._full_logged_at = now
+                    log.error(
+                        "publisher: Redis is full (maxmemory) and refuses events (%s); streams start over",
+                        exc,
+                    )
+            else:  # a bug: sending it again would fail forever; the loop repairs these jobs' streams
+                log.exception("publisher: Redis refused %d events; dropping them", len(batch.job_ids))
+                self._dropped.update(batch.job_ids)
         else:
             if self._down_since is not None:
                 log.warning(
@@ -298,12 +317,13 @@ class Publisher:
                     _text(reply[1]),
                 )
                 self._dropped.update(refused)
-            if code == APPLIED_AFTER_LOSS:
+            if code == APPLIED_AFTER_LOSS and not self._refused_for_memory:
                 log.error(
                     "publisher: Redis lost event batches it had acknowledged (a failover, or a restart without "
                     "persistence); the streams of running jobs start over"
                 )
                 self.lost = True
+            self._refused_for_memory = False  # a batch written: a gap before it was the refused batches'
         self._unacked.popleft()
         self._sent -= 1
         self.acked = batch.number

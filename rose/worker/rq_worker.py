@@ -26,6 +26,8 @@ from rq.timeouts import TimerDeathPenalty, UnixSignalDeathPenalty
 from rq.utils import now
 from rq.worker import BaseWorker, WorkerStatus
 
+from rose.worker.redis_guard import REDIS_ERRORS
+
 log = logging.getLogger(__name__)
 
 PUBSUB_RETRY_S = 0.1  # while Redis is unreachable the command channel is reconnected this often
@@ -218,7 +220,7 @@ class RQWorker(BaseWorker):
         """Unregister (its death recorded, as RQ does), stop listening, stop the scheduler it started."""
         try:
             self.register_death()
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
+        except REDIS_ERRORS as exc:
             log.error("could not register the worker's death (%s); its key will lapse on its own", exc)
         self.unsubscribe()
         if self.scheduler is not None:

@@ -40,6 +40,7 @@ from rose.worker.running import Running
 log = logging.getLogger(__name__)
 
 IDLE_BLOCK_S = 1  # longest blocking dequeue: bounds how late a signal, heartbeat or recovery scan can be
+FULL_RECONCILE_EVERY_S = 1.0  # while Redis is full (maxmemory), the most often the worker reconciles
 
 
 class NameInUse(RuntimeError):
@@ -88,6 +89,8 @@ class RoseWorker:
         self._next_heartbeat = 0.0
         self._next_recovery = 0.0
         self._reconciled_outages = 0  # the guard's outage count at the last reconciliation
+        self._reconcile_owed = False  # an outage, or events refused or lost, not reconciled yet
+        self._next_reconcile = 0.0  # while Redis is full: the next reconciliation, at the earliest
         self.started_at = time.time()
         self.metrics_server: metrics.HealthServer | None = None
         self.loop_beat = time.monotonic()  # each loop iteration: /health's liveness
@@ -283,7 +286,11 @@ class RoseWorker:
         done = self.jobs.iterate(
             taking=not self.draining and not self.rq.suspended, block_s=IDLE_BLOCK_S if block else 0.0
         )
-        if done.reconcile or (self.guard.ok and self.guard.outages != self._reconciled_outages):
+        self._reconcile_owed |= done.reconcile or (
+            self.guard.ok and self.guard.outages != self._reconciled_outages
+        )
+        # a Redis at its memory limit refuses some writes each iteration: reconciled once a second at most then
+        if self._reconcile_owed and (not self.guard.full or time.monotonic() >= self._next_reconcile):
             self._reconcile()
         if not self.engine.has_unfinished():
             self.guard.pause()  # while Redis is down, an idle loop would spin
@@ -298,8 +305,11 @@ class RoseWorker:
         again: recovery requeues it), seal markers of jobs it no longer holds (their streams repaired), and its
         publisher's batch counter (lost events: every held job's stream starts over, rose.worker.loop)."""
         self._reconciled_outages = self.guard.outages
+        self._reconcile_owed = False
+        self._next_reconcile = time.monotonic() + FULL_RECONCILE_EVERY_S
         self.metrics.reconciliations.inc()
-        log.warning("worker %s: reconciling its jobs and streams with Redis", self.name)
+        level = logging.DEBUG if self.guard.full else logging.WARNING  # full: the guard's lines say it
+        log.log(level, "worker %s: reconciling its jobs and streams with Redis", self.name)
         self._next_heartbeat = 0.0
         self.jobs.watch.check_all()
         if not self.draining:

@@ -314,6 +314,22 @@ def test_a_redis_older_than_6_2_is_refused_at_start_in_one_line():
     assert "u:***@127.0.0.1" in lines[0] and "hunter2" not in lines[0]
 
 
+def test_a_redis_that_evicts_keys_when_full_is_a_warning_at_start(server):
+    r = server.client()
+    r.config_set("maxmemory", "512mb")
+    r.config_set("maxmemory-policy", "allkeys-lru")
+    proc = subprocess.run(
+        [*worker_process.worker_command(), "--redis-url", server.url, "--burst"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    warning = [line for line in proc.stderr.splitlines() if "evicts keys when full" in line]
+    assert len(warning) == 1 and "WARNING" in warning[0], proc.stderr
+    assert "(maxmemory 512.00M, maxmemory-policy allkeys-lru)" in warning[0]
+
+
 def test_dead_workers_jobs_are_requeued_by_another_worker_after_heartbeat_lapse(server, spawn):
     r = server.client()
     client = Client(r)

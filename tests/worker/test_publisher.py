@@ -164,8 +164,31 @@ def test_a_refused_batch_is_dropped_not_retried(r, caplog):
     assert pub.flush(timeout=5)
     assert seqs(r, "a") == [0, 1]
     assert "refused" in caplog.text
-    assert pub.take_dropped() == {"x"} and pub.take_dropped() == set()  # the loop repairs its stream
+    assert pub.take_dropped() == ({"x"}, set()) and pub.take_dropped() == (
+        set(),
+        set(),
+    )  # the loop repairs it
     assert pub.acked == 3 and not pub.lost
+
+
+def test_a_batch_a_full_redis_refused_is_named_apart_and_its_gap_is_no_loss(r, caplog):
+    pub = Publisher(r)
+    pub.send([ev("a", 0)])
+    assert pub.flush(timeout=5)
+    r.config_set("maxmemory-policy", "noeviction")
+    r.config_set("maxmemory", 1)  # below what Redis holds: every write refused
+    try:
+        pub.send([ev("a", 1), ev("b", 0)])
+        pub.send([ev("a", 2)])
+        assert pub.flush(timeout=5)
+    finally:
+        r.config_set("maxmemory", 0)
+    assert pub.take_dropped() == (set(), {"a", "b"})  # their streams start over (rose.worker.loop)
+    pub.send([ev("a", 3)])
+    assert pub.flush(timeout=5)
+    assert seqs(r, "a") == [0, 3] and seqs(r, "b") == []  # the refused batches wrote nothing
+    assert not pub.lost and "lost event batches" not in caplog.text  # the counter's gap is theirs
+    assert caplog.text.count("Redis is full (maxmemory)") == 1  # once, not a line a batch
 
 
 def test_acked_is_the_last_batch_redis_answered(r):

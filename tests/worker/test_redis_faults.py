@@ -1,6 +1,6 @@
 """What happens to a production Redis, with real processes: redis-server stopped with SIGTERM, killed with SIGKILL
-or frozen with SIGSTOP mid-run (an append-only file keeps its data), and a Sentinel failover (the primary SIGKILLed,
-its replica promoted). Two real rose-workers (tiny-llama on CPU) and a producer on plain RQ / rose.Client.
+or frozen with SIGSTOP mid-run (an append-only file keeps its data), full (its maxmemory reached under noeviction:
+every write refused for a while), and a Sentinel failover (the primary SIGKILLed, its replica promoted). Two real rose-workers (tiny-llama on CPU) and a producer on plain RQ / rose.Client.
 
 Whatever the fault: no job lost, none stored twice (rose.harness.job_audit: one result, a stream ending with exactly
 one terminal event after its last reset, streamed text = stored text), every job seen finished has its complete
@@ -139,7 +139,7 @@ def workers(tmp_path):
         proc.stop(timeout=20)
 
 
-@pytest.mark.parametrize("fault", ["sigterm", "sigkill", "sigstop"])
+@pytest.mark.parametrize("fault", ["sigterm", "sigkill", "sigstop", "full"])
 def test_a_redis_restart_or_freeze_mid_run_loses_nothing_and_leaves_no_gap(
     persistent_redis_server, workers, fault
 ):
@@ -153,6 +153,11 @@ def test_a_redis_restart_or_freeze_mid_run_loses_nothing_and_leaves_no_gap(
         os.kill(server.pid, signal.SIGSTOP)
         time.sleep(3)
         os.kill(server.pid, signal.SIGCONT)
+    elif fault == "full":  # its maxmemory reached (noeviction): every write refused, reads answered
+        r.config_set("maxmemory-policy", "noeviction")
+        r.config_set("maxmemory", 1)
+        time.sleep(3)
+        r.config_set("maxmemory", 0)
     else:
         server.kill() if fault == "sigkill" else server.stop()
         time.sleep(3)

@@ -4,11 +4,13 @@ write Redis by hand, RQ callbacks / dependents / suspension, connections dropped
 from __future__ import annotations
 
 import json
+import logging
 import re
 import threading
 import time
 
 import pytest
+import redis
 from rq import Worker
 from rq.job import Job
 from rq.serializers import JSONSerializer
@@ -103,6 +105,39 @@ def test_redis_outage_worker_carries_on(persistent_redis_server):
         assert reg.get_sample_value("rose_redis_reconciliations_total", {"model_name": "fake"}) >= 1
     finally:
         wt.stop(force=True)
+
+
+def test_a_full_redis_is_waited_out_and_every_stream_is_whole_after(new_redis_server, caplog):
+    """Redis reaches its maxmemory (noeviction) mid-generation: it refuses every write for a while (the heartbeat,
+    takes, events, results). The worker waits, generating on, logs it once in a while rather than each refusal,
+    and once Redis has room stores every job with its whole stream."""
+    r = new_redis_server.client()
+    client = Client(r)
+    jobs = client.submit_many([{"prompt": "a", "max_tokens": 60} for _ in range(3)])
+    later = client.submit_many([{"prompt": "b", "max_tokens": 5} for _ in range(3)])
+    wt = WorkerThread(new_redis_server, ["rose"], FakeEngine(max_num_seqs=3, step_delay=0.02)).start()
+    try:
+        wait_for(lambda: all(len(stream_events(r, j.id)) >= 3 for j in jobs), what="streaming")
+        r.config_set("maxmemory-policy", "noeviction")
+        r.config_set("maxmemory", 1)  # below what it holds: every write refused
+        with pytest.raises(redis.exceptions.OutOfMemoryError):
+            r.set("probe", 1)
+        time.sleep(2)  # beyond the 60 tokens the jobs have to generate
+        assert wt.thread.is_alive() and wt.error is None
+        assert all(j.status() != "finished" for j in jobs)  # their results waited too
+        r.config_set("maxmemory", 0)
+        for j in jobs + later:
+            result = j.result(timeout=30)
+            events = check_stream(r, j.id, "done")
+            assert "".join(e["text"] for e in events if e["type"] == "token") == result["text"]
+        assert wt.thread.is_alive() and wt.error is None
+    finally:
+        wt.stop(force=True)
+    full = [rec for rec in caplog.records if "full (maxmemory)" in rec.getMessage()]
+    assert full and len(full) <= 4, [
+        rec.getMessage() for rec in full
+    ]  # the guard's and the publisher's first lines
+    assert not any(rec.exc_info for rec in caplog.records if rec.levelno >= logging.ERROR)
 
 
 def test_an_idle_worker_outlives_a_redis_outage(persistent_redis_server):
