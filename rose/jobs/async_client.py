@@ -33,17 +33,17 @@ class AsyncJob:
         r = self.client.redis
         stream = keys.stream_key(self.id)
         cursor = Cursor(self.id, timeout)
-        events = cursor.stored(await r.xrange(stream))
+        events: Iterable[Any] | None = cursor.stored(await r.xrange(stream))
         while True:
-            for event in events:
+            for event in events or ():
                 yield event
             if cursor.ended:
                 return
             events = cursor.read(
                 await r.xread({stream: cursor.last_id}, block=int(POLL_S * 1000), count=1000)
             )
-            if not events:
-                await asyncio.to_thread(self._sync.raise_if_ended_silently, cursor.quiet())
+            if events is None:
+                await asyncio.to_thread(self._sync.raise_if_ended_silently, cursor.quiet_polls)
                 cursor.check_timeout()
 
     async def stream(self, timeout: float | None = None) -> AsyncIterator[str]:

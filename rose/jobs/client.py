@@ -101,15 +101,15 @@ class Job:
         r = self.client.redis
         stream = keys.stream_key(self.id)
         cursor = Cursor(self.id, timeout)
-        events = cursor.stored(r.xrange(stream))
+        events: Iterable[Any] | None = cursor.stored(r.xrange(stream))
         while True:
-            yield from events
+            yield from events or ()
             if cursor.ended:
                 return
             events = cursor.read(r.xread({stream: cursor.last_id}, block=int(POLL_S * 1000), count=1000))
-            if not events:
+            if events is None:
                 # a job that ended without reaching the worker (canceled while queued...) has no terminal event
-                self.raise_if_ended_silently(cursor.quiet())
+                self.raise_if_ended_silently(cursor.quiet_polls)
                 cursor.check_timeout()
 
     def raise_if_ended_silently(self, quiet_polls: int) -> None:

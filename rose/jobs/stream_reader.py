@@ -3,7 +3,7 @@ rose.jobs.async_client) do with the entries their reads return, so that both rea
 
 A reader reads the whole stream once (XRANGE), then blocks on what comes after its last entry (XREAD from
 `Cursor.last_id`). It yields the events after the last stored `reset` (earlier attempts are superseded), and stops
-after the terminal event. A quiet read is counted (`Cursor.quiet`): the caller then checks whether the job ended
+after the terminal event. After a quiet read (`Cursor.read` gives None) the caller checks whether the job ended
 without a worker to end its stream (canceled while queued), and `Cursor.check_timeout` raises TimeoutError after
 `timeout` seconds without an event.
 """
@@ -11,6 +11,7 @@ without a worker to end its stream (canceled while queued), and `Cursor.check_ti
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,7 +34,9 @@ def reset_point(entries: Entries) -> int:
 @dataclass(slots=True)
 class Cursor:
     """One reader's place in job `job_id`'s stream. `stored` takes the XRANGE of the whole stream, `read` each
-    XREAD reply; both return the events to yield, up to and including the terminal event (`ended` then)."""
+    XREAD reply (None when it brought nothing: a quiet read, counted); both give the events to yield, parsed as they
+    are taken, up to and including the terminal event (`ended` then). The quiet clock starts over once the caller
+    has taken every event of a read, as a reader that spends time on each event is not a quiet stream."""
 
     job_id: str
     timeout: float | None = None
@@ -42,38 +45,33 @@ class Cursor:
     quiet_polls: int = 0
     quiet_since: float = field(default_factory=time.monotonic)
 
-    def stored(self, entries: Entries) -> list[Any]:
+    def stored(self, entries: Entries) -> Iterator[Any]:
         if entries:
             self.last_id = entries[-1][0]
         return self._events(entries[reset_point(entries) :])
 
-    def read(self, reply: Any) -> list[Any]:
+    def read(self, reply: Any) -> Iterator[Any] | None:
         """The events of an XREAD reply (from `last_id`, on this stream alone)."""
         entries = reply[0][1] if reply else []
-        if entries:
-            self.last_id = entries[-1][0]
+        if not entries:
+            self.quiet_polls += 1
+            return None
+        self.last_id = entries[-1][0]
         return self._events(entries)
-
-    def quiet(self) -> int:
-        """A read found nothing new: the quiet reads in a row so far."""
-        self.quiet_polls += 1
-        return self.quiet_polls
 
     def check_timeout(self) -> None:
         if self.timeout is not None and time.monotonic() - self.quiet_since > self.timeout:
             raise TimeoutError(f"no event from job {self.job_id} for {self.timeout} s")
 
-    def _events(self, entries: Entries) -> list[Any]:
-        events = []
+    def _events(self, entries: Entries) -> Iterator[Any]:
         for _, fields in entries:
             event = parse_entry(fields, self.job_id)
-            events.append(event)
+            yield event
             if event.type in TERMINAL_TYPES:
                 self.ended = True
-                break
-        if events:
+                return
+        if entries:  # all taken
             self.quiet_since, self.quiet_polls = time.monotonic(), 0
-        return events
 
 
 @dataclass(slots=True)

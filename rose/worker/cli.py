@@ -116,11 +116,13 @@ def load_settings(argv: list[str] | None = None) -> tuple[WorkerSettings, argpar
 
 def connect(url: str) -> redis.Redis:
     """A client for `url`, checked with PING and INFO (rose.worker.server_checks). On failure (unreachable, wrong
-    password, bad URL, a Redis too old) prints one line to stderr and raises SystemExit(2), the exit code of every
+    password, bad URL, a Redis too old or full) prints one line to stderr and raises SystemExit(2), the exit code of every
     start-up error; a server that may evict RQ's keys is a warning in the log."""
     try:
         conn = connection.connect(url, socket_connect_timeout=5, health_check_interval=30)
         conn.ping()
+        info = server_checks.server_info(conn)
+        problem = server_checks.version_problem(info) or server_checks.full_problem(conn)
     except (
         redis.ConnectionError,
         redis.TimeoutError,
@@ -136,8 +138,6 @@ def connect(url: str) -> redis.Redis:
             file=sys.stderr,
         )
         raise SystemExit(2) from None
-    info = server_checks.server_info(conn)
-    problem = server_checks.version_problem(info)
     if problem is not None:
         print(f"rose-worker: Redis at {redact_url(url)} {problem}", file=sys.stderr)
         raise SystemExit(2)

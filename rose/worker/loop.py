@@ -392,18 +392,15 @@ class JobLoop:
         self.outbox.flush()
         publisher = self.outbox.publisher
         dropped, full = publisher.take_dropped()
+        if not (publisher.lost or dropped or full):
+            return
         if publisher.lost:
             publisher.lost = False
             self.resync("redis lost events")
-            self._reconcile = True
-        elif dropped or full:
-            for job_id in dropped:
-                if (run := self.running.get(job_id)) is not None:
-                    self.outbox.refused(run)
-            for job_id in full - dropped:  # refused while Redis was full: not held against the job
-                if (run := self.running.get(job_id)) is not None:
-                    self.outbox.resync(run, "redis was full")
-            self._reconcile = True  # an ended job's terminal event may be among them: its stream is repaired
-        else:
-            return
+        else:  # refused for memory: not held against the job; an ended job's terminal event: repaired (reconcile)
+            for run in filter(None, map(self.running.get, dropped)):
+                self.outbox.refused(run)
+            for run in filter(None, map(self.running.get, full - dropped)):
+                self.outbox.resync(run, "redis was full")
+        self._reconcile = True
         self.outbox.flush()  # the streams started over are handed on: no job counts as delivered before them

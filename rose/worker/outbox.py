@@ -181,8 +181,9 @@ class Outbox:
     # ---- delivery ------------------------------------------------------------------------------------------------
 
     def delivered(self, run: Running) -> bool:
-        """Whether Redis has written (or refused) every event of the job handed to the publisher so far."""
-        return run.events_batch <= self.publisher.acked
+        """Whether Redis has written (or refused, and the loop was told) every event of the job handed to the
+        publisher so far."""
+        return run.events_batch <= self.publisher.settled
 
     def in_flight(self) -> set[str]:
         """The jobs with events queued here or not acknowledged by Redis yet."""

@@ -12,8 +12,9 @@ Batches are applied in order: on a connection error every batch not yet acknowle
 backoff (at most MAX_BACKOFF_S, so events go out within a second of Redis answering again), at a later `send` /
 `poll`. The script is numbered (a per-publisher counter key), so a batch that did reach Redis before the connection
 broke is a no-op the second time: subscribers see every seq exactly once, without gaps, even across Redis blips.
-`acked` is the number of the last batch Redis answered: everything handed over up to it is written (the loop stores
-a job's result only once its token events are, rose.worker.loop).
+`acked` is the number of the last batch Redis answered: everything handed over up to it is written or reported
+refused; `settled` is `acked` as the last `take_dropped()` saw it (the loop stores a job's result only once its
+token events are settled, its refusals handled first: rose.worker.loop).
 
 Two things make the publisher's view of Redis wrong, and it reports both rather than hide them:
 - events Redis refused (a key of the wrong type; a whole batch, a bug) are dropped, not retried forever:
@@ -43,11 +44,11 @@ from typing import Any
 
 import redis
 from redis.backoff import NoBackoff
-from redis.exceptions import OutOfMemoryError
 from redis.retry import Retry
 
 from rose.jobs import keys
 from rose.worker import resp
+from rose.worker.redis_guard import is_oom
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +64,7 @@ MAX_BACKOFF_S = 0.5  # reconnecting costs nothing while Redis is down; events mu
 LOG_EVERY_S = 10.0  # while an outage lasts, one log line this often
 _REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError)
 CONNECT_TIMEOUT_S = 1.0  # longest a (re)connect may hold the engine loop; Redis is local or on the LAN
-APPLIED, DUPLICATE, APPLIED_AFTER_LOSS = 1, 0, -1  # the script's replies
+APPLIED, DUPLICATE = 1, 0  # the script's replies; below 0: applied after that many batches are missing
 
 # KEYS[1]: this publisher's batch counter; KEYS[2]: the seal markers (job id -> worker); KEYS[2 + i]: stream of
 # event i. ARGV[1]: batch number; ARGV[2]: counter TTL; ARGV[3]: where the job id starts in a channel name (1-based);
@@ -72,8 +73,8 @@ APPLIED, DUPLICATE, APPLIED_AFTER_LOSS = 1, 0, -1  # the script's replies
 # stored as its JSON (field `event`); 's' if sealed (written only if the job's seal marker is there, which it
 # removes); 't' and the stream's TTL to set (-1: persist) last; e.g. 't3600', 'j', 'jst600'. Returns {code, the first
 # refusal's message, the ids of the jobs whose events Redis refused...}; code APPLIED, DUPLICATE (applied before, its
-# reply lost) or APPLIED_AFTER_LOSS. A refused event (XADD on a key of another type, ...) does not stop the batch, so
-# the counter always says which batches were applied. Batches are sent, and sent again, in order from the first one
+# reply lost) or, applied after a gap, minus the number of batches missing. A refused event (XADD on a key of
+# another type, ...) does not stop the batch, so the counter always says which batches were applied. Batches are sent, and sent again, in order from the first one
 # unacknowledged, so a batch number beyond the counter's next means batches Redis had applied, and acknowledged, are
 # gone (a failover to a replica that had not received them, a restart without persistence), or a whole batch was
 # refused before it ran (out of memory). Six arguments a token event, most with an empty spec: the script's cost is
@@ -85,7 +86,7 @@ local last = tonumber(redis.call('GET', KEYS[1]) or '0')
 if batch <= last then return {0, ''} end
 redis.call('SET', KEYS[1], batch, 'EX', ARGV[2])
 local out = {1, ''}
-if batch > last + 1 then out[1] = -1 end
+if batch > last + 1 then out[1] = last + 1 - batch end
 local skip, a = tonumber(ARGV[3]), 4
 for i = 3, #KEYS do
   local data, channel, spec = ARGV[a], ARGV[a + 1], ARGV[a + 2]
@@ -149,12 +150,13 @@ class Publisher:
         self._down_since: float | None = None  # monotonic time of the first failure of an outage
         self._logged_at = 0.0
         self._full_logged_at = -LOG_EVERY_S  # refusals for memory: logged once in a while
-        self._refused_for_memory = False  # since the last batch written: the counter's next gap is explained
+        self._refused_for_memory = 0  # batches refused since the last one written: the counter's next gap
         self._counter_key = f"rose:publisher:{uuid.uuid4().hex}"
         self._batch_no = 0
         self._dropped: set[str] = set()
         self._full: set[str] = set()  # in batches a full Redis refused
         self.acked = 0  # number of the last batch Redis answered (applied, or refused and dropped)
+        self.settled = 0  # `acked` as the last `take_dropped` saw it: the refusals up to it are handed on
         self.sent_events = 0  # events acknowledged by Redis
         self.lost = False  # Redis lost writes it had acknowledged (set here, cleared by the reader)
 
@@ -176,9 +178,11 @@ class Publisher:
         self._pump()
 
     def take_dropped(self) -> tuple[set[str], set[str]]:
-        """The jobs whose events were in batches Redis refused since the last call: (for good, for memory)."""
+        """The jobs whose events were in batches Redis refused since the last call: (for good, for memory). What
+        was acknowledged up to now is `settled`: the caller has the refusals among it."""
         dropped, full = self._dropped, self._full
         self._dropped, self._full = set(), set()
+        self.settled = self.acked
         return dropped, full
 
     def poll(self) -> None:
@@ -286,11 +290,10 @@ class Publisher:
         try:
             reply = conn.read_response()
         except redis.ResponseError as exc:
-            # The whole batch refused: the counter did not move, so the next batch reports a loss too
-            if isinstance(
-                exc, OutOfMemoryError
-            ):  # transient: these jobs' streams start over (`take_dropped`)
-                self._refused_for_memory = True
+            # The whole batch refused: the counter did not move, so the next batch reports a gap. Refused for
+            # memory, it is transient: these jobs' streams start over (`take_dropped`) and the gap is explained.
+            if is_oom(exc):
+                self._refused_for_memory += 1
                 self._full.update(batch.job_ids)
                 if (now := time.monotonic()) - self._full_logged_at >= LOG_EVERY_S:
                     self._full_logged_at = now
@@ -317,13 +320,13 @@ class Publisher:
                     _text(reply[1]),
                 )
                 self._dropped.update(refused)
-            if code == APPLIED_AFTER_LOSS and not self._refused_for_memory:
+            if -code > self._refused_for_memory:  # more batches missing than were refused for memory
                 log.error(
                     "publisher: Redis lost event batches it had acknowledged (a failover, or a restart without "
                     "persistence); the streams of running jobs start over"
                 )
                 self.lost = True
-            self._refused_for_memory = False  # a batch written: a gap before it was the refused batches'
+            self._refused_for_memory = 0
         self._unacked.popleft()
         self._sent -= 1
         self.acked = batch.number

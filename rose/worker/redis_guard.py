@@ -1,8 +1,9 @@
 """Redis-touching stages of the worker run through one guard: while Redis is unreachable, or full (a `maxmemory`
-under `noeviction` refuses writes until room is made), the stage is skipped and the engine keeps stepping; the guard backs off (0.1 s doubling to 0.5 s: a refused connection costs nothing, and
-the worker must be back at work within a second of Redis answering again), says whether Redis answered last time
-(/health's readiness) and counts the outages, so that the worker can reconcile with Redis after each one
-(rose.worker.worker: a restart or a failover may have lost writes)."""
+under `noeviction` refuses writes until room is made), the stage is skipped and the engine keeps stepping; the
+guard backs off (0.1 s doubling to 0.5 s: a refused connection costs nothing, and the worker must be back at work
+within a second of Redis answering again), says whether Redis answered last time (/health's readiness) and counts
+the outages, so that the worker can reconcile with Redis after each one (rose.worker.worker: a restart or a
+failover may have lost writes)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,14 @@ log = logging.getLogger(__name__)
 # Redis unreachable, or full: a write refused (OOM) is retried as a stage cut off by an outage is, and what a
 # pipeline of several commands wrote before it is reconciled after it
 REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError, OutOfMemoryError)
+_OOM = "OOM command not allowed"  # Redis before 7.0 wraps a script's refused write in a plain script error
+
+
+def is_oom(exc: BaseException) -> bool:
+    """A write Redis refused because it is full (maxmemory, noeviction), whether redis-py names it so or not."""
+    return isinstance(exc, OutOfMemoryError) or (isinstance(exc, redis.ResponseError) and _OOM in str(exc))
+
+
 FIRST_BACKOFF_S, MAX_BACKOFF_S = 0.1, 0.5
 LOG_EVERY_S = 10.0  # while an outage lasts, one log line this often
 
@@ -64,9 +73,8 @@ class RedisGuard:
             return None
         try:
             if not self.ok:
-                if (
-                    self._full
-                ):  # refused as any write is while Redis is full; else a no-op (the key never exists)
+                # a write, refused as any is while Redis is full; else a no-op (the key never exists)
+                if self._full:
                     self.connection.set(keys.OOM_PROBE_KEY, "", xx=True)
                 else:
                     self.connection.ping()
@@ -75,7 +83,9 @@ class RedisGuard:
                 self.ok = True
             self._end_full_episode()
             return fn(*args, **kwargs)
-        except REDIS_ERRORS as exc:
+        except (*REDIS_ERRORS, redis.ResponseError) as exc:
+            if not isinstance(exc, REDIS_ERRORS) and not is_oom(exc):
+                raise
             self._failed(stage, exc)
             return None
 
@@ -87,7 +97,7 @@ class RedisGuard:
 
     def _failed(self, stage: str, exc: BaseException) -> None:
         now = time.monotonic()
-        self._full = isinstance(exc, OutOfMemoryError)
+        self._full = is_oom(exc)
         was_ok, self.ok = self.ok, False
         if was_ok:
             self.outages += 1

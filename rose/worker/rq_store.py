@@ -49,6 +49,8 @@ from rq.rate_limit import release_slot
 from rq.utils import now, parse_composite_key
 from rq.worker import BaseWorker, WorkerStatus
 
+from rose.jobs import keys  # noqa: E402
+
 if TYPE_CHECKING:
     from redis import Redis
     from redis.client import Pipeline
@@ -290,6 +292,8 @@ def _ensure_ended(worker: BaseWorker, run: Running) -> None:
     """RQ's `handle_job_failure` logs, and swallows, a Redis error of its transaction: check that it went through
     (it deletes the execution) and raise the error it swallowed, so the caller retries."""
     if worker.connection.exists(run.execution.key):
+        # a full Redis (maxmemory) refused it: say so, as the probe's own refusal (not an outage of the network)
+        worker.connection.set(keys.OOM_PROBE_KEY, "", xx=True)
         raise redis.ConnectionError(f"the end of job {run.id} was not stored (see RQ's log above)")
 
 

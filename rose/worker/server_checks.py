@@ -1,7 +1,8 @@
-"""What rose-worker requires of the Redis server it is given, read once at start from `INFO` (rose.worker.cli):
-a version that has the commands it takes jobs with (`version_problem`: the worker refuses to start), and a memory
-policy that never drops RQ's keys (`eviction_warning`: it warns). A server that will not answer INFO (an ACL
-without it, a server that lacks it) is checked for neither."""
+"""What rose-worker requires of the Redis server it is given, checked once at start (rose.worker.cli): a version
+that has the commands it takes jobs with (`version_problem`) and room to write (`full_problem`: the worker refuses
+to start, rather than die at its first write after loading its model), and a memory policy that never drops RQ's
+keys (`eviction_warning`: it warns). A server that will not answer INFO (an ACL without it, a server that lacks
+it) is checked for neither of the two INFO says."""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ import logging
 from typing import Any
 
 import redis
+
+from rose.jobs import keys
+from rose.worker.redis_guard import is_oom
 
 log = logging.getLogger(__name__)
 
@@ -57,3 +61,14 @@ def eviction_warning(info: dict[str, Any]) -> str | None:
         "it may drop queued jobs, results and the records that say a job or a worker is alive; a job queue wants "
         "maxmemory-policy noeviction (docs/deploy.md)"
     )
+
+
+def full_problem(conn: redis.Redis) -> str | None:
+    """Why the worker cannot start now: the server is full (maxmemory, noeviction) and refuses writes."""
+    try:
+        conn.set(keys.OOM_PROBE_KEY, "", xx=True)  # changes nothing: the key is never set
+    except redis.ResponseError as exc:
+        if not is_oom(exc):
+            raise
+        return f"is full (maxmemory) and refuses writes ({exc}); give it room, or shorten results' result_ttl"
+    return None

@@ -312,7 +312,7 @@ class RoseWorker:
         log.log(level, "worker %s: reconciling its jobs and streams with Redis", self.name)
         self._next_heartbeat = 0.0
         self.jobs.watch.check_all()
-        if not self.draining:
+        if not self.draining and not self.guard.full:
             self.guard.run("recovery", self._recover)
             self._next_recovery = time.monotonic() + self.settings.recovery_interval
         self.outbox.publisher.verify()
@@ -321,7 +321,8 @@ class RoseWorker:
         t = time.monotonic()
         if t >= self._next_heartbeat and self.guard.run("heartbeat", self._heartbeat) is not None:
             self._next_heartbeat = t + self.settings.heartbeat_interval
-        if t >= self._next_recovery and not self.draining:
+        # recovery claims an orphan, then requeues it: a full Redis takes the claim and refuses the rest
+        if t >= self._next_recovery and not self.draining and not self.guard.full:
             self.guard.run("recovery", self._recover)
             self._next_recovery = t + self.settings.recovery_interval
         if self.rq.should_run_maintenance_tasks and not self.draining:

@@ -12,7 +12,7 @@ from rq import Retry
 from rq.job import Job
 from rq.serializers import JSONSerializer
 from test_metrics import scrape, value
-from worker_helpers import FakeEngine, check_stream, enqueue, wait_for, wait_status
+from worker_helpers import FakeEngine, check_stream, enqueue, stream_events, wait_for, wait_status
 
 from rose.jobs.client import Client
 from rose.jobs.errors import InvalidRequest
@@ -38,7 +38,9 @@ def test_a_job_past_its_deadline_fails_before_it_starts_without_tokens_or_retry(
     ) and "passed before this attempt started" in failure(r, late)
     assert late.id not in engine.added  # never reached the engine: no tokens
     events = check_stream(r, late.id, "error")  # published right after the failure is stored
-    assert [e["type"] for e in events] == ["error"] and "deadline exceeded" in events[0]["message"]
+    assert [e["type"] for e in stream_events(r, late.id)] == ["error"] and "deadline exceeded" in events[0][
+        "message"
+    ]
     assert engine.deadlines[on_time.id] == pytest.approx(due)  # the engine orders by it
     samples = scrape(wt.worker.metrics_server.port)
     assert value(samples, "rose_request_deadline_exceeded_total", when="queued") == 1

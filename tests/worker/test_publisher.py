@@ -164,10 +164,8 @@ def test_a_refused_batch_is_dropped_not_retried(r, caplog):
     assert pub.flush(timeout=5)
     assert seqs(r, "a") == [0, 1]
     assert "refused" in caplog.text
-    assert pub.take_dropped() == ({"x"}, set()) and pub.take_dropped() == (
-        set(),
-        set(),
-    )  # the loop repairs it
+    # the loop repairs its stream
+    assert pub.take_dropped() == ({"x"}, set()) and pub.take_dropped() == (set(), set())
     assert pub.acked == 3 and not pub.lost
 
 

@@ -1,6 +1,7 @@
 """What happens to a production Redis, with real processes: redis-server stopped with SIGTERM, killed with SIGKILL
 or frozen with SIGSTOP mid-run (an append-only file keeps its data), full (its maxmemory reached under noeviction:
-every write refused for a while), and a Sentinel failover (the primary SIGKILLed, its replica promoted). Two real rose-workers (tiny-llama on CPU) and a producer on plain RQ / rose.Client.
+every write refused for a while), and a Sentinel failover (the primary SIGKILLed, its replica promoted). Two real
+rose-workers (tiny-llama on CPU) and a producer on plain RQ / rose.Client.
 
 Whatever the fault: no job lost, none stored twice (rose.harness.job_audit: one result, a stream ending with exactly
 one terminal event after its last reset, streamed text = stored text), every job seen finished has its complete

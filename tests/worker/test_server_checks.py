@@ -7,6 +7,7 @@ import pytest
 import redis
 
 from rose.worker import server_checks
+from rose.worker.redis_guard import is_oom
 
 
 @pytest.mark.parametrize("version", ["6.2.0", "6.2.14", "7.0.15", "7.2.4", "8.0.1", "10.1"])
@@ -58,3 +59,25 @@ def test_a_server_refusing_info_is_checked_for_nothing(redis_server):
     assert server_checks.server_info(_Refusing()) == {}
     info = server_checks.server_info(redis_server.client())  # a real one: its version and its memory policy
     assert info["redis_version"] and info["maxmemory_policy"] and "maxmemory" in info
+
+
+def test_a_full_redis_is_named_at_start_and_one_with_room_is_not(redis_server):
+    r = redis_server.client()
+    assert server_checks.full_problem(r) is None
+    assert r.exists("rose:oom-probe") == 0  # the probe writes nothing
+    r.config_set("maxmemory-policy", "noeviction")
+    r.config_set("maxmemory", 1)
+    try:
+        problem = server_checks.full_problem(r)
+    finally:
+        r.config_set("maxmemory", 0)
+    assert problem is not None and problem.startswith("is full (maxmemory) and refuses writes (")
+
+
+def test_a_write_refused_for_memory_is_known_by_either_wording():
+    assert is_oom(redis.exceptions.OutOfMemoryError("command not allowed when used memory > ..."))
+    # Redis before 7.0: a script's refused write comes back as a script error
+    wrapped = "Error running script (call to f_1): @user_script:5: -OOM command not allowed when used memory > 'maxmemory'"
+    assert is_oom(redis.ResponseError(wrapped))
+    assert not is_oom(redis.ResponseError("WRONGTYPE Operation against a key holding the wrong kind"))
+    assert not is_oom(redis.ConnectionError("Connection refused"))
