@@ -6,6 +6,7 @@ Every flag can also be set with its `ROSE_*` environment variable; flags win.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import signal
 import sys
@@ -132,6 +133,13 @@ def connect(url: str) -> redis.Redis:
         OSError,
     ) as exc:
         reason = " ".join(str(exc).split()).rstrip(".") or type(exc).__name__
+        if isinstance(exc, redis.ReadOnlyError):
+            print(
+                f"rose-worker: Redis at {redact_url(url)} is a read-only replica ({reason}); point --redis-url at "
+                "the primary, or at Sentinel (redis+sentinel://...)",
+                file=sys.stderr,
+            )
+            raise SystemExit(2) from None
         print(
             f"rose-worker: cannot reach Redis at {redact_url(url)}: {reason}. Check --redis-url / ROSE_REDIS_URL "
             "(redis://[user:password@]host:port/db, rediss:// for TLS) and that the server is running.",
@@ -222,6 +230,11 @@ def _main(argv: list[str] | None = None) -> int:
         engine.close()
         print(f"rose-worker: cannot serve {exc}", file=sys.stderr)
         return 2
+    with contextlib.suppress(redis.ConnectionError, redis.TimeoutError):  # an outage: the worker waits it out
+        if (problem := server_checks.full_problem(conn)) is not None:  # it filled while the model loaded
+            engine.close()
+            print(f"rose-worker: Redis at {redact_url(settings.redis_url)} {problem}", file=sys.stderr)
+            return 2
     try:
         worker = RoseWorker(settings.queues, engine=engine, connection=conn, settings=settings)
     except NameInUse as exc:

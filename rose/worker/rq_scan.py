@@ -17,6 +17,7 @@ from rq.results import Result
 from rq.utils import now, utcparse
 from rq.worker import BaseWorker
 
+from rose.jobs import keys
 from rose.worker.rq_store import JOB_OWNER_FIELD, JOB_STATUS_FIELD, QUEUED, decoded, execution_key, worker_key
 
 if TYPE_CHECKING:
@@ -64,9 +65,18 @@ def execution_owners(conn: Redis, entries: list[tuple[str, str]]) -> list[str]:
     return [decoded(replies[2 * i] or replies[2 * i + 1] or b"") or "" for i in range(len(entries))]
 
 
+# KEYS[1]: the started registry; KEYS[2]: keys.OOM_PROBE_KEY; ARGV[1]: the entry. The claim is a ZREM, which a
+# full Redis (maxmemory) takes while it refuses the requeue that follows: the script's first write is a no-op it
+# refuses instead, so a claim is made only while Redis takes writes.
+_CLAIM = """
+redis.call('SET', KEYS[2], '', 'XX')
+return redis.call('ZREM', KEYS[1], ARGV[1])
+"""
+
+
 def claim_orphan(conn: Redis, queue: Queue, composite: str) -> bool:
     """ZREM is the claim: when several live workers scan at once, only one gets True."""
-    return bool(conn.zrem(queue.started_job_registry.key, composite))
+    return bool(conn.eval(_CLAIM, 2, queue.started_job_registry.key, keys.OOM_PROBE_KEY, composite))
 
 
 def orphan_execution(conn: Redis, composite: str, owner: str) -> Execution:

@@ -50,6 +50,7 @@ from rq.utils import now, parse_composite_key
 from rq.worker import BaseWorker, WorkerStatus
 
 from rose.jobs import keys  # noqa: E402
+from rose.worker.redis_guard import is_oom  # noqa: E402
 
 if TYPE_CHECKING:
     from redis import Redis
@@ -293,7 +294,11 @@ def _ensure_ended(worker: BaseWorker, run: Running) -> None:
     (it deletes the execution) and raise the error it swallowed, so the caller retries."""
     if worker.connection.exists(run.execution.key):
         # a full Redis (maxmemory) refused it: say so, as the probe's own refusal (not an outage of the network)
-        worker.connection.set(keys.OOM_PROBE_KEY, "", xx=True)
+        try:
+            worker.connection.set(keys.OOM_PROBE_KEY, "", xx=True)
+        except redis.ResponseError as exc:
+            if is_oom(exc):
+                raise
         raise redis.ConnectionError(f"the end of job {run.id} was not stored (see RQ's log above)")
 
 

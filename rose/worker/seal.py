@@ -36,6 +36,7 @@ from rose.jobs.events import (
 )
 from rose.worker import rq_scan, rq_store
 from rose.worker.outbox import ended_stream_ttl
+from rose.worker.redis_guard import is_oom
 from rose.worker.rq_worker import RQWorker
 from rose.worker.running import Running
 
@@ -43,9 +44,11 @@ log = logging.getLogger(__name__)
 
 _ENDED = (rq_store.FINISHED, rq_store.FAILED, rq_store.CANCELED, rq_store.STOPPED)
 
-# KEYS[1]: the seal markers; ARGV[1]: job id; ARGV[2]: the owner it was seen with. The claim of a dead worker's
-# marker: only if nobody (a live worker that reran the job) marked the job since.
+# KEYS[1]: the seal markers; KEYS[2]: keys.OOM_PROBE_KEY; ARGV[1]: job id; ARGV[2]: the owner it was seen with. The
+# claim of a dead worker's marker: only if nobody (a live worker that reran the job) marked the job since, and only
+# while Redis takes writes (a full one takes the HDEL and refuses the repair: the no-op write first is refused).
 _CLAIM = """
+redis.call('SET', KEYS[2], '', 'XX')
 if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then return redis.call('HDEL', KEYS[1], ARGV[1]) end
 return 0
 """
@@ -117,10 +120,14 @@ class SealWatch:
         repaired = 0
         for job_id in sorted(due):
             try:
-                if conn.eval(_CLAIM, 1, keys.SEALS_KEY, job_id, markers[job_id]):
+                if conn.eval(_CLAIM, 2, keys.SEALS_KEY, keys.OOM_PROBE_KEY, job_id, markers[job_id]):
                     repaired += repair(conn, rq, job_id, markers[job_id])
             except redis.ConnectionError:
                 raise
+            except redis.ResponseError as exc:
+                if is_oom(exc):  # Redis is full: the guard waits, the marker stays for a later scan
+                    raise
+                log.exception("job %s: repairing its stream failed", job_id)
             except Exception:  # one unreadable job must not take the worker down, nor stop the others' repair
                 log.exception("job %s: repairing its stream failed", job_id)
         return repaired
