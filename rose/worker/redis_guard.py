@@ -25,6 +25,11 @@ REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError, OutOfMemoryError)
 _OOM = "OOM command not allowed"  # Redis before 7.0 wraps a script's refused write in a plain script error
 
 
+def probe_write(conn: redis.Redis) -> None:
+    """A write that changes nothing (the key is never set): refused, as any write is, while Redis is full."""
+    conn.set(keys.OOM_PROBE_KEY, "", xx=True)
+
+
 def is_oom(exc: BaseException) -> bool:
     """A write Redis refused because it is full (maxmemory, noeviction), whether redis-py names it so or not."""
     return isinstance(exc, OutOfMemoryError) or (isinstance(exc, redis.ResponseError) and _OOM in str(exc))
@@ -75,7 +80,7 @@ class RedisGuard:
             if not self.ok:
                 # a write, refused as any is while Redis is full; else a no-op (the key never exists)
                 if self._full:
-                    self.connection.set(keys.OOM_PROBE_KEY, "", xx=True)
+                    probe_write(self.connection)
                 else:
                     self.connection.ping()
                     log.warning("Redis reachable again after %.1f s", time.monotonic() - self._down_since)

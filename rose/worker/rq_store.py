@@ -49,8 +49,7 @@ from rq.rate_limit import release_slot
 from rq.utils import now, parse_composite_key
 from rq.worker import BaseWorker, WorkerStatus
 
-from rose.jobs import keys  # noqa: E402
-from rose.worker.redis_guard import is_oom  # noqa: E402
+from rose.worker.redis_guard import is_oom, probe_write  # noqa: E402
 
 if TYPE_CHECKING:
     from redis import Redis
@@ -295,7 +294,7 @@ def _ensure_ended(worker: BaseWorker, run: Running) -> None:
     if worker.connection.exists(run.execution.key):
         # a full Redis (maxmemory) refused it: say so, as the probe's own refusal (not an outage of the network)
         try:
-            worker.connection.set(keys.OOM_PROBE_KEY, "", xx=True)
+            probe_write(worker.connection)
         except redis.ResponseError as exc:
             if is_oom(exc):
                 raise

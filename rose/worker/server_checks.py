@@ -12,8 +12,7 @@ from typing import Any
 
 import redis
 
-from rose.jobs import keys
-from rose.worker.redis_guard import is_oom
+from rose.worker.redis_guard import is_oom, probe_write
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +65,7 @@ def eviction_warning(info: dict[str, Any]) -> str | None:
 def full_problem(conn: redis.Redis) -> str | None:
     """Why the worker cannot start now: the server is full (maxmemory, noeviction) and refuses writes."""
     try:
-        conn.set(keys.OOM_PROBE_KEY, "", xx=True)  # changes nothing: the key is never set
+        probe_write(conn)
     except redis.ResponseError as exc:
         if not is_oom(exc):
             raise
