@@ -13,7 +13,8 @@ On a busy loop nothing waits for a Redis round trip: the probe and the retirer's
 read after it. A finished job's result is stored only once Redis has acknowledged its token events
 (`Outbox.delivered`), so a job stored as finished never lacks tokens in its stream, whatever Redis went through; if
 Redis refused or lost events (`Publisher.take_dropped` / `lost`), the streams of the jobs held here start over
-(`Outbox.resync`) before any of them is stored, and the iteration asks the worker to reconcile with Redis. `running`
+(`Outbox.resync`; a full Redis's refusals: once it has room) before any of them is stored, and the iteration asks the
+worker to reconcile with Redis. `running`
 (job id -> rose.worker.running.Running) is owned here: only this module adds or removes a job, or changes its phase.
 Each stage touching Redis runs through the worker's RedisGuard: while Redis is down the engine keeps stepping, and
 whatever a failed stage owed (a check, a store, a stop) is tried again later.
@@ -299,7 +300,7 @@ class JobLoop:
         self._publish()  # their last token events go out (and the replies in so far are read)
         faults.point("events_sent")
         if not self.engine.has_unfinished():  # no step to overlap the round trip with
-            self.outbox.publisher.flush(timeout=DELIVERY_WAIT_S)
+            self.outbox.wait(DELIVERY_WAIT_S)
             self._publish()
         # One batch in flight at a time, at most every RETIRE_EVERY_S while the engine runs: each costs Redis two
         # round trips, whatever the number of jobs in it, and a finished job's KV blocks are free already.
@@ -401,6 +402,6 @@ class JobLoop:
             for run in filter(None, map(self.running.get, dropped)):
                 self.outbox.refused(run)
             for run in filter(None, map(self.running.get, full - dropped)):
-                self.outbox.resync(run, "redis was full")
+                self.outbox.refused_for_memory(run)
         self._reconcile = True
         self.outbox.flush()  # the streams started over are handed on: no job counts as delivered before them

@@ -12,6 +12,12 @@ the loop requires before it stores a result.
 Streams (`rose:stream:<id>`) expire with the job's result TTL once the job has ended (-1: never); while the job
 runs, they live at least until its timeout plus that TTL. A running job's events re-set the expiry once a minute
 only (one Redis command less per event otherwise).
+
+A job whose events a full Redis refused (`maxmemory`: `refused_for_memory`) waits for its stream to start over until
+Redis writes a batch handed over after the refusal: another job's, or an empty one sent every RETRY_FULL_S while
+none is. Not at every step: that sent every such job's text so far to a Redis that refused it, once a step while it
+lasted (63 MB in 20 s of a full Redis at 64 jobs). Its new tokens are not sent meanwhile (the resync carries them),
+and it is not `delivered`.
 """
 
 from __future__ import annotations
@@ -32,6 +38,9 @@ from rose.worker.running import Running
 log = logging.getLogger(__name__)
 
 STREAM_TTL_REFRESH_S = 60  # a running job's events re-set its stream's expiry this often (it is hours long)
+RETRY_FULL_S = (
+    0.5  # while streams wait for a full Redis, it is asked this often whether it has room (as the guard)
+)
 
 
 def ended_stream_ttl(result_ttl: int | None) -> int:
@@ -71,6 +80,11 @@ class Outbox:
         self._runs: list[Running] = []  # the jobs of `_events`, for their `events_batch`
         self._held: dict[str, dict[int, _Held]] = {}  # job id -> choice index -> its held tokens
         self._release_at = 0.0  # monotonic time of the next release of held tokens
+        self._waiting: dict[str, Running] = {}  # jobs whose streams start over once a full Redis has room
+        self._waiting_after = (
+            0  # the last batch handed over when a full Redis's refusal was told: a later one written
+        )
+        self._retry_full_at = 0.0  # monotonic time of the next empty batch asking a full Redis
 
     # ---- a job's events ----------------------------------------------------------------------------------------
 
@@ -88,7 +102,7 @@ class Outbox:
         choice finished with them). Nothing for a job that is not streamed. They go out at once as the job's first
         event, with what the choice held once it has finished, or at every step without a `stream_interval`;
         otherwise they are held until the next release. Either way one path makes the event (`_token_event`)."""
-        if not run.streamed:
+        if not run.streamed or run.id in self._waiting:
             return
         choices = self._held.get(run.id)
         held = choices.get(index) if choices is not None else None
@@ -120,6 +134,7 @@ class Outbox:
     def reset(self, run: Running, reason: str = "restart") -> None:
         """The job starts over (an earlier attempt's events are in its stream): subscribers drop what they had."""
         self._held.pop(run.id, None)
+        self._waiting.pop(run.id, None)
         run.stream_ttl_due = 0.0
         run.seq = 0
         data = ResetEvent(job_id=run.id, reason=reason).to_json()
@@ -145,10 +160,21 @@ class Outbox:
         elif run.refusals == 2:
             log.error("job %s: Redis refuses its events again; it goes on without its stream", run.id)
 
+    def refused_for_memory(self, run: Running) -> None:
+        """A full Redis refused events of the job (`take_dropped`): its stream starts over once Redis has room (not
+        held against the job, as `refused` is)."""
+        self._held.pop(run.id, None)
+        if not self._waiting:
+            self._retry_full_at = time.monotonic() + RETRY_FULL_S
+        self._waiting[run.id] = run
+        self._waiting_after = self.publisher.last_batch
+
     def terminal(self, run: Running, kind: Any, **fields: Any) -> None:
         """The job's last event (`kind`: DoneEvent, ErrorEvent, CanceledEvent, with its `fields`), after its held
         tokens, its end stored in RQ and the job marked (rose.worker.seal): written while the mark holds. Its stream
-        now expires with the job's result."""
+        now expires with the job's result; a stream waiting for a full Redis starts over first."""
+        if run.id in self._waiting:
+            self.resync(run, "redis was full")
         self.release(run)
         event = kind(job_id=run.id, seq=run.next_seq(), **fields)
         ttl = stream_ttl(self.default_result_ttl, run.job)
@@ -177,27 +203,42 @@ class Outbox:
     def forget(self, run: Running) -> None:
         """Drop what is held for a job this worker lets go without an end of its own (taken by another worker)."""
         self._held.pop(run.id, None)
+        self._waiting.pop(run.id, None)
 
     # ---- delivery ------------------------------------------------------------------------------------------------
 
     def delivered(self, run: Running) -> bool:
         """Whether Redis has written (or refused, and the loop was told) every event of the job handed to the
         publisher so far."""
-        return run.events_batch <= self.publisher.settled
+        return run.id not in self._waiting and run.events_batch <= self.publisher.settled
 
     def in_flight(self) -> set[str]:
-        """The jobs with events queued here or not acknowledged by Redis yet."""
-        return {e.job_id for e in self._events} | self.publisher.unacked_jobs()
+        """The jobs with events queued here or not acknowledged by Redis yet, or waiting for a full Redis."""
+        return {e.job_id for e in self._events} | self.publisher.unacked_jobs() | set(self._waiting)
 
     @property
     def idle(self) -> bool:
         """Nothing queued or held here, nor unacknowledged by Redis."""
-        return not self._events and not self._held and self.publisher.backlog == 0
+        return not (self._events or self._held or self._waiting) and self.publisher.backlog == 0
+
+    def wait(self, timeout: float) -> None:
+        """Wait, up to `timeout` s, until Redis has acknowledged everything handed over and, while streams wait for a
+        full Redis, until it is next asked (an idle loop would spin meanwhile)."""
+        deadline = time.monotonic() + timeout
+        self.publisher.flush(timeout=timeout)
+        if self._waiting:
+            time.sleep(max(0.0, min(self._retry_full_at, deadline) - time.monotonic()))
 
     def flush(self, *, release: bool = False) -> None:
         """Hand the queued events to the publisher (which also collects Redis's replies, or retries after an
         outage), with the held tokens if their release is due (`release`: now)."""
         now = time.monotonic()
+        if self._waiting and self.publisher.written > self._waiting_after:  # Redis has room
+            for run in list(self._waiting.values()):
+                self.resync(run, "redis was full")
+        elif self._waiting and now >= self._retry_full_at:  # an empty batch asks, not every text so far
+            self._retry_full_at = now + RETRY_FULL_S
+            self.publisher.verify()
         if self._held and (release or now >= self._release_at):
             for job_id in list(self._held):
                 self._release(job_id)

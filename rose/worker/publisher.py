@@ -156,6 +156,7 @@ class Publisher:
         self._dropped: set[str] = set()
         self._full: set[str] = set()  # in batches a full Redis refused
         self.acked = 0  # number of the last batch Redis answered (applied, or refused and dropped)
+        self.written = 0  # number of the last batch Redis applied
         self.settled = 0  # `acked` as the last `take_dropped` saw it: the refusals up to it are handed on
         self.sent_events = 0  # events acknowledged by Redis
         self.lost = False  # Redis lost writes it had acknowledged (set here, cleared by the reader)
@@ -193,6 +194,11 @@ class Publisher:
     def unacked_jobs(self) -> set[str]:
         """The jobs with events in batches Redis has not answered yet."""
         return {job_id for batch in self._unacked for job_id in batch.job_ids}
+
+    @property
+    def last_batch(self) -> int:
+        """The number of the last batch handed over (0: none yet)."""
+        return self._batch_no
 
     @property
     def backlog(self) -> int:
@@ -327,6 +333,7 @@ class Publisher:
                 )
                 self.lost = True
             self._refused_for_memory = 0
+            self.written = batch.number
         self._unacked.popleft()
         self._sent -= 1
         self.acked = batch.number

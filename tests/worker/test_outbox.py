@@ -1,6 +1,6 @@
 """rose.worker.outbox.Outbox.token alone, without Redis: which tokens go out at once, which are held, and that every
 event (first, held, a finished choice's, released, resynced) carries exactly the tokens since the choice's last; and
-what a refusal of a job's events starts (`refused`)."""
+what a refusal of a job's events starts (`refused`; a full Redis's: `refused_for_memory`)."""
 
 from __future__ import annotations
 
@@ -9,18 +9,25 @@ import logging
 import time
 from types import SimpleNamespace
 
-from rose.worker.outbox import Outbox
+from rose.jobs.events import CanceledEvent
+from rose.worker.outbox import RETRY_FULL_S, Outbox
 from rose.worker.running import Choice, Running
 
 
 class StubPublisher:
     """What the outbox asks of rose.worker.publisher.Publisher: batches kept here, never sent."""
 
-    acked = 0
+    acked = settled = written = last_batch = verified = 0
     backlog = 0
 
     def __init__(self) -> None:
         self.batches: list[list] = []
+
+    def flush(self, timeout: float | None = None) -> bool:
+        return True
+
+    def verify(self) -> None:  # an empty batch
+        self.verified += 1
 
     def send(self, events: list) -> int:
         self.batches.append(list(events))
@@ -132,3 +139,73 @@ def test_refused_events_start_the_stream_over_once_then_the_job_goes_on_without_
     assert [r.getMessage() for r in caplog.records] == [
         "job j: Redis refuses its events again; it goes on without its stream"
     ]
+
+
+class FullClock:
+    """rose.worker.outbox's `time`, stepped by hand."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def test_a_stream_a_full_redis_refused_starts_over_once_redis_writes_a_later_batch_not_at_every_step(
+    monkeypatch,
+):
+    clock = FullClock()
+    monkeypatch.setattr("rose.worker.outbox.time", clock)
+    publisher = StubPublisher()
+    publisher.written = publisher.last_batch = publisher.settled = 0
+    outbox, run = Outbox(publisher, 500, stream_interval=0), running()
+    run.choices[0].text, run.choices[0].token_ids = ["a", "b"], [1, 2]
+    outbox.token(run, "a", [1])
+    outbox.token(run, "b", [2])
+    assert len(sent(outbox, publisher)) == 2
+    publisher.last_batch = publisher.settled = 1  # that batch, refused for memory (take_dropped)
+    outbox.refused_for_memory(run)
+    assert not outbox.delivered(run) and not outbox.idle and "j" in outbox.in_flight()
+    for _ in range(20):  # steps while Redis is full: the new tokens wait in the job, nothing is sent
+        run.choices[0].text.append("c")
+        run.choices[0].token_ids.append(3)
+        outbox.token(run, "c", [3])
+        assert sent(outbox, publisher) == []
+    clock.now += 0.1
+    publisher.written = 2  # a later batch (another job's) written: Redis has room
+    reset, tokens = sent(outbox, publisher)
+    assert (reset["type"], reset["reason"]) == ("reset", "redis was full")
+    assert (tokens["seq"], tokens["text"], tokens["token_ids"]) == (0, "ab" + "c" * 20, [1, 2] + [3] * 20)
+    publisher.settled = 3
+    assert outbox.delivered(run) and outbox.idle
+
+
+def test_a_full_redis_is_asked_with_an_empty_batch_every_half_second_while_nothing_else_is_written(
+    monkeypatch,
+):
+    clock = FullClock()
+    monkeypatch.setattr("rose.worker.outbox.time", clock)
+    publisher = StubPublisher()
+    outbox, run = Outbox(publisher, 500, stream_interval=0), running()
+    run.choices[0].text, run.choices[0].token_ids = ["a"], [1]
+    outbox.refused_for_memory(run)
+    clock.now += RETRY_FULL_S / 2
+    assert sent(outbox, publisher) == [] and publisher.verified == 0
+    outbox.wait(timeout=5)  # an idle loop sleeps until Redis is asked again, not longer
+    assert clock.now == 1000.0 + RETRY_FULL_S
+    assert sent(outbox, publisher) == [] and publisher.verified == 1  # asked, without the text so far
+    assert sent(outbox, publisher) == [] and publisher.verified == 1  # once each half second
+    publisher.written = 1  # the empty batch written: Redis has room
+    reset, tokens = sent(outbox, publisher)
+    assert reset["type"] == "reset" and tokens["text"] == "a"
+    publisher.last_batch = 2
+    outbox.refused_for_memory(run)  # refused again: asked again half a second on
+    outbox.wait(timeout=0.1)
+    assert clock.now == 1000.0 + RETRY_FULL_S + 0.1 and sent(outbox, publisher) == []
+    outbox.terminal(
+        run, CanceledEvent, reason="stopped"
+    )  # an end goes out at once, after the stream's restart
+    assert [e["type"] for e in sent(outbox, publisher)] == ["reset", "token", "canceled"]

@@ -107,10 +107,16 @@ def test_redis_outage_worker_carries_on(persistent_redis_server):
         wt.stop(force=True)
 
 
+def refused_for_memory(r: redis.Redis) -> int:
+    """The commands Redis has refused for memory since it started (`INFO errorstats`)."""
+    return int(r.info("errorstats").get("errorstat_OOM", {}).get("count", 0))
+
+
 def test_a_full_redis_is_waited_out_and_every_stream_is_whole_after(new_redis_server, caplog):
     """Redis reaches its maxmemory (noeviction) mid-generation: it refuses every write for a while (the heartbeat,
-    takes, events, results). The worker waits, generating on, logs it once in a while rather than each refusal,
-    and once Redis has room stores every job with its whole stream."""
+    takes, events, results). The worker waits, generating on, tries again twice a second rather than at each step,
+    logs it once in a while rather than each refusal, and once Redis has room stores every job with its whole
+    stream."""
     r = new_redis_server.client()
     client = Client(r)
     jobs = client.submit_many([{"prompt": "a", "max_tokens": 60} for _ in range(3)])
@@ -122,8 +128,12 @@ def test_a_full_redis_is_waited_out_and_every_stream_is_whole_after(new_redis_se
         r.config_set("maxmemory", 1)  # below what it holds: every write refused
         with pytest.raises(redis.exceptions.OutOfMemoryError):
             r.set("probe", 1)
+        refused = refused_for_memory(r)
         time.sleep(2)  # beyond the 60 tokens the jobs have to generate
+        refused = refused_for_memory(r) - refused
         assert wt.thread.is_alive() and wt.error is None
+        # tried again twice a second (the guard's probe, the streams' restart), not at each step: 53 before
+        assert refused <= 20
         assert all(j.status() != "finished" for j in jobs)  # their results waited too
         r.config_set("maxmemory", 0)
         for j in jobs + later:
