@@ -37,6 +37,22 @@ def counters(r) -> tuple[int, int, dict[str, dict[str, int]]]:
     return refused, int(r.info("stats")["total_net_input_bytes"]), r.info("commandstats")
 
 
+def _by_command(before: dict, after: dict, top: int = 5) -> tuple[str, str]:
+    """The commands called most, and refused most (for memory, or failed: a script whose write was refused), between
+    two `INFO commandstats`."""
+
+    def delta(name: str, *fields: str) -> int:
+        return sum(after[name].get(f, 0) - before.get(name, {}).get(f, 0) for f in fields)
+
+    def most(counts: dict[str, int]) -> str:
+        ranked = sorted(((c, n) for n, c in counts.items() if c), reverse=True)[:top]
+        return ", ".join(f"{n.removeprefix('cmdstat_')} {c}" for c, n in ranked) or "none"
+
+    calls = {name: delta(name, "calls") for name in after}
+    refused = {name: delta(name, "rejected_calls", "failed_calls") for name in after}
+    return most(calls), most(refused)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--jobs", type=int, default=600)
@@ -71,17 +87,11 @@ def main(argv: list[str] | None = None) -> int:
             rest_s = time.monotonic() - roomy
             bad = {job.id: problems for job in jobs if (problems := audit(r, job.id))}
             alive = worker.proc.poll() is None
-    calls = {
-        name.removeprefix("cmdstat_"): sum(
-            v.get(k, 0) - before[2].get(name, {}).get(k, 0) for k in ("calls", "rejected_calls")
-        )
-        for name, v in after[2].items()
-    }
-    busiest = ", ".join(f"{n} {c}" for n, c in sorted(calls.items(), key=lambda kv: -kv[1])[:5] if c)
+    calls, refusals = _by_command(before[2], after[2])
     print(
         f"full {full_s:.0f} s ({'every write refused' if not args.margin else f'{args.margin:,} bytes of room'}): "
         f"{after[0] - before[0]} commands refused for memory, {(after[1] - before[1]) / 1e6:.2f} MB received; "
-        f"most called: {busiest}"
+        f"most called: {calls}; most refused: {refusals}"
     )
     print(
         f"{done_full - RUNNING} jobs finished while full; the other {args.jobs - done_full} in {rest_s:.1f} s after"
