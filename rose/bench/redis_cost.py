@@ -3,7 +3,8 @@
 A real redis-server and a real rose-worker (tiny-llama on CPU); `num_jobs` jobs of `max_tokens` tokens each
 (greedy, EOS ignored) enqueued at once with plain RQ, then waited for; Redis's own accounting (rose.bench.redis_meter)
 from the enqueue to the last result, divided by the tokens generated and by the jobs: main-thread CPU net of Redis's
-idle rate, commands, round trips, and the memory left until the streams and results expire. Once for each mode:
+idle rate, commands, round trips, and the memory left until the streams and results expire (`used_memory`, less the
+latency histograms Redis makes once a server: rose.bench.redis_meter). Once for each mode:
 `streamed` (the default `stream: true`) and `not-streamed` (`stream: false`), each on a fresh Redis and worker.
 
 Where the machine has CPUs to spare, Redis runs on a CPU of its own and the worker on the others (`taskset`), as in
@@ -136,6 +137,7 @@ def run_mode(cfg: RedisCostConfig, mode: str, cpus: dict[str, str | None]) -> Mo
     fields = {"max_tokens": cfg.max_tokens, "ignore_eos": True, "temperature": 0, "stream": mode == STREAMED}
     with RedisServerProcess(args=list(cfg.redis_args), cpus=cpus["redis"]).start() as server:
         r = server.client()
+        histogram = redis_meter.histogram_bytes(r)
         with WorkerProcess(server.url, "cost", wargs, env=env, cpus=cpus["worker"]) as worker:
             worker.wait_ready(engine_info=True)
             q = Queue(keys.DEFAULT_QUEUE, connection=r, serializer=JSONSerializer)
@@ -155,7 +157,7 @@ def run_mode(cfg: RedisCostConfig, mode: str, cpus: dict[str, str | None]) -> Mo
             done = lambda: r.zcard(finished.key) >= cfg.num_jobs + 1  # noqa: E731
             wait_for(done, cfg.timeout_s, "every job", interval=0.5)
             after = redis_meter.snapshot(r)
-            used = redis_meter.usage(before, after, idle)
+            used = redis_meter.usage(before, after, idle, histogram)
             families = redis_meter.memory_by_family(r)
     tokens = cfg.num_jobs * cfg.max_tokens
     return ModeResult(

@@ -36,6 +36,24 @@ def test_usage_counts_what_redis_did_between_two_snapshots(new_redis_server):
     assert redis_meter.usage(a, b, idle_cpu_per_s=1e9).net_cpu_s == 0  # idle never makes it negative
 
 
+def test_usage_takes_out_the_latency_histogram_redis_makes_at_a_commands_first_call(new_redis_server):
+    """Redis 7 allocates a histogram for each command at its first call, once a server: not a workload's memory."""
+    r = new_redis_server.client()
+    histogram = redis_meter.histogram_bytes(r)
+    tracking = bool(r.info("latencystats"))  # Redis 7's latency-tracking (on by default); nothing before 7
+    assert (histogram > 10_000) == tracking
+    a = redis_meter.snapshot(r)
+    r.pfadd("hll", "a")  # a command nobody called yet: a small key, and its histogram
+    b = redis_meter.snapshot(r)
+    used = redis_meter.usage(a, b, histogram=histogram)
+    assert used.histograms == (1 if tracking else 0)
+    assert b.memory - a.memory - used.memory == histogram * used.histograms
+    assert 0 < used.memory < 1000  # the key alone
+    a = redis_meter.snapshot(r)
+    r.pfadd("hll2", "b")  # called before: no new histogram
+    assert redis_meter.usage(a, redis_meter.snapshot(r), histogram=histogram).histograms == 0
+
+
 def test_memory_by_family_groups_keys_by_their_first_two_parts(new_redis_server):
     r = new_redis_server.client()
     for i in range(3):
