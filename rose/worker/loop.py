@@ -174,11 +174,6 @@ class JobLoop:
         self._publish()
         return left
 
-    def resync(self, reason: str) -> None:
-        """Start over the streams of every job held here (Redis lost some of their events: a failover)."""
-        for run in [*self.running.values(), *self.retirer.runs()]:
-            self.outbox.resync(run, reason)
-
     # ---- take ----------------------------------------------------------------------------------------------------
 
     def room(self) -> int:
@@ -275,8 +270,13 @@ class JobLoop:
             self.endings.failed_elsewhere(run)
             self._let_go(run)
         elif verdict is Verdict.STORED:  # our retirement reached Redis but its reply was lost
-            self._let_go(run)
-            self.endings.stored(run)
+            self._let_go(run, forget=False)
+            try:
+                self.endings.stored(
+                    run
+                )  # its done event, after a stream waiting for a full Redis starts over
+            finally:
+                self.outbox.forget(run)
         elif verdict is Verdict.LOST:  # requeued by another worker that took us for dead (a long outage)
             log.warning("job %s is now %s; dropping our copy", run.id, finding.detail)
             self._let_go(run)
@@ -376,7 +376,12 @@ class JobLoop:
         is out of the engine all the same, and recovery requeues it later (it runs, and fails, again). Its held
         tokens go out before its error event, or are dropped if RQ retries it (rose.worker.endings)."""
         self._let_go(run, forget=False)
-        self.guard.run("failure", functools.partial(self.endings.fail, run, message, retry=retry, **kwargs))
+        try:
+            self.guard.run(
+                "failure", functools.partial(self.endings.fail, run, message, retry=retry, **kwargs)
+            )
+        finally:
+            self.outbox.forget(run)  # the failure not written (Redis down, full): nothing of it stays here
 
     def _fail_deadline(self, run: Running, when: str, started: bool) -> None:
         assert run.request is not None and run.request.deadline is not None
@@ -387,21 +392,6 @@ class JobLoop:
     # ---- publish -------------------------------------------------------------------------------------------------
 
     def _publish(self) -> None:
-        """Hand the queued events to the publisher, then act on what Redis's replies so far say: jobs whose events
-        it refused, or events it lost, have their streams started over here before any of them is stored, and the
-        worker reconciles."""
-        self.outbox.flush()
-        publisher = self.outbox.publisher
-        dropped, full = publisher.take_dropped()
-        if not (publisher.lost or dropped or full):
-            return
-        if publisher.lost:
-            publisher.lost = False
-            self.resync("redis lost events")
-        else:  # refused for memory: not held against the job; an ended job's terminal event: repaired (reconcile)
-            for run in filter(None, map(self.running.get, dropped)):
-                self.outbox.refused(run)
-            for run in filter(None, map(self.running.get, full - dropped)):
-                self.outbox.refused_for_memory(run)
-        self._reconcile = True
-        self.outbox.flush()  # the streams started over are handed on: no job counts as delivered before them
+        """Hand the queued events to the publisher and act on what Redis's replies so far say (`Outbox.publish`):
+        streams started over before any of their jobs is stored; the worker reconciles after a refusal or a loss."""
+        self._reconcile |= self.outbox.publish(self.running, self.retirer.runs)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -102,7 +103,7 @@ class Outbox:
         choice finished with them). Nothing for a job that is not streamed. They go out at once as the job's first
         event, with what the choice held once it has finished, or at every step without a `stream_interval`;
         otherwise they are held until the next release. Either way one path makes the event (`_token_event`)."""
-        if not run.streamed or run.id in self._waiting:
+        if not run.streamed or self._waits(run):
             return
         choices = self._held.get(run.id)
         held = choices.get(index) if choices is not None else None
@@ -173,7 +174,7 @@ class Outbox:
         """The job's last event (`kind`: DoneEvent, ErrorEvent, CanceledEvent, with its `fields`), after its held
         tokens, its end stored in RQ and the job marked (rose.worker.seal): written while the mark holds. Its stream
         now expires with the job's result; a stream waiting for a full Redis starts over first."""
-        if run.id in self._waiting:
+        if self._waits(run):
             self.resync(run, "redis was full")
         self.release(run)
         event = kind(job_id=run.id, seq=run.next_seq(), **fields)
@@ -210,7 +211,7 @@ class Outbox:
     def delivered(self, run: Running) -> bool:
         """Whether Redis has written (or refused, and the loop was told) every event of the job handed to the
         publisher so far."""
-        return run.id not in self._waiting and run.events_batch <= self.publisher.settled
+        return not self._waits(run) and run.events_batch <= self.publisher.settled
 
     def in_flight(self) -> set[str]:
         """The jobs with events queued here or not acknowledged by Redis yet, or waiting for a full Redis."""
@@ -226,8 +227,32 @@ class Outbox:
         full Redis, until it is next asked (an idle loop would spin meanwhile)."""
         deadline = time.monotonic() + timeout
         self.publisher.flush(timeout=timeout)
-        if self._waiting:
+        if self._waiting and self.publisher.written <= self._waiting_after:  # else: their turn is now
             time.sleep(max(0.0, min(self._retry_full_at, deadline) - time.monotonic()))
+
+    def publish(self, running: Mapping[str, Running], retiring: Callable[[], list[Running]]) -> bool:
+        """`flush`, then act on what Redis's replies so far say of the jobs held (`running` by id; `retiring`: the
+        finished ones being stored): after a loss (a failover), every held job's stream starts over; a job whose
+        events Redis refused for good starts over once (`refused`), one refused for memory once Redis has room
+        (`refused_for_memory`); an ended job's refused terminal event is left to the worker's reconciliation.
+        The streams started over are handed on at once: no job counts as delivered before them. Returns whether the
+        worker must reconcile with Redis (a refusal or a loss)."""
+        self.flush()
+        publisher = self.publisher
+        dropped, full = publisher.take_dropped()
+        if not (publisher.lost or dropped or full):
+            return False
+        if publisher.lost:
+            publisher.lost = False
+            for run in [*running.values(), *retiring()]:
+                self.resync(run, "redis lost events")
+        else:
+            for run in filter(None, map(running.get, dropped)):
+                self.refused(run)
+            for run in filter(None, map(running.get, full - dropped)):
+                self.refused_for_memory(run)
+        self.flush()
+        return True
 
     def flush(self, *, release: bool = False) -> None:
         """Hand the queued events to the publisher (which also collects Redis's replies, or retries after an
@@ -252,6 +277,14 @@ class Outbox:
             self.publisher.poll()
 
     # ---- internals -----------------------------------------------------------------------------------------------
+
+    def _waits(self, run: Running) -> bool:
+        """Whether this very job waits for a full Redis. An earlier attempt of its id found there is dropped (the
+        loop forgets a job it lets go, so none should be): its restart must not reach the new attempt's stream."""
+        waiting = self._waiting.get(run.id)
+        if waiting is not None and waiting is not run:
+            del self._waiting[run.id]
+        return waiting is run
 
     def _hold(self, held: _Held) -> None:
         """Keep the choice's tokens until the next release (its clock starts with the first tokens held)."""

@@ -24,7 +24,7 @@ Two things make the publisher's view of Redis wrong, and it reports both rather 
   loop to restart the streams of the jobs it holds (rose.worker.outbox `resync`).
 A batch a full Redis refused (`maxmemory`) wrote nothing (a script's first write is refused): `take_dropped()` names
 its jobs apart, whose streams start over as often as it takes (a refusal for good gives up on a job's stream), and
-the gap it leaves in the counter is not a loss.
+the gap it leaves in the counter is not a loss; nor is an empty batch's (`verify`), whatever refused it.
 
 Used by the engine loop's thread only (not thread-safe).
 
@@ -149,8 +149,10 @@ class Publisher:
         self._backoff = 0.05
         self._down_since: float | None = None  # monotonic time of the first failure of an outage
         self._logged_at = 0.0
-        self._full_logged_at = -LOG_EVERY_S  # refusals for memory: logged once in a while
-        self._refused_for_memory = 0  # batches refused since the last one written: the counter's next gap
+        self._refusal_logged_at: dict[
+            str, float
+        ] = {}  # refusals for memory, of empty batches: logged now and then
+        self._refused_unwritten = 0  # batches refused, written nothing, since the last written: the next gap
         self._counter_key = f"rose:publisher:{uuid.uuid4().hex}"
         self._batch_no = 0
         self._dropped: set[str] = set()
@@ -297,16 +299,21 @@ class Publisher:
             reply = conn.read_response()
         except redis.ResponseError as exc:
             # The whole batch refused: the counter did not move, so the next batch reports a gap. Refused for
-            # memory, it is transient: these jobs' streams start over (`take_dropped`) and the gap is explained.
-            if is_oom(exc):
-                self._refused_for_memory += 1
+            # memory, it is transient: these jobs' streams start over (`take_dropped`) and the gap is explained,
+            # as is an empty batch's.
+            if is_oom(exc) or not batch.job_ids:  # wrote nothing: an empty batch writes only its counter
+                self._refused_unwritten += 1
                 self._full.update(batch.job_ids)
-                if (now := time.monotonic()) - self._full_logged_at >= LOG_EVERY_S:
-                    self._full_logged_at = now
-                    log.error(
-                        "publisher: Redis is full (maxmemory) and refuses events (%s); streams start over",
-                        exc,
-                    )
+                kind = "full" if is_oom(exc) else "empty"
+                if (now := time.monotonic()) - self._refusal_logged_at.get(kind, -LOG_EVERY_S) >= LOG_EVERY_S:
+                    self._refusal_logged_at[kind] = now
+                    if is_oom(exc):
+                        log.error(
+                            "publisher: Redis is full (maxmemory) and refuses events (%s); streams start over",
+                            exc,
+                        )
+                    else:
+                        log.warning("publisher: Redis refused an empty batch (%s)", exc)
             else:  # a bug: sending it again would fail forever; the loop repairs these jobs' streams
                 log.exception("publisher: Redis refused %d events; dropping them", len(batch.job_ids))
                 self._dropped.update(batch.job_ids)
@@ -326,13 +333,13 @@ class Publisher:
                     _text(reply[1]),
                 )
                 self._dropped.update(refused)
-            if -code > self._refused_for_memory:  # more batches missing than were refused for memory
+            if -code > self._refused_unwritten:  # more batches missing than were refused unwritten
                 log.error(
                     "publisher: Redis lost event batches it had acknowledged (a failover, or a restart without "
                     "persistence); the streams of running jobs start over"
                 )
                 self.lost = True
-            self._refused_for_memory = 0
+            self._refused_unwritten = 0
             self.written = batch.number
         self._unacked.popleft()
         self._sent -= 1

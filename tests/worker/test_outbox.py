@@ -209,3 +209,37 @@ def test_a_full_redis_is_asked_with_an_empty_batch_every_half_second_while_nothi
         run, CanceledEvent, reason="stopped"
     )  # an end goes out at once, after the stream's restart
     assert [e["type"] for e in sent(outbox, publisher)] == ["reset", "token", "canceled"]
+
+
+def test_a_waiting_attempt_left_behind_holds_back_no_later_attempt_of_its_job(monkeypatch):
+    clock = FullClock()
+    monkeypatch.setattr("rose.worker.outbox.time", clock)
+    publisher = StubPublisher()
+    outbox, old = Outbox(publisher, 500, stream_interval=0), running()
+    publisher.last_batch = 1
+    outbox.refused_for_memory(
+        old
+    )  # and the loop let it go without forgetting it (a bug: `forget` is the rule)
+    new = running()  # the same job id, taken again
+    new.choices[0].text, new.choices[0].token_ids = ["a"], [1]
+    outbox.token(new, "a", [1])
+    (event,) = sent(outbox, publisher)
+    assert (event["seq"], event["text"]) == (0, "a")
+    publisher.settled = 1
+    assert outbox.delivered(new) and outbox.idle  # the earlier attempt is gone: it restarts nothing
+    publisher.written = 2
+    clock.now += 1
+    assert sent(outbox, publisher) == []
+
+
+def test_an_idle_loop_does_not_wait_for_the_next_ask_once_redis_wrote_a_later_batch(monkeypatch):
+    clock = FullClock()
+    monkeypatch.setattr("rose.worker.outbox.time", clock)
+    publisher = StubPublisher()
+    outbox, run = Outbox(publisher, 500, stream_interval=0), running()
+    publisher.last_batch = 1
+    outbox.refused_for_memory(run)
+    publisher.written = 2
+    outbox.wait(timeout=5)
+    assert clock.now == 1000.0  # no sleep: the streams start over at this flush
+    assert [e["type"] for e in sent(outbox, publisher)] == ["reset"]  # no tokens generated yet

@@ -189,6 +189,26 @@ def test_a_batch_a_full_redis_refused_is_named_apart_and_its_gap_is_no_loss(r, c
     assert caplog.text.count("Redis is full (maxmemory)") == 1  # once, not a line a batch
 
 
+def test_an_empty_batch_refused_for_any_reason_wrote_nothing_and_its_gap_is_no_loss(r, caplog):
+    """`verify`'s empty batch (the outbox asks a full Redis with one) writes only the counter: refused, whatever
+    the reason, it leaves a gap that is no loss."""
+    pub = Publisher(r)
+    pub.send([ev("a", 0)])
+    assert pub.flush(timeout=5)
+    (counter,) = r.keys("rose:publisher:*")
+    value = r.get(counter)
+    r.delete(counter)
+    r.hset(counter, "x", 1)  # a counter of the wrong type: the script's GET refused (WRONGTYPE)
+    pub.verify()
+    assert pub.flush(timeout=5) and pub.written == 1 and pub.acked == 2
+    r.delete(counter)
+    r.set(counter, value)
+    pub.send([ev("a", 1)])
+    assert pub.flush(timeout=5) and pub.written == 3
+    assert not pub.lost and "lost event batches" not in caplog.text
+    assert pub.take_dropped() == (set(), set()) and seqs(r, "a") == [0, 1]
+
+
 def test_acked_is_the_last_batch_redis_answered(r):
     pub = Publisher(r)
     numbers = [pub.send([ev("a", i)]) for i in range(3)]
