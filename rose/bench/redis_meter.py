@@ -42,9 +42,8 @@ class Usage:
     reads: int
     commands: int
     memory: int  # bytes added (used_memory), less the latency histograms made meanwhile
-    histograms: int = (
-        0  # latency histograms made meanwhile (commands called first), ~24 KB each, once a server
-    )
+    # latency histograms made meanwhile (commands called first), ~24 KB each, once a server
+    histograms: int = 0
     commandstats: dict[str, dict[str, float]] = field(default_factory=dict)  # name -> calls, usec (deltas)
 
     @property

@@ -271,10 +271,8 @@ class JobLoop:
             self._let_go(run)
         elif verdict is Verdict.STORED:  # our retirement reached Redis but its reply was lost
             self._let_go(run, forget=False)
-            try:
-                self.endings.stored(
-                    run
-                )  # its done event, after a stream waiting for a full Redis starts over
+            try:  # its done event, after a stream waiting for a full Redis starts over
+                self.endings.stored(run)
             finally:
                 self.outbox.forget(run)
         elif verdict is Verdict.LOST:  # requeued by another worker that took us for dead (a long outage)

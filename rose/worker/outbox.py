@@ -39,9 +39,8 @@ from rose.worker.running import Running
 log = logging.getLogger(__name__)
 
 STREAM_TTL_REFRESH_S = 60  # a running job's events re-set its stream's expiry this often (it is hours long)
-RETRY_FULL_S = (
-    0.5  # while streams wait for a full Redis, it is asked this often whether it has room (as the guard)
-)
+# while streams wait for a full Redis, it is asked this often whether it has room (as the guard asks)
+RETRY_FULL_S = 0.5
 
 
 def ended_stream_ttl(result_ttl: int | None) -> int:
@@ -82,9 +81,8 @@ class Outbox:
         self._held: dict[str, dict[int, _Held]] = {}  # job id -> choice index -> its held tokens
         self._release_at = 0.0  # monotonic time of the next release of held tokens
         self._waiting: dict[str, Running] = {}  # jobs whose streams start over once a full Redis has room
-        self._waiting_after = (
-            0  # the last batch handed over when a full Redis's refusal was told: a later one written
-        )
+        # the last batch handed over when a full Redis's refusal was told: a later one written means room
+        self._waiting_after = 0
         self._retry_full_at = 0.0  # monotonic time of the next empty batch asking a full Redis
 
     # ---- a job's events ----------------------------------------------------------------------------------------

@@ -149,9 +149,8 @@ class Publisher:
         self._backoff = 0.05
         self._down_since: float | None = None  # monotonic time of the first failure of an outage
         self._logged_at = 0.0
-        self._refusal_logged_at: dict[
-            str, float
-        ] = {}  # refusals for memory, of empty batches: logged now and then
+        # refusals for memory ("full"), of empty batches ("empty"): each logged now and then
+        self._refusal_logged_at: dict[str, float] = {}
         self._refused_unwritten = 0  # batches refused, written nothing, since the last written: the next gap
         self._counter_key = f"rose:publisher:{uuid.uuid4().hex}"
         self._batch_no = 0
@@ -301,13 +300,14 @@ class Publisher:
             # The whole batch refused: the counter did not move, so the next batch reports a gap. Refused for
             # memory, it is transient: these jobs' streams start over (`take_dropped`) and the gap is explained,
             # as is an empty batch's.
-            if is_oom(exc) or not batch.job_ids:  # wrote nothing: an empty batch writes only its counter
+            oom = is_oom(exc)
+            if oom or not batch.job_ids:  # wrote nothing: an empty batch writes only its counter
                 self._refused_unwritten += 1
                 self._full.update(batch.job_ids)
-                kind = "full" if is_oom(exc) else "empty"
+                kind = "full" if oom else "empty"
                 if (now := time.monotonic()) - self._refusal_logged_at.get(kind, -LOG_EVERY_S) >= LOG_EVERY_S:
                     self._refusal_logged_at[kind] = now
-                    if is_oom(exc):
+                    if oom:
                         log.error(
                             "publisher: Redis is full (maxmemory) and refuses events (%s); streams start over",
                             exc,

@@ -87,6 +87,5 @@ def test_text_deltas_are_the_first_choices_and_an_end_other_than_done_raises():
     canceled = next(Cursor("j").read([("s", [canceled_entry])]))
     with pytest.raises(JobCanceled, match="stopped"):
         TextDeltas("j").delta(canceled)
-    assert (
-        TextDeltas("j").delta(next(Cursor("j").read([("s", [("7-0", reset)])]))) is None
-    )  # no text given yet
+    no_text = next(Cursor("j").read([("s", [("7-0", reset)])]))
+    assert TextDeltas("j").delta(no_text) is None  # no text given yet

@@ -9,6 +9,8 @@ import logging
 import time
 from types import SimpleNamespace
 
+import pytest
+
 from rose.jobs.events import CanceledEvent
 from rose.worker.outbox import RETRY_FULL_S, Outbox
 from rose.worker.running import Choice, Running
@@ -154,14 +156,18 @@ class FullClock:
         self.now += seconds
 
 
-def test_a_stream_a_full_redis_refused_starts_over_once_redis_writes_a_later_batch_not_at_every_step(
-    monkeypatch,
-):
+@pytest.fixture
+def full(monkeypatch: pytest.MonkeyPatch) -> tuple[FullClock, StubPublisher, Outbox]:
+    """An outbox without a stream interval on a stub publisher, its clock stepped by hand."""
     clock = FullClock()
     monkeypatch.setattr("rose.worker.outbox.time", clock)
     publisher = StubPublisher()
-    publisher.written = publisher.last_batch = publisher.settled = 0
-    outbox, run = Outbox(publisher, 500, stream_interval=0), running()
+    return clock, publisher, Outbox(publisher, 500, stream_interval=0)
+
+
+def test_a_stream_a_full_redis_refused_starts_over_once_redis_writes_a_later_batch_not_at_every_step(full):
+    clock, publisher, outbox = full
+    run = running()
     run.choices[0].text, run.choices[0].token_ids = ["a", "b"], [1, 2]
     outbox.token(run, "a", [1])
     outbox.token(run, "b", [2])
@@ -183,13 +189,9 @@ def test_a_stream_a_full_redis_refused_starts_over_once_redis_writes_a_later_bat
     assert outbox.delivered(run) and outbox.idle
 
 
-def test_a_full_redis_is_asked_with_an_empty_batch_every_half_second_while_nothing_else_is_written(
-    monkeypatch,
-):
-    clock = FullClock()
-    monkeypatch.setattr("rose.worker.outbox.time", clock)
-    publisher = StubPublisher()
-    outbox, run = Outbox(publisher, 500, stream_interval=0), running()
+def test_a_full_redis_is_asked_with_an_empty_batch_every_half_second_while_nothing_else_is_written(full):
+    clock, publisher, outbox = full
+    run = running()
     run.choices[0].text, run.choices[0].token_ids = ["a"], [1]
     outbox.refused_for_memory(run)
     clock.now += RETRY_FULL_S / 2
@@ -205,21 +207,17 @@ def test_a_full_redis_is_asked_with_an_empty_batch_every_half_second_while_nothi
     outbox.refused_for_memory(run)  # refused again: asked again half a second on
     outbox.wait(timeout=0.1)
     assert clock.now == 1000.0 + RETRY_FULL_S + 0.1 and sent(outbox, publisher) == []
-    outbox.terminal(
-        run, CanceledEvent, reason="stopped"
-    )  # an end goes out at once, after the stream's restart
+    # an end goes out at once, after the stream's restart
+    outbox.terminal(run, CanceledEvent, reason="stopped")
     assert [e["type"] for e in sent(outbox, publisher)] == ["reset", "token", "canceled"]
 
 
-def test_a_waiting_attempt_left_behind_holds_back_no_later_attempt_of_its_job(monkeypatch):
-    clock = FullClock()
-    monkeypatch.setattr("rose.worker.outbox.time", clock)
-    publisher = StubPublisher()
-    outbox, old = Outbox(publisher, 500, stream_interval=0), running()
+def test_a_waiting_attempt_left_behind_holds_back_no_later_attempt_of_its_job(full):
+    clock, publisher, outbox = full
+    old = running()
     publisher.last_batch = 1
-    outbox.refused_for_memory(
-        old
-    )  # and the loop let it go without forgetting it (a bug: `forget` is the rule)
+    # and the loop let it go without forgetting it (a bug: `forget` is the rule)
+    outbox.refused_for_memory(old)
     new = running()  # the same job id, taken again
     new.choices[0].text, new.choices[0].token_ids = ["a"], [1]
     outbox.token(new, "a", [1])
@@ -232,11 +230,9 @@ def test_a_waiting_attempt_left_behind_holds_back_no_later_attempt_of_its_job(mo
     assert sent(outbox, publisher) == []
 
 
-def test_an_idle_loop_does_not_wait_for_the_next_ask_once_redis_wrote_a_later_batch(monkeypatch):
-    clock = FullClock()
-    monkeypatch.setattr("rose.worker.outbox.time", clock)
-    publisher = StubPublisher()
-    outbox, run = Outbox(publisher, 500, stream_interval=0), running()
+def test_an_idle_loop_does_not_wait_for_the_next_ask_once_redis_wrote_a_later_batch(full):
+    clock, publisher, outbox = full
+    run = running()
     publisher.last_batch = 1
     outbox.refused_for_memory(run)
     publisher.written = 2
