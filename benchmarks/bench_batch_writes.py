@@ -8,7 +8,7 @@ stream and events stored again at their size, batch_store.COMPACT_ENTRIES), alte
     python benchmarks/bench_batch_writes.py [--jobs 1536 --batches 2,8,64]
 
 A take: the dequeue script (ids moved, hashes read), then the starts in one transaction. A retirement: the
-store_if_ours script with RQ's success writes and each job's done event (a not-streamed job: 128 generated tokens).
+retirer's two rounds (WATCH and reads, then MULTI/EXEC) with RQ's success writes and each job's done event (a not-streamed job: 128 generated tokens).
 Prints Redis's main-thread CPU per job (its commands, round trips and all; net of nothing: Redis is busy throughout)
 and the commands a job costs; for the retirement, the bytes its two streams keep a job (`MEMORY USAGE`).
 """
@@ -91,11 +91,16 @@ def retire(rq: RQWorker, outbox: Outbox, runs: list[Running], variant: str) -> N
         *(command for run in runs for command in outbox.done_commands(run)),
     ]
     compact = [key for run in runs for key in streams(run)] if variant == "compacted" else []
-    reply = resp.call(
-        rq.connection,
-        batch_store.store_if_ours(rq.name, runs, coalesced(writes) if sent else writes, compact),
-    )
-    assert batch_store.stored_if_ours(reply) == (True, []), reply
+    if sent:
+        writes = coalesced(writes)
+    # the retirer's two rounds (rose.worker.retirer), on one connection: WATCH and reads, then MULTI/EXEC
+    check = batch_store.check_commands(runs, compact)
+    pending = resp.Pending(rq.connection, resp.pack_commands(check), len(check))
+    found = batch_store.checked(rq.name, runs, compact, pending.read(keep=True))
+    assert found.ours and len(found.compact) == len(compact), found
+    store = batch_store.store_commands(writes, found.compact)
+    pending.send(resp.pack_commands(store), len(store))
+    assert batch_store.stored(pending.read(), len(writes)) == (batch_store.Stored.STORED, [])
     for run in runs:
         rq_store.after_success(rq, run)
 

@@ -5,11 +5,12 @@ two streams costs: the prices behind `rose bench redis`'s figures, on one real r
     python benchmarks/bench_command_price.py [--jobs 6400 --batch 128 --repeats 5]
 
 1. A job end's shape of writes (HSET of two fields, EXPIRE, ZADD: three commands a job), --batch jobs a round trip,
-   sent as a pipeline, as MULTI/EXEC, and through the retirement's own script (rose.worker.batch_store: each write
-   a `redis.pcall` of its arguments). Prints Redis's main-thread CPU a command.
+   sent as a pipeline, as MULTI/EXEC (what the retirement sends, rose.worker.batch_store), and through a script
+   that makes each write a `redis.pcall` of its arguments (the retirement's until session 29). Prints Redis's
+   main-thread CPU a command.
 2. A finished job's two streams (RQ's result, one entry with a 2,500-character return value; rose's, one terminal
-   event), compacted by the same script (`COMPACT_ENTRIES`, `COMPACT_BYTES`: XLEN, MEMORY USAGE, COPY, RENAME each)
-   or not. Prints Redis's CPU and the streams' bytes a job.
+   event), compacted as the retirement does (`batch_store.store_commands`: COPY, RENAME each, in MULTI/EXEC) or
+   not. Prints Redis's CPU and the streams' bytes a job.
 
 Medians of --repeats runs, the ways alternating; each run on a flushed Redis.
 """
@@ -26,7 +27,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from rose.bench.redis_cost import cpu_split  # noqa: E402
 from rose.harness.redis_server import RedisServerProcess  # noqa: E402
-from rose.worker.batch_store import store_if_ours  # noqa: E402
+from rose.worker import resp  # noqa: E402
+from rose.worker.batch_store import store_commands  # noqa: E402
+
+# ARGV: the writes, each as its argument count followed by its arguments
+_PCALL_EACH = """
+local a = 1
+while a <= #ARGV do
+  local n = tonumber(ARGV[a])
+  redis.pcall(unpack(ARGV, a + 1, a + n))
+  a = a + n + 1
+end
+return 0
+"""
 
 RESULT = "x" * 2500  # a 128-token job's base64'd return value is ~2,500 characters
 DONE = '{"type":"done","seq":0,"finish_reason":"length","usage":{"prompt_tokens":3,"completion_tokens":128}}'
@@ -48,7 +61,7 @@ def job_end(i: int) -> list[tuple[str, ...]]:
 
 def send(r, how: str, writes: list[tuple[str, ...]]) -> None:
     if how == "script":
-        r.execute_command(*store_if_ours("bench", [], writes))
+        r.execute_command("EVAL", _PCALL_EACH, 0, *(x for write in writes for x in (len(write), *write)))
         return
     pipe = r.pipeline(transaction=how == "MULTI/EXEC")
     for write in writes:
@@ -66,8 +79,8 @@ def command_price(r, how: str, jobs: int, batch: int) -> float:
 
 
 def compaction_price(r, compact: bool, jobs: int, batch: int) -> tuple[float, float]:
-    """(Redis CPU µs, bytes) a job: its two streams written, then the retirement's script compacting them or not
-    (its CPU only); the bytes its streams hold then (`MEMORY USAGE`, a hundred jobs)."""
+    """(Redis CPU µs, bytes) a job: its two streams written, then the retirement's MULTI/EXEC compacting them or
+    not (its CPU only); the bytes its streams hold then (`MEMORY USAGE`, a hundred jobs)."""
     r.flushall()
     pipe = r.pipeline(transaction=False)
     for i in range(jobs):
@@ -78,7 +91,8 @@ def compaction_price(r, compact: bool, jobs: int, batch: int) -> tuple[float, fl
     for first in range(0, jobs, batch):
         ids = range(first, min(first + batch, jobs))
         streams = [key for i in ids for key in (f"rq:results:{i}", f"rose:stream:{i}")] if compact else []
-        r.execute_command(*store_if_ours("bench", [], [], streams))
+        commands = store_commands([], streams)
+        resp.Pending(r, resp.pack_commands(commands), len(commands)).read()
     used = (cpu_s(r) - start) * 1e6 / jobs
     sample = range(0, jobs, max(1, jobs // 100))
     held = sum(

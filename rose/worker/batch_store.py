@@ -1,64 +1,34 @@
-"""The script that stores a batch of finished jobs in one round trip, only if every one is still this worker's
-(rose.worker.retirer sends it; rose.worker.rq_store records RQ's writes it carries), and then stores the jobs'
-streams at their size.
+"""Storing a batch of finished jobs in two rounds on one connection, only if every one is still this worker's
+(rose.worker.retirer sends them; rose.worker.rq_store records RQ's writes they carry), the jobs' streams stored at
+their size.
 
-Contract: `store_if_ours` builds the command (`resp.pack_command` items), `stored_if_ours` reads its reply. The writes
-are RQ's own (`rq_store.success_commands`) plus whatever must become visible with them (the jobs' `done` events); the
-check is RQ's status and owner fields and its dependents set, as RQ's WATCH + MULTI/EXEC would guard them.
+Round 1 (`check_commands`): WATCH each job's hash and dependents set, read its status, owner and dependents, ask
+whether Redis takes writes (a no-op SET XX, refused by a full Redis) and how large each stream is. `checked` reads the
+replies. Round 2 (`store_commands`), only if every job is still `started` by this worker with no dependents: MULTI, the
+writes (RQ's own, `rq_store.success_commands`, and whatever must become visible with them: the jobs' `done` events),
+each small stream copied onto itself, EXEC. `stored` reads its replies. This is RQ's own guard (its
+`handle_job_success` WATCHes the dependents key and writes in MULTI/EXEC): EXEC writes nothing if a watched key
+changed since round 1 (a cancel, a stop, a dependent enqueued), and nothing if Redis refused a command as it was
+queued (a full Redis: EXECABORT). A write Redis refuses as it runs (a wrong type) does not stop the others.
+
+Why not one script: a Lua script pays for each write twice (its arguments made Lua strings, then Redis objects again,
+and its reply parsed back into Lua): the same batch cost Redis 301k instructions a job through the script against
+169k in two rounds (callgrind; benchmarks/README.md "What a not-streamed job costs Redis").
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from rose.jobs import keys as rose_keys
+from rose.worker import resp
 from rose.worker.rq_store import JOB_OWNER_FIELD, JOB_STATUS_FIELD, STARTED, decoded
 
 if TYPE_CHECKING:
     from rose.worker.running import Running
-
-
-# KEYS: each job's hash, then its dependents set; last, keys.OOM_PROBE_KEY. ARGV[1]: the status `started`;
-# ARGV[2]: this worker's name;
-# ARGV[3], ARGV[4]: the status and owner fields of a job hash; ARGV[5], ARGV[6]: the most entries and bytes of a
-# stream compacted; ARGV[7]: how many streams to compact, their keys next; then the writes, each as its argument count
-# followed by its arguments. The writes go through only if every job is still started by this worker and has no
-# dependents to enqueue, all at once (a script is atomic, as RQ's WATCH + MULTI/EXEC is); a write Redis refuses does
-# not stop the others (as in a MULTI/EXEC). Then each stream named of at most ARGV[5] entries and ARGV[6] bytes is
-# copied and the copy renamed over it (`COMPACT_ENTRIES`, `COMPACT_BYTES`): the same entries, ids, groups and expiry,
-# stored at their size; a Redis without COPY (before 6.2, or renamed away) leaves it as it was. Returns
-# {1, refusals...} once written, {0} with nothing written. A full Redis (maxmemory) refuses a script's writes only
-# until one is done: the first is a write that changes nothing (SET XX on a key never set), refused there with
-# nothing written, rather than the pcall'd writes half refused.
-_STORE_IF_OURS = """
-for i = 1, #KEYS - 1, 2 do
-  local f = redis.call('HMGET', KEYS[i], ARGV[3], ARGV[4])
-  if f[1] ~= ARGV[1] or f[2] ~= ARGV[2] then return {0} end
-  if redis.call('SCARD', KEYS[i + 1]) > 0 then return {0} end
-end
-local most, largest, streams = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
-local out, a = {1}, 8 + streams
-redis.call('SET', KEYS[#KEYS], '', 'XX')
-while a <= #ARGV do
-  local n = tonumber(ARGV[a])
-  local r = redis.pcall(unpack(ARGV, a + 1, a + n))
-  if type(r) == 'table' and r.err then out[#out + 1] = r.err end
-  a = a + n + 1
-end
-for i = 8, 7 + streams do
-  local key = ARGV[i]
-  local entries = redis.pcall('XLEN', key)
-  if type(entries) == 'number' and entries > 0 and entries <= most then
-    local size = redis.pcall('MEMORY', 'USAGE', key, 'SAMPLES', 0)
-    if type(size) == 'number' and size <= largest then
-      local copy = key .. ':compacting'
-      if redis.pcall('COPY', key, copy) == 1 then redis.call('RENAME', copy, key) end
-    end
-  end
-end
-return out
-"""
 
 # Redis gives a stream's newest node 4 KB at its first entry and trims it only once it is full, so a finished job's
 # two streams (RQ's result, rose's events: one entry each if it does not stream) kept ~4.7 KB each. A COPY stores the
@@ -66,26 +36,96 @@ return out
 # (benchmarks/bench_command_price.py; DUMP + RESTORE: twice that). The copy grows with
 # the stream while the saving is at most one node's spare room: large streams are left as they are. A token event
 # stored as fields takes ~70 bytes at 4 tokens: a 128-token job streamed at a slow pace (~35-65 events) is inside.
-COMPACT_ENTRIES = 256  # the most entries of a stream compacted at its job's end,
+COMPACT_ENTRIES = 256  # the most entries of a stream compacted at its job's end (as round 1 read it),
 COMPACT_BYTES = 16384  # and the most bytes (MEMORY USAGE)
+_COMPACTING = ":compacting"  # the copy's key: the stream's own, with this suffix
 
 
-def store_if_ours(
-    worker_name: str, runs: list[Running], writes: list[tuple[Any, ...]], compact: Iterable[str] = ()
-) -> list[Any]:
-    """The command (as `resp.pack_command` items) that stores a batch of finished jobs in one round trip: `writes`
-    (`success_commands`, and whatever else must become visible with them), only if every job is still `started`
-    by this worker and has no dependents; then the streams `compact` names are stored at their size
-    (`COMPACT_ENTRIES`, `COMPACT_BYTES`). `stored_if_ours` reads its reply."""
-    keys = [*(key for run in runs for key in (run.key, run.job.dependents_key)), rose_keys.OOM_PROBE_KEY]
-    streams = list(compact)
-    args: list[Any] = [STARTED, worker_name, JOB_STATUS_FIELD, JOB_OWNER_FIELD]
-    args += [COMPACT_ENTRIES, COMPACT_BYTES, len(streams), *streams]
-    for write in writes:
-        args += [len(write), *write]
-    return ["EVAL", _STORE_IF_OURS, len(keys), *keys, *args]
+class Stored(enum.Enum):
+    """What round 2 did: `STORED` (every write done); `ABORTED` (a watched key changed: nothing written);
+    `REFUSED` (Redis refused a write as it was queued, nothing written, or as it ran, the others written)."""
+
+    STORED = "stored"
+    ABORTED = "aborted"
+    REFUSED = "refused"
 
 
-def stored_if_ours(reply: list[Any]) -> tuple[bool, list[str]]:
-    """(stored, the refusals of writes Redis rejected) from `store_if_ours`'s reply."""
-    return int(reply[0]) == 1, [decoded(err) or "" for err in reply[1:]]
+@dataclass(slots=True)
+class Checked:
+    """Round 1's findings: `ours` (every job still `started` by this worker, with no dependents), `refusal` (Redis
+    refused the no-op write: full; nothing to send), `compact` (the streams small enough to copy)."""
+
+    ours: bool
+    refusal: Exception | None = None
+    compact: list[str] = field(default_factory=list)
+
+
+def check_commands(runs: Sequence[Running], streams: Sequence[str]) -> list[tuple[Any, ...]]:
+    """Round 1: WATCH every job's hash and dependents set; their status, owner and dependents; a no-op write
+    (refused by a full Redis before anything is queued); each stream's entries and bytes."""
+    watched = [key for run in runs for key in (run.key, run.job.dependents_key)]
+    out: list[tuple[Any, ...]] = [("WATCH", *watched), ("SET", rose_keys.OOM_PROBE_KEY, "", "XX")]
+    for run in runs:
+        out += [("HMGET", run.key, JOB_STATUS_FIELD, JOB_OWNER_FIELD), ("SCARD", run.job.dependents_key)]
+    for stream in streams:
+        out += [("XLEN", stream), ("MEMORY", "USAGE", stream, "SAMPLES", "0")]
+    return out
+
+
+def checked(worker_name: str, runs: Sequence[Running], streams: Sequence[str], replies: list[Any]) -> Checked:
+    """Round 1's replies (an error reply as its exception) read. A Redis error but the no-op write's (a WATCH or a
+    read refused) is raised."""
+    watch, probe, *rest = replies
+    for reply in (watch, *rest[: 2 * len(runs)]):
+        if isinstance(reply, Exception):
+            raise reply
+    if isinstance(probe, Exception):
+        return Checked(ours=False, refusal=probe)
+    mine = [STARTED, worker_name]
+    for i in range(len(runs)):
+        state, dependents = rest[2 * i], rest[2 * i + 1]
+        if [decoded(v) for v in state] != mine or dependents:
+            return Checked(ours=False)
+    sizes = rest[2 * len(runs) :]
+    # round 2 adds an entry to each (a stream not there yet: 0 entries, no size); a reply that is no number (MEMORY
+    # renamed away, a key of another type): left as it is
+    compact = [
+        stream
+        for stream, entries, size in zip(streams, sizes[::2], sizes[1::2], strict=True)
+        if isinstance(entries, int) and entries < COMPACT_ENTRIES
+        if size is None or (isinstance(size, int) and size <= COMPACT_BYTES)
+    ]
+    return Checked(ours=True, compact=compact)
+
+
+def store_commands(writes: Sequence[tuple[Any, ...]], compact: Sequence[str]) -> list[tuple[Any, ...]]:
+    """Round 2: the writes, then each stream of `compact` copied (REPLACE: a copy left by anything else is no
+    matter) and the copy renamed over it: the same entries, ids, groups and expiry, stored at their size."""
+    copies = [
+        command
+        for stream in compact
+        for command in (
+            ("COPY", stream, stream + _COMPACTING, "REPLACE"),
+            ("RENAME", stream + _COMPACTING, stream),
+        )
+    ]
+    return [("MULTI",), *writes, *copies, ("EXEC",)]
+
+
+def stored(replies: list[Any], writes: int) -> tuple[Stored, list[str]]:
+    """(what round 2 did, the refusals) from its replies: MULTI's, one per command queued, EXEC's. `writes`: how
+    many commands were writes (the rest, the compaction's, may fail without harm)."""
+    queued, done = replies[1:-1], replies[-1]
+    if done is None:
+        return Stored.ABORTED, []
+    if isinstance(done, Exception):  # EXECABORT: a command refused as it was queued (OOM, unknown command)
+        refused = [str(r) for r in queued if isinstance(r, Exception)]
+        return Stored.REFUSED, refused or [str(done)]
+    refused = [str(r) for r in done[:writes] if isinstance(r, Exception)]
+    return (Stored.REFUSED if refused else Stored.STORED), refused
+
+
+def has_copy(conn: Any) -> bool:
+    """Whether Redis has COPY (6.2 and later, unless renamed away): a MULTI/EXEC queueing an unknown command writes
+    nothing at all."""
+    return bool(resp.call(conn, ["COMMAND", "INFO", "COPY"])[0])  # raw: redis-py's parser fails on a nil

@@ -37,9 +37,15 @@ def pack_command(items: Sequence[str | int | float | bytes]) -> bytes:
     return pack_command_python(items)
 
 
+def pack_commands(commands: Sequence[Sequence[str | int | float | bytes]]) -> bytes:
+    """Several commands packed (`pack_command`) to be sent at once."""
+    return b"".join(pack_command(command) for command in commands)
+
+
 class Pending:
     """Replies still to be read from a pooled connection. The connection goes back to the pool once they are read,
-    or closed by `abandon()` (an unread reply must never reach the next command sent on it)."""
+    or closed by `abandon()` (an unread reply must never reach the next command sent on it); `read(keep=True)` holds
+    it for more commands (`send`: a WATCH holds only on its own connection)."""
 
     def __init__(self, connection: redis.Redis, packed: bytes, replies: int) -> None:
         self._pool = connection.connection_pool
@@ -55,17 +61,18 @@ class Pending:
 
     def ready(self) -> bool:
         """Whether the first reply is there (or the connection broke: `read` then raises), without waiting."""
-        if self._conn is None:
+        if self._conn is None or not self._count:
             raise RuntimeError("these replies were already read or abandoned")
         try:
             return bool(self._conn.can_read(timeout=0))
         except (redis.ConnectionError, redis.TimeoutError):
             return True
 
-    def read(self) -> list[Any]:
-        """Every reply in order; an error reply comes back as its ResponseError instance, not raised."""
-        conn, self._conn = self._conn, None
-        if conn is None:
+    def read(self, keep: bool = False) -> list[Any]:
+        """Every reply in order; an error reply comes back as its ResponseError instance, not raised. `keep`: the
+        connection stays held for `send` (else it goes back to the pool)."""
+        conn = self._conn
+        if conn is None or not self._count:
             raise RuntimeError("these replies were already read or abandoned")
         replies: list[Any] = []
         try:
@@ -75,11 +82,24 @@ class Pending:
                 except redis.ResponseError as exc:
                     replies.append(exc)
         except BaseException:
-            conn.disconnect()
+            self.abandon()
             raise
-        finally:
+        self._count = 0
+        if not keep:
+            self._conn = None
             self._pool.release(conn)
         return replies
+
+    def send(self, packed: bytes, replies: int) -> None:
+        """More commands on the connection `read(keep=True)` held, their `replies` to be read as before."""
+        if self._conn is None or self._count:
+            raise RuntimeError("the connection is not held, or replies are still unread")
+        try:
+            self._conn.send_packed_command([packed])
+        except BaseException:
+            self.abandon()
+            raise
+        self._count = replies
 
     def abandon(self) -> None:
         if self._conn is not None:

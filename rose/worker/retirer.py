@@ -3,22 +3,23 @@
 RQ's `handle_job_success` takes three round trips per job (WATCH the job's dependents key, read it, MULTI/EXEC the
 result and the bookkeeping): ~1.5 ms a job on a busy 2-core host, in which the engine would not step, and a thread
 doing it instead competes with the loop for the GIL. So the jobs that finished since the last batch are retired
-together, in one round trip sent after a step and read after the next (while the model runs, Redis answers): a
-script (batch_store.store_if_ours) that checks every job is still `started` by this worker with no dependents to
-enqueue and, only then, writes for each job what `handle_job_success` writes (RQ's own calls, recorded: worker
-counters, the job's status and Result, registries, expiry, execution cleanup; less the writes that change nothing,
-and one write per shared key for the batch: rq_store.success_commands, rose.worker.coalesce) and its `done` event
-(XADD, EXPIRE, PUBLISH: its token events are already in its stream, rose.worker.loop); then the job's two streams
-(RQ's result, rose's events) are stored again at their size (batch_store.COMPACT_ENTRIES). Atomic, as RQ's WATCH +
-MULTI/EXEC is: a job's end and its announcement become visible together, whatever the instant of a crash.
+together in two rounds on one connection (rose.worker.batch_store), each sent after a step and read after the next
+(while the model runs, Redis answers): round 1 WATCHes every job's hash and dependents set and reads its status,
+owner and dependents; round 2, only if every job is still `started` by this worker with no dependents to enqueue,
+writes in one MULTI/EXEC what `handle_job_success` writes for each job (RQ's own calls, recorded: worker counters, the
+job's status and Result, registries, expiry, execution cleanup; less the writes that change nothing, and one write
+per shared key for the batch: rq_store.success_commands, rose.worker.coalesce) and its `done` event (XADD, EXPIRE,
+PUBLISH: its token events are already in its stream, rose.worker.loop); then the job's two streams (RQ's result,
+rose's events) are stored again at their size (batch_store.COMPACT_ENTRIES). Atomic, as RQ's own WATCH + MULTI/EXEC:
+a job's end and its announcement become visible together, whatever the instant of a crash.
 
 `submit`, `advance` and `drain` return what became of the jobs (`Retired`: stored, or handed back to the loop). A
 batch in which a job is no longer `started` by this worker (canceled, stopped, deleted, taken over), or has
-dependents, repeats or a rate limit, is handed back to the loop, which checks its jobs (rose.worker.watch) and
-stores what is still ours through `handle_job_success` itself, job by job: a canceled job is never stored as
-finished. When the engine has nothing to run the reply is read at once. On a Redis error the batch's jobs go back
-to the loop the same way: the check notices a result that landed (its reply lost), and the loop stores the others
-through RQ's handler.
+dependents, repeats or a rate limit, or whose EXEC a watched key's change aborted, is handed back to the loop, which
+checks its jobs (rose.worker.watch) and stores what is still ours through `handle_job_success` itself, job by job: a
+canceled job is never stored as finished. When the engine has nothing to run the replies are read at once. On a
+Redis error (a full Redis too) the batch's jobs go back to the loop the same way: the check notices a result that
+landed (its reply lost), and the loop stores the others through RQ's handler.
 """
 
 from __future__ import annotations
@@ -45,7 +46,10 @@ _REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError)
 @dataclass(slots=True)
 class _Batch:
     runs: list[Running]
-    reply: resp.Pending  # the store_if_ours script's, read at `advance`
+    writes: list[tuple[Any, ...]]
+    streams: list[str]  # to compact, if round 1 finds them small
+    reply: resp.Pending  # round 1's replies, then round 2's (`storing`), on the one connection WATCH holds on
+    storing: bool = False
 
 
 @dataclass(slots=True)
@@ -69,6 +73,7 @@ class Retirer:
         self.announce = announce
         self._batches: collections.deque[_Batch] = collections.deque()
         self.batched_jobs = 0  # jobs stored by batches (the others went through RQ's handler)
+        self._copy: bool | None = None  # whether Redis has COPY (asked at the first batch)
 
     @property
     def busy(self) -> bool:
@@ -99,24 +104,43 @@ class Retirer:
                 *(command for run in runs for command in self.announce(run)),
             ]
         )
-        # the jobs' streams kept at their size, not in Redis's 4 KB first node (batch_store.COMPACT_ENTRIES)
-        streams = [key for run in runs for key in (keys.rq_results_key(run.id), keys.stream_key(run.id))]
-        packed = resp.pack_command(batch_store.store_if_ours(self.rq.name, runs, writes, streams))
         try:
-            self._batches.append(_Batch(runs, resp.Pending(self.rq.connection, packed, 1)))
+            # the jobs' streams kept at their size, not in Redis's 4 KB first node (batch_store.COMPACT_ENTRIES)
+            streams = (
+                [key for run in runs for key in (keys.rq_results_key(run.id), keys.stream_key(run.id))]
+                if self._copies()
+                else []
+            )
+            check = batch_store.check_commands(runs, streams)
+            self._batches.append(
+                _Batch(
+                    runs,
+                    writes,
+                    streams,
+                    resp.Pending(self.rq.connection, resp.pack_commands(check), len(check)),
+                )
+            )
         except _REDIS_ERRORS as exc:
             return self._hand_back(runs, exc)
         return Retired()
 
     def advance(self, wait: bool = False) -> Retired:
-        """Settle every batch whose reply is in (`wait`: all of them, waiting for Redis)."""
+        """Move on every batch whose replies are in: round 1's read sends round 2, round 2's settles the batch
+        (`wait`: both rounds of every batch, waiting for Redis)."""
         retired = Retired()
         for batch in list(self._batches):
             try:
-                if not wait and not batch.reply.ready():
-                    continue
-                self._batches.remove(batch)
-                retired.add(self._settle(batch, batch.reply.read()[0]))
+                while wait or batch.reply.ready():
+                    if not batch.storing:
+                        handed_back = self._store(batch)
+                        if handed_back is None:
+                            continue
+                        self._batches.remove(batch)
+                        retired.add(handed_back)
+                    else:
+                        self._batches.remove(batch)
+                        retired.add(self._settle(batch, batch.reply.read()))
+                    break
             except _REDIS_ERRORS as exc:
                 batch.reply.abandon()
                 retired.add(self._hand_back(batch.runs, exc))
@@ -130,15 +154,33 @@ class Retirer:
         """Store every pending result now (shutdown, or an idle engine)."""
         return self.advance(wait=True)
 
-    def _settle(self, batch: _Batch, reply: Any) -> Retired:
-        if isinstance(reply, Exception):
-            raise redis.ConnectionError(f"storing {len(batch.runs)} results failed: {reply}")
-        stored, refusals = batch_store.stored_if_ours(reply)
-        if not stored:
-            # canceled, deleted, taken over, dependents to enqueue: the loop checks them, then stores what is
-            # still ours through RQ's handler
+    def _copies(self) -> bool:
+        """Whether Redis has COPY (6.2 and later, unless renamed away): asked once."""
+        if self._copy is None:
+            self._copy = batch_store.has_copy(self.rq.connection)
+        return self._copy
+
+    def _store(self, batch: _Batch) -> Retired | None:
+        """Round 1 read: round 2 sent (None), or the batch handed back (not ours, dependents: the loop checks them,
+        then stores what is still ours through RQ's handler)."""
+        found = batch_store.checked(self.rq.name, batch.runs, batch.streams, batch.reply.read(keep=True))
+        if found.refusal is not None:  # a full Redis: nothing sent
+            raise redis.ConnectionError(f"storing {len(batch.runs)} results failed: {found.refusal}")
+        if not found.ours:
+            batch.reply.abandon()  # its WATCH goes with the connection
             return Retired(handed_back=batch.runs)
-        if refusals:
+        commands = batch_store.store_commands(batch.writes, found.compact)
+        batch.reply.send(resp.pack_commands(commands), len(commands))
+        batch.storing = True
+        return None
+
+    def _settle(self, batch: _Batch, replies: list[Any]) -> Retired:
+        outcome, refusals = batch_store.stored(replies, len(batch.writes))
+        if outcome is batch_store.Stored.ABORTED:
+            # a watched key changed (canceled, stopped, a dependent enqueued): the loop checks them, then stores
+            # what is still ours through RQ's handler
+            return Retired(handed_back=batch.runs)
+        if outcome is batch_store.Stored.REFUSED:
             raise redis.ConnectionError(f"storing {len(batch.runs)} results failed: {refusals[0]}")
         self.batched_jobs += len(batch.runs)
         for run in batch.runs:

@@ -159,8 +159,8 @@ def batchable(run: Running) -> bool:
 def success_commands(worker: BaseWorker, runs: list[Running], slim: bool = True) -> list[tuple[Any, ...]]:
     """What RQ 3's `handle_job_success` writes inside its transaction, for each job (no dependents, no repeats or
     rate limit: `batchable`), recorded from RQ's own calls, less what would leave Redis as it is (`_slimmed`; not
-    with `slim=False`: every write as recorded, for comparison); the caller stores them with `store_if_ours`
-    (`coalesce.coalesced` first, if it likes) and, once they are in, calls `after_success`. `job.ended_at` and
+    with `slim=False`: every write as recorded, for comparison); the caller stores them (rose.worker.batch_store;
+    `coalesce.coalesced` first, if it likes) and, once they are in, calls `after_success`. `job.ended_at` and
     `job._result` are set here."""
     recorder = worker.connection.pipeline(transaction=False)  # records RQ's writes, never executed
     encode = worker.connection.get_encoder().encode
@@ -197,7 +197,7 @@ def _slimmed(
     """One job's recorded success writes less what leaves Redis as it is. RQ sets the status, then saves the whole
     job hash (its payload and description, the prompt twice, with every field it read at the start): the fields
     are written once, in one HSET, and only those whose value differs from the job as started (the status,
-    `ended_at`). RQ then EXPIREs the job's dependents set, which `store_if_ours` finds empty (no such key), and its
+    `ended_at`). RQ then EXPIREs the job's dependents set, which the retirer finds empty (no such key), and its
     dependencies set, which exists only for a job enqueued with dependencies: EXPIRE of a missing key does
     nothing, so neither is sent. What is left writes the same data as RQ's own handler, but for fields a third
     party changed while the job ran, which RQ's save would put back as they were at the start."""

@@ -12,8 +12,8 @@ on one Redis, where nothing may cost Redis per generated token:
 `rq`'s stop commands (`send_stop_job_command`, RQ 3's `send_stop_execution_command`) come by pub/sub and are found
 at the next iteration.
 
-Storing a result never depends on that delay: the retirer's script writes a batch's results only if each job is
-still started by this worker, in the same atomic step, and a job to be stored by RQ's handler (phases CHECKING / RECHECKING: a success callback, or handed back by
+Storing a result never depends on that delay: the retirer writes a batch's results only if each job is still
+started by this worker, under a WATCH (rose.worker.batch_store), and a job to be stored by RQ's handler (phases CHECKING / RECHECKING: a success callback, or handed back by
 the retirer) is owed a probe of its own: one goes out before the next step (at once when the engine is idle), and
 `Checked.checked` lists the jobs a probe read while they were owed one.
 

@@ -61,3 +61,25 @@ def test_call_raises_error_replies(r):
     with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
         resp.call(r, ["LLEN", "resp:c"])
     assert resp.call(r, ["PING"]) in (b"PONG", "PONG", True)
+
+
+def test_a_held_connection_takes_more_commands_and_a_watch_holds_on_it(r):
+    """`read(keep=True)` holds the connection: WATCH there, then MULTI/EXEC there, aborted by another client's
+    write to the watched key in between (what the retirer's two rounds rely on)."""
+    r.set("resp:w", "1")
+    pending = Pending(r, resp.pack_commands([["WATCH", "resp:w"], ["GET", "resp:w"]]), 2)
+    assert pending.read(keep=True) == [b"OK", b"1"]
+    pending.send(pack_command(["PING"]), 1)
+    with pytest.raises(RuntimeError, match="unread"):
+        pending.send(pack_command(["PING"]), 1)  # the first PING's reply is not read yet
+    assert pending.read(keep=True) in ([b"PONG"], [True])
+    r.set("resp:w", "2")  # another connection's write: the EXEC below writes nothing
+    pending.send(resp.pack_commands([["MULTI"], ["SET", "resp:w", "3"], ["EXEC"]]), 3)
+    assert pending.read() == [b"OK", b"QUEUED", None]
+    assert r.get("resp:w") == b"2"
+    with pytest.raises(RuntimeError, match="not held"):
+        pending.send(pack_command(["PING"]), 1)
+    held = Pending(r, resp.pack_commands([["WATCH", "resp:w"], ["GET", "resp:w"]]), 2)
+    held.read(keep=True)
+    held.send(resp.pack_commands([["MULTI"], ["SET", "resp:w", "4"], ["EXEC"]]), 3)
+    assert held.read() == [b"OK", b"QUEUED", [b"OK"]] and r.get("resp:w") == b"4"

@@ -245,10 +245,12 @@ def test_a_lost_reply_hands_the_jobs_back_and_a_check_finds_them_stored(parts, r
 
     runs = finished_runs(parts, r, 2)
     parts.retirer.submit(runs)
-    wait_for(lambda: r.hget(runs[0].key, "status") == b"finished", 5, what="the batch stored")
     real_read = resp.Pending.read
 
-    def lost(self):
+    def lost(self, keep=False):
+        if keep:  # round 1's replies
+            return real_read(self, keep=True)
+        wait_for(lambda: r.hget(runs[0].key, "status") == b"finished", 5, what="the batch stored")
         self.abandon()
         raise redis.ConnectionError("connection lost")
 
@@ -270,6 +272,74 @@ def test_a_job_no_longer_ours_sends_the_batch_back_to_be_checked(parts, r):
     assert job_state(r, other)["status"] == JobStatus.FINISHED
     state = job_state(r, canceled)
     assert state["status"] == JobStatus.CANCELED and state["result_type"] is None and not state["execution"]
+
+
+def test_a_cancel_between_the_two_rounds_aborts_the_batch_and_nothing_is_stored(parts, r, monkeypatch):
+    """Round 1 found both jobs ours; a cancel lands before round 2 runs: EXEC writes nothing (the job hash was
+    WATCHed), the batch goes back, and the check tells the canceled job from the one still ours."""
+    canceled, other = finished_runs(parts, r, 2)
+    real_store_commands = batch_store.store_commands
+
+    def cancel_first(writes, compact):
+        Client(r, queue="rose").cancel(canceled.id)
+        return real_store_commands(writes, compact)
+
+    monkeypatch.setattr(batch_store, "store_commands", cancel_first)
+    parts.retirer.submit([canceled, other])
+    retired = parts.retirer.drain()
+    assert retired.handed_back == [canceled, other] and not retired.stored and parts.retirer.batched_jobs == 0
+    assert r.hget(other.key, "status") == b"started" and not r.exists(f"rq:results:{other.id}")
+    assert not r.exists(keys.stream_key(other.id))  # its done event was not written either
+    assert parts.check([canceled, other]) == {canceled.id: Verdict.CANCELED}
+
+
+def oom_refusals(r) -> int:
+    return int(r.info("errorstats").get("errorstat_OOM", {}).get("count", 0))
+
+
+@pytest.fixture
+def full(r):
+    """Redis refusing every write for memory while the test says so (`full(True)`)."""
+
+    def fill(on: bool) -> None:
+        r.config_set("maxmemory-policy", "noeviction")
+        r.config_set("maxmemory", 1 if on else 0)
+
+    yield fill
+    fill(False)
+
+
+def test_a_full_redis_refuses_a_batch_once_and_nothing_is_written(parts, r, full):
+    """Round 1's no-op write is refused: round 2 is never sent (one refusal a batch, not one a write), the batch
+    goes back, and once Redis has room the check finds the jobs still ours."""
+    runs = finished_runs(parts, r, 3)
+    r.config_resetstat()
+    full(True)
+    parts.retirer.submit(runs)
+    assert parts.retirer.drain().handed_back == runs
+    assert oom_refusals(r) == 1
+    full(False)
+    assert all(r.hget(run.key, "status") == b"started" for run in runs)
+    assert parts.check(runs) == {}
+
+
+def test_redis_full_between_the_rounds_writes_nothing(parts, r, monkeypatch, full):
+    """Round 2's commands are refused as they are queued: EXEC aborts, not one write is done."""
+    runs = finished_runs(parts, r, 2)
+    real_store_commands = batch_store.store_commands
+
+    def fill_first(writes, compact):
+        full(True)
+        return real_store_commands(writes, compact)
+
+    monkeypatch.setattr(batch_store, "store_commands", fill_first)
+    parts.retirer.submit(runs)
+    assert parts.retirer.drain().handed_back == runs
+    full(False)
+    for run in runs:
+        assert r.hget(run.key, "status") == b"started" and r.exists(run.execution.key)
+        assert not r.exists(f"rq:results:{run.id}") and not r.exists(keys.stream_key(run.id))
+    assert parts.check(runs) == {}
 
 
 def test_a_failure_rqs_handler_could_not_store_raises_for_the_caller_to_retry(parts, r, monkeypatch):
