@@ -18,6 +18,8 @@ import logging
 import os
 import statistics
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -126,8 +128,16 @@ def cpu_split(pin: bool) -> dict[str, str | None]:
     return {"redis": str(cpus[-1]), "worker": ",".join(map(str, cpus[:-1]))}
 
 
-def run_mode(cfg: RedisCostConfig, mode: str, cpus: dict[str, str | None]) -> ModeResult:
-    """One mode on a fresh redis-server and rose-worker."""
+def run_mode(
+    cfg: RedisCostConfig,
+    mode: str,
+    cpus: dict[str, str | None],
+    *,
+    redis_binary: str | None = None,
+    window: Callable[[RedisServerProcess], AbstractContextManager[Any]] = lambda server: nullcontext(),
+) -> ModeResult:
+    """One mode on a fresh redis-server and rose-worker. `redis_binary`: what runs Redis (a wrapper, e.g. under
+    valgrind); `window(server)`: a context around the measured window, from the enqueue to the last result."""
     env = dict(os.environ)
     if cpus["worker"] is not None:
         env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(len(cpus["worker"].split(",")))
@@ -135,7 +145,8 @@ def run_mode(cfg: RedisCostConfig, mode: str, cpus: dict[str, str | None]) -> Mo
     wargs += ["--max-num-seqs", str(cfg.max_num_seqs), "--max-model-len", str(64 + cfg.max_tokens)]
     wargs += list(cfg.worker_args)
     fields = {"max_tokens": cfg.max_tokens, "ignore_eos": True, "temperature": 0, "stream": mode == STREAMED}
-    with RedisServerProcess(args=list(cfg.redis_args), cpus=cpus["redis"]).start() as server:
+    redis = RedisServerProcess(binary=redis_binary, args=list(cfg.redis_args), cpus=cpus["redis"])
+    with redis.start(timeout=10 if redis_binary is None else 120) as server:
         r = server.client()
         histogram = redis_meter.histogram_bytes(r)
         with WorkerProcess(server.url, "cost", wargs, env=env, cpus=cpus["worker"]) as worker:
@@ -145,18 +156,19 @@ def run_mode(cfg: RedisCostConfig, mode: str, cpus: dict[str, str | None]) -> Mo
             wait_for(lambda: warm.get_status() == "finished", 300, "the warm-up job", interval=0.1)
             finished = q.finished_job_registry
             idle = redis_meter.idle(r, cfg.idle_s)
-            before = redis_meter.snapshot(r)
-            q.enqueue_many(
-                [
-                    Queue.prepare_data(keys.FUNC_PATH, kwargs={"prompt": f"job {i}", **fields})
-                    for i in range(cfg.num_jobs)
-                ]
-            )
-            # one ZCARD each half second: RQ's `count` (a ZREMRANGEBYSCORE first, five times a second) was this
-            # bench's own work, counted as the worker's
-            done = lambda: r.zcard(finished.key) >= cfg.num_jobs + 1  # noqa: E731
-            wait_for(done, cfg.timeout_s, "every job", interval=0.5)
-            after = redis_meter.snapshot(r)
+            with window(server):
+                before = redis_meter.snapshot(r)
+                q.enqueue_many(
+                    [
+                        Queue.prepare_data(keys.FUNC_PATH, kwargs={"prompt": f"job {i}", **fields})
+                        for i in range(cfg.num_jobs)
+                    ]
+                )
+                # one ZCARD each half second: RQ's `count` (a ZREMRANGEBYSCORE first, five times a second) was this
+                # bench's own work, counted as the worker's
+                done = lambda: r.zcard(finished.key) >= cfg.num_jobs + 1  # noqa: E731
+                wait_for(done, cfg.timeout_s, "every job", interval=0.5)
+                after = redis_meter.snapshot(r)
             used = redis_meter.usage(before, after, idle, histogram)
             families = redis_meter.memory_by_family(r)
     tokens = cfg.num_jobs * cfg.max_tokens
