@@ -96,11 +96,11 @@ def retire(rq: RQWorker, outbox: Outbox, runs: list[Running], variant: str) -> N
     # the retirer's two rounds (rose.worker.retirer), on one connection: WATCH and reads, then MULTI/EXEC
     check = batch_store.check_commands(runs, compact)
     pending = resp.Pending(rq.connection, resp.pack_commands(check), len(check))
-    found = batch_store.checked(rq.name, runs, compact, pending.read(keep=True))
+    found = batch_store.checked(rq.name, runs, compact, writes, pending.read(keep=True))
     assert found.ours and len(found.compact) == len(compact), found
     store = batch_store.store_commands(writes, found.compact)
     pending.send(resp.pack_commands(store), len(store))
-    assert batch_store.stored(pending.read(), len(writes)) == (batch_store.Stored.STORED, [])
+    assert batch_store.stored(pending.read(), len(writes)) == batch_store.Outcome(batch_store.Stored.STORED)
     for run in runs:
         rq_store.after_success(rq, run)
 

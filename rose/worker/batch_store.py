@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from rose.jobs import keys as rose_keys
-from rose.worker import resp
 from rose.worker.rq_store import JOB_OWNER_FIELD, JOB_STATUS_FIELD, STARTED, decoded
 
 if TYPE_CHECKING:
@@ -53,28 +52,49 @@ class Stored(enum.Enum):
 @dataclass(slots=True)
 class Checked:
     """Round 1's findings: `ours` (every job still `started` by this worker, with no dependents), `refusal` (Redis
-    refused the no-op write: full; nothing to send), `compact` (the streams small enough to copy)."""
+    refused the no-op write: full; nothing to send), `compact` (the streams small enough to copy), `copy` (whether
+    Redis has COPY, if round 1 asked; None if not)."""
 
     ours: bool
     refusal: Exception | None = None
     compact: list[str] = field(default_factory=list)
+    copy: bool | None = None
 
 
-def check_commands(runs: Sequence[Running], streams: Sequence[str]) -> list[tuple[Any, ...]]:
+@dataclass(slots=True)
+class Outcome:
+    """Round 2's replies read: what became of the writes (`stored`, `refusals`), and whether the streams' copies
+    were refused as they were queued (`copies_refused`: Redis without COPY, or denying it; the writes stand)."""
+
+    stored: Stored
+    refusals: list[str] = field(default_factory=list)
+    copies_refused: bool = False
+
+
+def check_commands(
+    runs: Sequence[Running], streams: Sequence[str], ask_copy: bool = False
+) -> list[tuple[Any, ...]]:
     """Round 1: WATCH every job's hash and dependents set; their status, owner and dependents; a no-op write
-    (refused by a full Redis before anything is queued); each stream's entries and bytes."""
+    (refused by a full Redis before anything is queued); each stream's entries and bytes; `ask_copy`: whether Redis
+    has COPY (6.2 and later, unless renamed away or denied)."""
     watched = [key for run in runs for key in (run.key, run.job.dependents_key)]
     out: list[tuple[Any, ...]] = [("WATCH", *watched), ("SET", rose_keys.OOM_PROBE_KEY, "", "XX")]
     for run in runs:
         out += [("HMGET", run.key, JOB_STATUS_FIELD, JOB_OWNER_FIELD), ("SCARD", run.job.dependents_key)]
     for stream in streams:
         out += [("XLEN", stream), ("MEMORY", "USAGE", stream, "SAMPLES", "0")]
-    return out
+    return out + [("COMMAND", "INFO", "COPY")] if ask_copy else out
 
 
-def checked(worker_name: str, runs: Sequence[Running], streams: Sequence[str], replies: list[Any]) -> Checked:
-    """Round 1's replies (an error reply as its exception) read. A Redis error but the no-op write's (a WATCH or a
-    read refused) is raised."""
+def checked(
+    worker_name: str,
+    runs: Sequence[Running],
+    streams: Sequence[str],
+    writes: Sequence[tuple[Any, ...]],
+    replies: list[Any],
+) -> Checked:
+    """Round 1's replies (an error reply as its exception) read; `writes`: round 2's, whose XADDs size a stream not
+    there yet. A Redis error but the no-op write's and the streams' (a WATCH or a job's read refused) is raised."""
     watch, probe, *rest = replies
     for reply in (watch, *rest[: 2 * len(runs)]):
         if isinstance(reply, Exception):
@@ -86,21 +106,38 @@ def checked(worker_name: str, runs: Sequence[Running], streams: Sequence[str], r
         state, dependents = rest[2 * i], rest[2 * i + 1]
         if [decoded(v) for v in state] != mine or dependents:
             return Checked(ours=False)
-    sizes = rest[2 * len(runs) :]
-    # round 2 adds an entry to each (a stream not there yet: 0 entries, no size); a reply that is no number (MEMORY
-    # renamed away, a key of another type): left as it is
+    sizes = rest[2 * len(runs) : 2 * len(runs) + 2 * len(streams)]
+    asked = rest[2 * len(runs) + 2 * len(streams) :]
+    copy = None if not asked else isinstance(asked[0], list) and bool(asked[0] and asked[0][0])
+    if copy is False:
+        return Checked(ours=True, copy=False)
+    added = _added_bytes(writes)
+    # round 2 adds an entry to each; a reply that is no number (MEMORY renamed away, a key of another type): left
+    # as it is; a stream not there yet (0 entries, no size) is what round 2 adds to it, if anything
     compact = [
         stream
         for stream, entries, size in zip(streams, sizes[::2], sizes[1::2], strict=True)
         if isinstance(entries, int) and entries < COMPACT_ENTRIES
-        if size is None or (isinstance(size, int) and size <= COMPACT_BYTES)
+        if (size is None and 0 < added.get(stream, 0) <= COMPACT_BYTES)
+        or (isinstance(size, int) and size <= COMPACT_BYTES)
     ]
-    return Checked(ours=True, compact=compact)
+    return Checked(ours=True, compact=compact, copy=copy)
+
+
+def _added_bytes(writes: Sequence[tuple[Any, ...]]) -> dict[str, int]:
+    """The bytes of the arguments each stream's XADDs in `writes` carry, by stream."""
+    added: dict[str, int] = {}
+    for write in writes:
+        if str(write[0]).upper() == "XADD":
+            key = decoded(write[1]) or ""
+            added[key] = added.get(key, 0) + sum(len(str(a)) for a in write[2:])
+    return added
 
 
 def store_commands(writes: Sequence[tuple[Any, ...]], compact: Sequence[str]) -> list[tuple[Any, ...]]:
-    """Round 2: the writes, then each stream of `compact` copied (REPLACE: a copy left by anything else is no
-    matter) and the copy renamed over it: the same entries, ids, groups and expiry, stored at their size."""
+    """Round 2: the writes in one MULTI/EXEC; then, in a second (an unknown or denied COPY aborts that one, not
+    the writes), each stream of `compact` copied (REPLACE: a copy left by anything else is no matter) and the copy
+    renamed over it: the same entries, ids, groups and expiry, stored at their size."""
     copies = [
         command
         for stream in compact
@@ -109,23 +146,18 @@ def store_commands(writes: Sequence[tuple[Any, ...]], compact: Sequence[str]) ->
             ("RENAME", stream + _COMPACTING, stream),
         )
     ]
-    return [("MULTI",), *writes, *copies, ("EXEC",)]
+    return [("MULTI",), *writes, ("EXEC",), *([("MULTI",), *copies, ("EXEC",)] if copies else [])]
 
 
-def stored(replies: list[Any], writes: int) -> tuple[Stored, list[str]]:
-    """(what round 2 did, the refusals) from its replies: MULTI's, one per command queued, EXEC's. `writes`: how
-    many commands were writes (the rest, the compaction's, may fail without harm)."""
-    queued, done = replies[1:-1], replies[-1]
+def stored(replies: list[Any], writes: int) -> Outcome:
+    """Round 2's replies read (`store_commands`'s: MULTI's, one per write queued, EXEC's; then the copies' own
+    MULTI, queued and EXEC, if any). `writes`: how many writes the first transaction held."""
+    queued, done, copies = replies[1 : writes + 1], replies[writes + 1], replies[writes + 2 :]
+    copies_refused = bool(copies) and isinstance(copies[-1], Exception)
     if done is None:
-        return Stored.ABORTED, []
+        return Outcome(Stored.ABORTED, copies_refused=copies_refused)
     if isinstance(done, Exception):  # EXECABORT: a command refused as it was queued (OOM, unknown command)
         refused = [str(r) for r in queued if isinstance(r, Exception)]
-        return Stored.REFUSED, refused or [str(done)]
-    refused = [str(r) for r in done[:writes] if isinstance(r, Exception)]
-    return (Stored.REFUSED if refused else Stored.STORED), refused
-
-
-def has_copy(conn: Any) -> bool:
-    """Whether Redis has COPY (6.2 and later, unless renamed away): a MULTI/EXEC queueing an unknown command writes
-    nothing at all."""
-    return bool(resp.call(conn, ["COMMAND", "INFO", "COPY"])[0])  # raw: redis-py's parser fails on a nil
+        return Outcome(Stored.REFUSED, refused or [str(done)], copies_refused)
+    refused = [str(r) for r in done if isinstance(r, Exception)]
+    return Outcome(Stored.REFUSED if refused else Stored.STORED, refused, copies_refused)

@@ -58,15 +58,21 @@ class Pending:
             raise
         self._conn: Any = conn
         self._count = replies
+        self._got: list[Any] = []  # replies read so far (by `ready`)
+        self._broken: BaseException | None = None  # what broke the connection while `ready` read
 
     def ready(self) -> bool:
-        """Whether the first reply is there (or the connection broke: `read` then raises), without waiting."""
+        """Whether every reply is in (or the connection broke: `read` then raises), without waiting: the replies
+        there so far are read (a MULTI's first reply comes long before its EXEC's)."""
         if self._conn is None or not self._count:
             raise RuntimeError("these replies were already read or abandoned")
         try:
-            return bool(self._conn.can_read(timeout=0))
-        except (redis.ConnectionError, redis.TimeoutError):
+            while len(self._got) < self._count and self._conn.can_read(timeout=0):
+                self._got.append(self._one())
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            self._broken = exc
             return True
+        return len(self._got) == self._count
 
     def read(self, keep: bool = False) -> list[Any]:
         """Every reply in order; an error reply comes back as its ResponseError instance, not raised. `keep`: the
@@ -74,32 +80,40 @@ class Pending:
         conn = self._conn
         if conn is None or not self._count:
             raise RuntimeError("these replies were already read or abandoned")
-        replies: list[Any] = []
         try:
-            for _ in range(self._count):
-                try:
-                    replies.append(conn.read_response())
-                except redis.ResponseError as exc:
-                    replies.append(exc)
+            if self._broken is not None:
+                raise self._broken
+            while len(self._got) < self._count:
+                self._got.append(self._one())
         except BaseException:
             self.abandon()
             raise
-        self._count = 0
+        replies, self._got, self._count = self._got, [], 0
         if not keep:
             self._conn = None
             self._pool.release(conn)
         return replies
 
     def send(self, packed: bytes, replies: int) -> None:
-        """More commands on the connection `read(keep=True)` held, their `replies` to be read as before."""
+        """More commands on the connection `read(keep=True)` held, their `replies` to be read as before. Never on
+        a new socket: redis-py would connect again unasked, and a WATCH holds only on the connection it was sent
+        on."""
         if self._conn is None or self._count:
             raise RuntimeError("the connection is not held, or replies are still unread")
         try:
-            self._conn.send_packed_command([packed])
+            if getattr(self._conn, "_sock", True) is None:  # redis-py's: closed since the read
+                raise redis.ConnectionError("the connection closed since its replies were read")
+            self._conn.send_packed_command([packed], check_health=False)
         except BaseException:
             self.abandon()
             raise
         self._count = replies
+
+    def _one(self) -> Any:
+        try:
+            return self._conn.read_response()
+        except redis.ResponseError as exc:
+            return exc
 
     def abandon(self) -> None:
         if self._conn is not None:

@@ -73,7 +73,7 @@ class Retirer:
         self.announce = announce
         self._batches: collections.deque[_Batch] = collections.deque()
         self.batched_jobs = 0  # jobs stored by batches (the others went through RQ's handler)
-        self._copy: bool | None = None  # whether Redis has COPY (asked at the first batch)
+        self._copy: bool | None = None  # whether Redis has COPY (None: the next batch's round 1 asks)
 
     @property
     def busy(self) -> bool:
@@ -104,24 +104,19 @@ class Retirer:
                 *(command for run in runs for command in self.announce(run)),
             ]
         )
+        # the jobs' streams kept at their size, not in Redis's 4 KB first node (batch_store.COMPACT_ENTRIES), where
+        # Redis has COPY (asked in the first batch's round 1)
+        streams = (
+            [key for run in runs for key in (keys.rq_results_key(run.id), keys.stream_key(run.id))]
+            if self._copy is not False
+            else []
+        )
+        check = batch_store.check_commands(runs, streams, ask_copy=self._copy is None)
         try:
-            # the jobs' streams kept at their size, not in Redis's 4 KB first node (batch_store.COMPACT_ENTRIES)
-            streams = (
-                [key for run in runs for key in (keys.rq_results_key(run.id), keys.stream_key(run.id))]
-                if self._copies()
-                else []
-            )
-            check = batch_store.check_commands(runs, streams)
-            self._batches.append(
-                _Batch(
-                    runs,
-                    writes,
-                    streams,
-                    resp.Pending(self.rq.connection, resp.pack_commands(check), len(check)),
-                )
-            )
+            pending = resp.Pending(self.rq.connection, resp.pack_commands(check), len(check))
         except _REDIS_ERRORS as exc:
             return self._hand_back(runs, exc)
+        self._batches.append(_Batch(runs, writes, streams, pending))
         return Retired()
 
     def advance(self, wait: bool = False) -> Retired:
@@ -154,16 +149,14 @@ class Retirer:
         """Store every pending result now (shutdown, or an idle engine)."""
         return self.advance(wait=True)
 
-    def _copies(self) -> bool:
-        """Whether Redis has COPY (6.2 and later, unless renamed away): asked once."""
-        if self._copy is None:
-            self._copy = batch_store.has_copy(self.rq.connection)
-        return self._copy
-
     def _store(self, batch: _Batch) -> Retired | None:
         """Round 1 read: round 2 sent (None), or the batch handed back (not ours, dependents: the loop checks them,
         then stores what is still ours through RQ's handler)."""
-        found = batch_store.checked(self.rq.name, batch.runs, batch.streams, batch.reply.read(keep=True))
+        found = batch_store.checked(
+            self.rq.name, batch.runs, batch.streams, batch.writes, batch.reply.read(keep=True)
+        )
+        if found.copy is not None:
+            self._copy = found.copy
         if found.refusal is not None:  # a full Redis: nothing sent
             raise redis.ConnectionError(f"storing {len(batch.runs)} results failed: {found.refusal}")
         if not found.ours:
@@ -175,13 +168,15 @@ class Retirer:
         return None
 
     def _settle(self, batch: _Batch, replies: list[Any]) -> Retired:
-        outcome, refusals = batch_store.stored(replies, len(batch.writes))
-        if outcome is batch_store.Stored.ABORTED:
+        outcome = batch_store.stored(replies, len(batch.writes))
+        if outcome.copies_refused:  # Redis without COPY now (a failover to another server?): asked again
+            self._copy = None
+        if outcome.stored is batch_store.Stored.ABORTED:
             # a watched key changed (canceled, stopped, a dependent enqueued): the loop checks them, then stores
             # what is still ours through RQ's handler
             return Retired(handed_back=batch.runs)
-        if outcome is batch_store.Stored.REFUSED:
-            raise redis.ConnectionError(f"storing {len(batch.runs)} results failed: {refusals[0]}")
+        if outcome.stored is batch_store.Stored.REFUSED:
+            raise redis.ConnectionError(f"storing {len(batch.runs)} results failed: {outcome.refusals[0]}")
         self.batched_jobs += len(batch.runs)
         for run in batch.runs:
             rq_store.after_success(self.rq, run)

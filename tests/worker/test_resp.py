@@ -3,6 +3,8 @@ replies do not desynchronise the connection, an abandoned reply never reaches th
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import redis
 
@@ -83,3 +85,17 @@ def test_a_held_connection_takes_more_commands_and_a_watch_holds_on_it(r):
     held.read(keep=True)
     held.send(resp.pack_commands([["MULTI"], ["SET", "resp:w", "4"], ["EXEC"]]), 3)
     assert held.read() == [b"OK", b"QUEUED", [b"OK"]] and r.get("resp:w") == b"4"
+
+
+def test_ready_only_once_every_reply_is_in(r):
+    """The first reply in is not enough (a MULTI's comes long before its EXEC's): `read` must not wait after
+    `ready`."""
+    pending = Pending(r, resp.pack_commands([["PING"], ["BLPOP", "resp:never", "0.3"]]), 2)
+    time.sleep(0.1)
+    assert not pending.ready()  # the PING's reply is in, not the BLPOP's
+    deadline = time.monotonic() + 5
+    while not pending.ready():
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    started = time.monotonic()
+    assert pending.read()[1] is None and time.monotonic() - started < 0.05

@@ -293,6 +293,46 @@ def test_a_cancel_between_the_two_rounds_aborts_the_batch_and_nothing_is_stored(
     assert parts.check([canceled, other]) == {canceled.id: Verdict.CANCELED}
 
 
+def test_a_dependent_enqueued_between_the_two_rounds_aborts_the_batch(parts, r, monkeypatch):
+    """RQ's handler enqueues a job's dependents: one that arrives after round 1 read none aborts EXEC (the
+    dependents set is WATCHed too), and RQ's handler, after the check, enqueues it."""
+    parent, other = finished_runs(parts, r, 2)
+    real_store_commands = batch_store.store_commands
+    dependents = []
+
+    def enqueue_dependent_first(writes, compact):
+        dependents.append(Client(r, queue="rose").submit("after", max_tokens=1, depends_on=parent.id))
+        return real_store_commands(writes, compact)
+
+    monkeypatch.setattr(batch_store, "store_commands", enqueue_dependent_first)
+    parts.retirer.submit([parent, other])
+    assert parts.retirer.drain().handed_back == [parent, other]
+    assert r.hget(parent.key, "status") == b"started" and dependents[0].status() == "deferred"
+    assert parts.check([parent, other]) == {}
+    parts.endings.succeed(parent)
+    assert (
+        Job.fetch(dependents[0].id, connection=r, serializer=JSONSerializer).get_status() == JobStatus.QUEUED
+    )
+
+
+def test_a_connection_lost_between_the_rounds_hands_the_batch_back_with_nothing_written(
+    parts, r, monkeypatch
+):
+    runs = finished_runs(parts, r, 2)
+    real_store_commands = batch_store.store_commands
+
+    def kill_first(writes, compact):
+        r.client_kill_filter(_type="normal", skipme=True)  # every other client: the batch's connection too
+        return real_store_commands(writes, compact)
+
+    monkeypatch.setattr(batch_store, "store_commands", kill_first)
+    parts.retirer.submit(runs)
+    assert parts.retirer.drain().handed_back == runs and not parts.retirer.busy
+    for run in runs:
+        assert r.hget(run.key, "status") == b"started" and not r.exists(f"rq:results:{run.id}")
+    assert parts.check(runs) == {}
+
+
 def oom_refusals(r) -> int:
     return int(r.info("errorstats").get("errorstat_OOM", {}).get("count", 0))
 
@@ -439,19 +479,35 @@ def test_a_large_stream_is_left_as_it_is(parts, r):
     parts.announce([run])
 
 
-def test_a_redis_without_copy_stores_the_batch_as_it_is(tmp_path):
-    """A Redis without COPY (before 6.2, or renamed away): the results are stored, the streams left as written."""
-    server = RedisServerProcess(directory=tmp_path, args=["--rename-command", "COPY", ""])
+@pytest.mark.parametrize("renamed", ["COPY", "COMMAND"])
+def test_a_redis_without_copy_stores_the_batch_as_it_is(tmp_path, renamed):
+    """A Redis without COPY (before 6.2, or renamed away), or that will not say (COMMAND renamed away): the results
+    are stored, the streams left as written."""
+    server = RedisServerProcess(directory=tmp_path, args=["--rename-command", renamed, ""])
     server.start()
     try:
         r = server.client()
         for parts in worker_parts(server):
-            runs = finished_runs(parts, r, 2)
-            parts.retirer.submit(runs)
-            assert parts.retirer.drain().stored == runs
-            assert all(job_state(r, run)["status"] == JobStatus.FINISHED for run in runs)
-            assert all(min(stream_sizes(r, run).values()) > 4096 for run in runs)
-            parts.announce(runs)
+            for _ in range(2):  # the first batch asks, the second knows
+                runs = finished_runs(parts, r, 2)
+                parts.retirer.submit(runs)
+                assert parts.retirer.drain().stored == runs
+                assert all(job_state(r, run)["status"] == JobStatus.FINISHED for run in runs)
+                assert all(min(stream_sizes(r, run).values()) > 4096 for run in runs)
+                parts.announce(runs)
         r.close()
     finally:
         server.stop()
+
+
+def test_a_result_stream_too_large_to_copy_is_left_as_it_is(parts, r):
+    """RQ's result stream is not there before round 2: its size is what round 2 writes into it; past
+    COMPACT_BYTES (a long result) it is not copied."""
+    (run,) = finished_runs(parts, r, 1)
+    run.result = {**run.result, "text": "x" * batch_store.COMPACT_BYTES}
+    r.config_resetstat()
+    parts.retirer.submit([run])
+    assert parts.retirer.drain().stored == [run]
+    assert r.info("commandstats")["cmdstat_copy"]["calls"] == 1  # rose's events only
+    assert r.memory_usage(keys.stream_key(run.id)) < 2048
+    parts.announce([run])
