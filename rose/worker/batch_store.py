@@ -23,6 +23,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from redis.exceptions import NoPermissionError
+
 from rose.jobs import keys as rose_keys
 from rose.worker.rq_store import JOB_OWNER_FIELD, JOB_STATUS_FIELD, STARTED, decoded
 
@@ -63,12 +65,12 @@ class Checked:
 
 @dataclass(slots=True)
 class Outcome:
-    """Round 2's replies read: what became of the writes (`stored`, `refusals`), and whether the streams' copies
-    were refused as they were queued (`copies_refused`: Redis without COPY, or denying it; the writes stand)."""
+    """Round 2's replies read: what became of the writes (`stored`, `refusals`), and `copy`: False if Redis
+    refused COPY as unknown or not allowed (an ACL: ask no more), else None (the writes stand either way)."""
 
     stored: Stored
     refusals: list[str] = field(default_factory=list)
-    copies_refused: bool = False
+    copy: bool | None = None
 
 
 def check_commands(
@@ -137,7 +139,9 @@ def _added_bytes(writes: Sequence[tuple[Any, ...]]) -> dict[str, int]:
 def store_commands(writes: Sequence[tuple[Any, ...]], compact: Sequence[str]) -> list[tuple[Any, ...]]:
     """Round 2: the writes in one MULTI/EXEC; then, in a second (an unknown or denied COPY aborts that one, not
     the writes), each stream of `compact` copied (REPLACE: a copy left by anything else is no matter) and the copy
-    renamed over it: the same entries, ids, groups and expiry, stored at their size."""
+    renamed over it: the same entries, ids, groups and expiry, stored at their size. The copies run even if the
+    writes did not (a WATCH abort): a stream round 2 was to create is then not there (COPY 0, RENAME an error
+    reply, nothing changed), one that was is copied as it is."""
     copies = [
         command
         for stream in compact
@@ -153,11 +157,15 @@ def stored(replies: list[Any], writes: int) -> Outcome:
     """Round 2's replies read (`store_commands`'s: MULTI's, one per write queued, EXEC's; then the copies' own
     MULTI, queued and EXEC, if any). `writes`: how many writes the first transaction held."""
     queued, done, copies = replies[1 : writes + 1], replies[writes + 1], replies[writes + 2 :]
-    copies_refused = bool(copies) and isinstance(copies[-1], Exception)
+    denied = any(
+        isinstance(r, NoPermissionError) or (isinstance(r, Exception) and "unknown command" in str(r))
+        for r in copies
+    )
+    copy = False if denied else None
     if done is None:
-        return Outcome(Stored.ABORTED, copies_refused=copies_refused)
+        return Outcome(Stored.ABORTED, copy=copy)
     if isinstance(done, Exception):  # EXECABORT: a command refused as it was queued (OOM, unknown command)
         refused = [str(r) for r in queued if isinstance(r, Exception)]
-        return Outcome(Stored.REFUSED, refused or [str(done)], copies_refused)
+        return Outcome(Stored.REFUSED, refused or [str(done)], copy)
     refused = [str(r) for r in done if isinstance(r, Exception)]
-    return Outcome(Stored.REFUSED if refused else Stored.STORED, refused, copies_refused)
+    return Outcome(Stored.REFUSED if refused else Stored.STORED, refused, copy)

@@ -67,6 +67,7 @@ class Pending:
         if self._conn is None or not self._count:
             raise RuntimeError("these replies were already read or abandoned")
         try:
+            self._held()
             while len(self._got) < self._count and self._conn.can_read(timeout=0):
                 self._got.append(self._one())
         except (redis.ConnectionError, redis.TimeoutError) as exc:
@@ -101,13 +102,18 @@ class Pending:
         if self._conn is None or self._count:
             raise RuntimeError("the connection is not held, or replies are still unread")
         try:
-            if getattr(self._conn, "_sock", True) is None:  # redis-py's: closed since the read
-                raise redis.ConnectionError("the connection closed since its replies were read")
+            self._held()
             self._conn.send_packed_command([packed], check_health=False)
         except BaseException:
             self.abandon()
             raise
         self._count = replies
+
+    def _held(self) -> None:
+        """Raise if the connection closed under us: redis-py would open a new one unasked (can_read, send), without
+        the replies or the WATCH of this one."""
+        if getattr(self._conn, "_sock", True) is None:  # redis-py's socket, None once disconnected
+            raise redis.ConnectionError("the connection closed before its replies were read")
 
     def _one(self) -> Any:
         try:

@@ -169,8 +169,8 @@ class Retirer:
 
     def _settle(self, batch: _Batch, replies: list[Any]) -> Retired:
         outcome = batch_store.stored(replies, len(batch.writes))
-        if outcome.copies_refused:  # Redis without COPY now (a failover to another server?): asked again
-            self._copy = None
+        if outcome.copy is False:  # COPY unknown (a failover to an older server?) or denied by an ACL
+            self._copy = False
         if outcome.stored is batch_store.Stored.ABORTED:
             # a watched key changed (canceled, stopped, a dependent enqueued): the loop checks them, then stores
             # what is still ours through RQ's handler

@@ -33,7 +33,7 @@ from rose.worker.lifecycle import Lifecycle, WorkerState
 from rose.worker.loop import JobLoop
 from rose.worker.outbox import Outbox
 from rose.worker.publisher import Publisher
-from rose.worker.redis_guard import REDIS_ERRORS, RedisGuard, probe_write
+from rose.worker.redis_guard import REDIS_ERRORS, RedisGuard
 from rose.worker.rq_worker import Command, RQWorker
 from rose.worker.running import Running
 
@@ -362,9 +362,9 @@ class RoseWorker:
         state = WorkerStatus.SUSPENDED if self.rq.suspended else busy
         if self.settings.intake_policy == "fair":
             self.jobs.tenants.read_queued(self.connection, self.queue_names())
-        probe_write(
-            self.connection
-        )  # a full Redis refuses this write, not each of the pipeline's (EXPIREs pass)
+        # not a transaction: a full Redis refuses its HSETs and ZADDs one by one, but its EXPIREs go through and keep
+        # this worker alive to the others (a write refused first would stop them; after --heartbeat-timeout its jobs
+        # would be taken over)
         with self.connection.pipeline(transaction=False) as pipe:
             rq_store.heartbeat(pipe, self.rq, self.running.values(), state)  # reply 1: the key had lapsed
             pipe.hset(keys.worker_info_key(self.name), mapping=self._info())

@@ -90,12 +90,29 @@ def test_a_held_connection_takes_more_commands_and_a_watch_holds_on_it(r):
 def test_ready_only_once_every_reply_is_in(r):
     """The first reply in is not enough (a MULTI's comes long before its EXEC's): `read` must not wait after
     `ready`."""
-    pending = Pending(r, resp.pack_commands([["PING"], ["BLPOP", "resp:never", "0.3"]]), 2)
-    time.sleep(0.1)
-    assert not pending.ready()  # the PING's reply is in, not the BLPOP's
+    r.delete("resp:list")
+    pending = Pending(r, resp.pack_commands([["PING"], ["BLPOP", "resp:list", "0"]]), 2)
+    time.sleep(0.1)  # the PING's reply in, most likely: not ready all the same, however long it waits
+    assert not pending.ready() and not pending.ready()
+    r.rpush("resp:list", "x")  # the BLPOP's reply
     deadline = time.monotonic() + 5
     while not pending.ready():
         assert time.monotonic() < deadline
-        time.sleep(0.02)
+        time.sleep(0.01)
     started = time.monotonic()
-    assert pending.read()[1] is None and time.monotonic() - started < 0.05
+    assert pending.read()[1] == [b"resp:list", b"x"] and time.monotonic() - started < 0.05
+
+
+def test_a_connection_closed_under_a_pending_reply_is_never_opened_again_unasked(r):
+    """redis-py would connect again on `can_read` or a send: the replies and a WATCH of the old connection would be
+    gone, and `ready` would wait on the new one forever."""
+    pending = Pending(r, resp.pack_commands([["WATCH", "resp:w"], ["PING"]]), 2)
+    pending.read(keep=True)
+    r.connection_pool.disconnect()  # every connection, the held one too (redis-py does so after a fork, ...)
+    with pytest.raises(redis.ConnectionError, match="closed"):
+        pending.send(pack_command(["PING"]), 1)
+    other = Pending(r, pack_command(["BLPOP", "resp:never", "0"]), 1)
+    r.connection_pool.disconnect()
+    assert other.ready()  # broken: `read` raises
+    with pytest.raises(redis.ConnectionError, match="closed"):
+        other.read()

@@ -511,3 +511,23 @@ def test_a_result_stream_too_large_to_copy_is_left_as_it_is(parts, r):
     assert r.info("commandstats")["cmdstat_copy"]["calls"] == 1  # rose's events only
     assert r.memory_usage(keys.stream_key(run.id)) < 2048
     parts.announce([run])
+
+
+def test_copy_denied_by_an_acl_leaves_the_writes_standing_and_is_not_tried_again(new_redis_server):
+    """COMMAND INFO says Redis has COPY, an ACL denies it: the first batch's copies are refused as they are queued,
+    in a transaction of their own, and its results stand; later batches copy nothing."""
+    r = new_redis_server.client()
+    r.acl_setuser(
+        "default", enabled=True, nopass=True, commands=["+@all", "-copy"], keys=["~*"], channels=["*"]
+    )
+    for parts in worker_parts(new_redis_server):
+        for _ in range(3):
+            runs = finished_runs(parts, r, 2)
+            parts.retirer.submit(runs)
+            assert parts.retirer.drain().stored == runs
+            assert all(job_state(r, run)["status"] == JobStatus.FINISHED for run in runs)
+            assert all(min(stream_sizes(r, run).values()) > 4096 for run in runs)  # left as written
+            parts.announce(runs)
+            copies = r.info("commandstats").get("cmdstat_copy", {})
+            assert copies.get("rejected_calls") == 4 and not copies.get("calls")  # the first batch's only
+    r.close()
