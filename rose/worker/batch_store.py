@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from redis.exceptions import NoPermissionError
 
 from rose.jobs import keys as rose_keys
+from rose.worker.redis_guard import is_oom
 from rose.worker.rq_store import JOB_OWNER_FIELD, JOB_STATUS_FIELD, STARTED, decoded
 
 if TYPE_CHECKING:
@@ -71,6 +72,7 @@ class Outcome:
     stored: Stored
     refusals: list[str] = field(default_factory=list)
     copy: bool | None = None
+    full: bool = False  # REFUSED because Redis is full (maxmemory): nothing written
 
 
 def check_commands(
@@ -165,7 +167,8 @@ def stored(replies: list[Any], writes: int) -> Outcome:
     if done is None:
         return Outcome(Stored.ABORTED, copy=copy)
     if isinstance(done, Exception):  # EXECABORT: a command refused as it was queued (OOM, unknown command)
-        refused = [str(r) for r in queued if isinstance(r, Exception)]
-        return Outcome(Stored.REFUSED, refused or [str(done)], copy)
+        errors = [r for r in queued if isinstance(r, Exception)] or [done]
+        full = any(map(is_oom, errors))
+        return Outcome(Stored.REFUSED, [str(r) for r in errors], copy, full)
     refused = [str(r) for r in done if isinstance(r, Exception)]
     return Outcome(Stored.REFUSED if refused else Stored.STORED, refused, copy)

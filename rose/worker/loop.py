@@ -39,7 +39,7 @@ from rose.worker.intake import Intake
 from rose.worker.isolate import isolate
 from rose.worker.metrics import WorkerMetrics
 from rose.worker.milestones import Milestones
-from rose.worker.outbox import Outbox
+from rose.worker.outbox import RETRY_FULL_S, Outbox
 from rose.worker.redis_guard import REDIS_ERRORS, RedisGuard
 from rose.worker.retirer import Retired, Retirer
 from rose.worker.rq_worker import RQWorker
@@ -84,6 +84,7 @@ class JobLoop:
         self.running: dict[str, Running] = {}
         self._reconcile = False  # set by an iteration that found events refused or lost
         self._next_retire = 0.0  # monotonic time the next retirement batch may go
+        self._full_until = 0.0  # a batch refused by a full Redis: none before this (monotonic)
         self.milestones = Milestones(outbox, metrics)
         self.tenants = Tenants(settings.tenant_weights, metrics)
         fair = None
@@ -303,7 +304,9 @@ class JobLoop:
         # One batch in flight at a time, at most every RETIRE_EVERY_S while the engine runs: each costs Redis two
         # round trips, whatever the number of jobs in it, and a finished job's KV blocks are free already.
         now = time.monotonic()
-        batching = not self.engine.has_unfinished() or (not self.retirer.busy and now >= self._next_retire)
+        batching = now >= self._full_until and (
+            not self.engine.has_unfinished() or (not self.retirer.busy and now >= self._next_retire)
+        )
         batch: list[Running] = []
         for run in finished:
             if run.phase is Phase.FINISHED and not self.outbox.delivered(run):
@@ -344,6 +347,11 @@ class JobLoop:
     def _retired(self, retired: Retired) -> None:
         for run in retired.stored:
             self.endings.stored(run, announced=True)
+        for run in retired.full:  # refused for memory, nothing written: retired again in a while
+            run.phase = Phase.FINISHED
+            self.running[run.id] = run
+        if retired.full:
+            self._full_until = time.monotonic() + RETRY_FULL_S
         # handed back: the loop checks them, then stores what is still ours by RQ's handler
         for run in retired.handed_back:
             run.phase = Phase.CHECKING

@@ -35,6 +35,7 @@ import redis
 from rose.jobs import keys
 from rose.worker import batch_store, resp, rq_store
 from rose.worker.coalesce import coalesced
+from rose.worker.redis_guard import is_oom
 from rose.worker.rq_worker import RQWorker
 from rose.worker.running import Running
 
@@ -55,14 +56,18 @@ class _Batch:
 @dataclass(slots=True)
 class Retired:
     """What became of retiring jobs: `stored` (their results and `done` events are in Redis), `handed_back` (the
-    loop must check them and store what is still ours through RQ's handler)."""
+    loop must check them and store what is still ours through RQ's handler), `full` (Redis refused the batch for
+    memory, nothing written: the loop retires them again once Redis may have room, their ends and `done` events
+    still one transaction)."""
 
     stored: list[Running] = field(default_factory=list)
     handed_back: list[Running] = field(default_factory=list)
+    full: list[Running] = field(default_factory=list)
 
     def add(self, other: Retired) -> Retired:
         self.stored += other.stored
         self.handed_back += other.handed_back
+        self.full += other.full
         return self
 
 
@@ -158,7 +163,10 @@ class Retirer:
         if found.copy is not None:
             self._copy = found.copy
         if found.refusal is not None:  # a full Redis: nothing sent
-            raise redis.ConnectionError(f"storing {len(batch.runs)} results failed: {found.refusal}")
+            if not is_oom(found.refusal):
+                raise redis.ConnectionError(f"storing {len(batch.runs)} results failed: {found.refusal}")
+            batch.reply.abandon()  # its WATCH goes with the connection
+            return self._full(batch.runs, found.refusal)
         if not found.ours:
             batch.reply.abandon()  # its WATCH goes with the connection
             return Retired(handed_back=batch.runs)
@@ -175,12 +183,18 @@ class Retirer:
             # a watched key changed (canceled, stopped, a dependent enqueued): the loop checks them, then stores
             # what is still ours through RQ's handler
             return Retired(handed_back=batch.runs)
+        if outcome.stored is batch_store.Stored.REFUSED and outcome.full:
+            return self._full(batch.runs, outcome.refusals[0])
         if outcome.stored is batch_store.Stored.REFUSED:
             raise redis.ConnectionError(f"storing {len(batch.runs)} results failed: {outcome.refusals[0]}")
         self.batched_jobs += len(batch.runs)
         for run in batch.runs:
             rq_store.after_success(self.rq, run)
         return Retired(stored=batch.runs)
+
+    def _full(self, runs: list[Running], refusal: object) -> Retired:
+        log.warning("Redis is full: the results of %d jobs wait (%s)", len(runs), refusal)
+        return Retired(full=runs)
 
     def _hand_back(self, runs: list[Running], exc: BaseException) -> Retired:
         log.error("could not store the results of %d jobs (%s); the loop retries them", len(runs), exc)

@@ -167,6 +167,8 @@ def success_commands(worker: BaseWorker, runs: list[Running], slim: bool = True)
     out: list[tuple[Any, ...]] = []
     for run in runs:
         job = run.job
+        # as Redis has it: an earlier try of this job's batch (a full Redis refused it) set it finished
+        job._status = JobStatus.STARTED
         as_started = {k: encode(v) for k, v in job.to_dict(include_meta=False, include_result=False).items()}
         job.ended_at = now()
         job._result = run.result

@@ -350,17 +350,24 @@ def full(r):
 
 
 def test_a_full_redis_refuses_a_batch_once_and_nothing_is_written(parts, r, full):
-    """Round 1's no-op write is refused: round 2 is never sent (one refusal a batch, not one a write), the batch
-    goes back, and once Redis has room the check finds the jobs still ours."""
+    """Round 1's no-op write is refused: round 2 is never sent (one refusal a batch, not one a write), nothing is
+    written, and the batch goes back to be retired again (not to RQ's handler: its ends and done events stay one
+    transaction), as it is once Redis has room."""
     runs = finished_runs(parts, r, 3)
     r.config_resetstat()
     full(True)
     parts.retirer.submit(runs)
-    assert parts.retirer.drain().handed_back == runs
+    retired = parts.retirer.drain()
+    assert retired.full == runs and not retired.handed_back and not retired.stored
     assert oom_refusals(r) == 1
     full(False)
     assert all(r.hget(run.key, "status") == b"started" for run in runs)
-    assert parts.check(runs) == {}
+    parts.retirer.submit(runs)  # the same jobs, as the loop sends them again
+    assert parts.retirer.drain().stored == runs
+    parts.announce(runs)
+    for run in runs:
+        assert job_state(r, run)["status"] == JobStatus.FINISHED  # an earlier try's writes were no model
+        assert [e["type"] for e in stream_events(r, run.id)] == ["done"]
 
 
 def test_redis_full_between_the_rounds_writes_nothing(parts, r, monkeypatch, full):
@@ -374,7 +381,7 @@ def test_redis_full_between_the_rounds_writes_nothing(parts, r, monkeypatch, ful
 
     monkeypatch.setattr(batch_store, "store_commands", fill_first)
     parts.retirer.submit(runs)
-    assert parts.retirer.drain().handed_back == runs
+    assert parts.retirer.drain().full == runs
     full(False)
     for run in runs:
         assert r.hget(run.key, "status") == b"started" and r.exists(run.execution.key)
