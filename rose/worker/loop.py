@@ -165,6 +165,11 @@ class JobLoop:
             self.guard.run("checks", self._check)
             self.guard.run("retire", self._retire)
         self._retired(self.retirer.drain())
+        if any(run.phase is Phase.FINISHED for run in self.running.values()):
+            # a full Redis refused them: one more try, once it may have room
+            time.sleep(max(0.0, self._full_until - time.monotonic()))
+            self._full_until = 0.0
+            self.guard.run("retire", self._retire)
         if owed(self.running.values()):  # handed back: checked, one more try
             self.guard.run("checks", self._check)
             self.guard.run("retire", self._retire)
@@ -304,6 +309,11 @@ class JobLoop:
         # One batch in flight at a time, at most every RETIRE_EVERY_S while the engine runs: each costs Redis two
         # round trips, whatever the number of jobs in it, and a finished job's KV blocks are free already.
         now = time.monotonic()
+        if (
+            now < self._full_until and not self.engine.has_unfinished()
+        ):  # nothing to step: no spinning till then
+            time.sleep(self._full_until - now)
+            now = time.monotonic()
         batching = now >= self._full_until and (
             not self.engine.has_unfinished() or (not self.retirer.busy and now >= self._next_retire)
         )

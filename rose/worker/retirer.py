@@ -18,8 +18,9 @@ batch in which a job is no longer `started` by this worker (canceled, stopped, d
 dependents, repeats or a rate limit, or whose EXEC a watched key's change aborted, is handed back to the loop, which
 checks its jobs (rose.worker.watch) and stores what is still ours through `handle_job_success` itself, job by job: a
 canceled job is never stored as finished. When the engine has nothing to run the replies are read at once. On a
-Redis error (a full Redis too) the batch's jobs go back to the loop the same way: the check notices a result that
-landed (its reply lost), and the loop stores the others through RQ's handler.
+Redis error the batch's jobs go back to the loop the same way: the check notices a result that landed (its reply
+lost), and the loop stores the others through RQ's handler. A batch a full Redis refused (nothing written) comes
+back as `full`: the loop retires it again a while later, its ends and `done` events still one transaction.
 """
 
 from __future__ import annotations
