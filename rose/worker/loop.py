@@ -309,9 +309,8 @@ class JobLoop:
         # One batch in flight at a time, at most every RETIRE_EVERY_S while the engine runs: each costs Redis two
         # round trips, whatever the number of jobs in it, and a finished job's KV blocks are free already.
         now = time.monotonic()
-        if (
-            now < self._full_until and not self.engine.has_unfinished()
-        ):  # nothing to step: no spinning till then
+        # a batch a full Redis refused waits RETRY_FULL_S; with nothing to step, the loop sleeps rather than spins
+        if now < self._full_until and not self.engine.has_unfinished():
             time.sleep(self._full_until - now)
             now = time.monotonic()
         batching = now >= self._full_until and (

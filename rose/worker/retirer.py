@@ -132,16 +132,12 @@ class Retirer:
         for batch in list(self._batches):
             try:
                 while wait or batch.reply.ready():
-                    if not batch.storing:
-                        handed_back = self._store(batch)
-                        if handed_back is None:
-                            continue
+                    # round 1 read: round 2 sent (None: its replies next), or the batch ends here
+                    ended = self._settle(batch, batch.reply.read()) if batch.storing else self._store(batch)
+                    if ended is not None:
                         self._batches.remove(batch)
-                        retired.add(handed_back)
-                    else:
-                        self._batches.remove(batch)
-                        retired.add(self._settle(batch, batch.reply.read()))
-                    break
+                        retired.add(ended)
+                        break
             except _REDIS_ERRORS as exc:
                 batch.reply.abandon()
                 retired.add(self._hand_back(batch.runs, exc))
