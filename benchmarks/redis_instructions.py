@@ -46,6 +46,7 @@ class Callgrind:
         )
         self.binary.chmod(0o755)
         self.total = self.cron = 0
+        self.dump = self.out
 
     @contextlib.contextmanager
     def window(self, server: RedisServerProcess) -> Iterator[None]:
@@ -60,6 +61,7 @@ class Callgrind:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"callgrind wrote no dump at {dump}")
             time.sleep(0.2)
+        self.dump = dump
         self.total, self.cron = totals(dump)
 
 
@@ -85,6 +87,7 @@ def main() -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--modes", default=f"{STREAMED},{NOT_STREAMED}")
     p.add_argument("--worker-args", default="", help="more rose-worker flags, e.g. '--intake-policy fcfs'")
+    p.add_argument("--keep", default="", help="a folder to keep each mode's callgrind dump in (callgrind_annotate)")
     args = p.parse_args()
     modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
     cfg = RedisCostConfig(
@@ -102,6 +105,9 @@ def main() -> None:
             grind = Callgrind(Path(tmp) / mode)
             result = run_mode(cfg, mode, cpu_split(True), redis_binary=str(grind.binary), window=grind.window)
             jobs, tokens = result.jobs, result.tokens
+            if args.keep:
+                Path(args.keep).mkdir(parents=True, exist_ok=True)
+                shutil.copy(grind.dump, Path(args.keep) / f"callgrind.{mode}")
             print(
                 f"{mode}: {grind.total / jobs:,.0f} instructions a job ({grind.total / tokens:,.0f} a token), "
                 f"{(grind.total - grind.cron) / jobs:,.0f} less the timer; "

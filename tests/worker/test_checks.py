@@ -235,3 +235,8 @@ def test_stop_commands_name_a_job_and_optionally_its_execution(rq, r):
     assert [(f.run, f.verdict) for f in watch.stops(running)] == [(a, Verdict.STOP)]
     watch.stop_command(b.id, b.execution.id)
     assert [f.run for f in watch.stops(running)] == [b] and watch.stops(running) == []
+    # a job whose generation ended keeps its result (waiting to be stored, e.g. while Redis is full), as RQ's
+    # worker lets a job that returned be stored
+    a.phase = Phase.FINISHED
+    watch.stop_command(a.id)
+    assert watch.stops(running) == []
