@@ -3,7 +3,7 @@
 (rose.worker.rq_start, rose.worker.rq_store, rose.worker.coalesce, the outbox's done events) against a real
 redis-server on a CPU of its own, RQ's writes as recorded (`raw`) against what rose-worker sends (`sent`: less the
 writes that change nothing, coalesced) and what it sends with its streams compacted (`compacted`: the job's result
-stream and events stored again at their size, batch_store.COMPACT_ENTRIES), alternating chunk by chunk on one Redis.
+stream and events copied at their size, batch_store.COMPACT_BYTES), alternating chunk by chunk on one Redis.
 
     python benchmarks/bench_batch_writes.py [--jobs 1536 --batches 2,8,64]
 
@@ -98,9 +98,9 @@ def retire(rq: RQWorker, outbox: Outbox, runs: list[Running], variant: str) -> N
     pending = resp.Pending(rq.connection, resp.pack_commands(check), len(check))
     found = batch_store.checked(rq.name, runs, compact, writes, pending.read(keep=True))
     assert found.ours and len(found.compact) == len(compact), found
-    store = batch_store.store_commands(writes, found.compact)
+    store, sent = batch_store.store_commands(writes, found.compact)
     pending.send(resp.pack_commands(store), len(store))
-    assert batch_store.stored(pending.read(), len(writes)) == batch_store.Outcome(batch_store.Stored.STORED)
+    assert batch_store.stored(pending.read(), sent) == batch_store.Outcome(batch_store.Stored.STORED)
     for run in runs:
         rq_store.after_success(rq, run)
 

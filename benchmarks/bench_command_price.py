@@ -91,7 +91,7 @@ def compaction_price(r, compact: bool, jobs: int, batch: int) -> tuple[float, fl
     for first in range(0, jobs, batch):
         ids = range(first, min(first + batch, jobs))
         streams = [key for i in ids for key in (f"rq:results:{i}", f"rose:stream:{i}")] if compact else []
-        commands = store_commands([], streams)
+        commands, _ = store_commands([], streams)
         resp.Pending(r, resp.pack_commands(commands), len(commands)).read()
     used = (cpu_s(r) - start) * 1e6 / jobs
     sample = range(0, jobs, max(1, jobs // 100))

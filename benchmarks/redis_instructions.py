@@ -87,7 +87,9 @@ def main() -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--modes", default=f"{STREAMED},{NOT_STREAMED}")
     p.add_argument("--worker-args", default="", help="more rose-worker flags, e.g. '--intake-policy fcfs'")
-    p.add_argument("--keep", default="", help="a folder to keep each mode's callgrind dump in (callgrind_annotate)")
+    p.add_argument(
+        "--keep", default="", help="a folder to keep each mode's callgrind dump in (callgrind_annotate)"
+    )
     args = p.parse_args()
     modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
     cfg = RedisCostConfig(

@@ -21,6 +21,9 @@ FAIR_PREFIX = (
 SEALS_KEY = "rose:seals"
 # never written: a `SET ... XX` on it changes nothing, and is refused while Redis is full (rose.worker.redis_guard)
 OOM_PROBE_KEY = "rose:oom-probe"
+# a stream restored onto it (expiring at once) in a worker's first retirement: does Redis take the streams rose
+# restores at their size (rose.worker.stream_dump)?
+RESTORE_PROBE_KEY = "rose:restore-probe"
 
 # a stream entry holds an event's JSON in this field, or a plain token event as its own fields (rose.jobs.events)
 STREAM_FIELD = "event"

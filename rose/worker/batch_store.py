@@ -3,10 +3,12 @@
 their size.
 
 Round 1 (`check_commands`): WATCH each job's hash and dependents set, read its status, owner and dependents, ask
-whether Redis takes writes (a no-op SET XX, refused by a full Redis) and how large each stream is. `checked` reads the
-replies. Round 2 (`store_commands`), only if every job is still `started` by this worker with no dependents: MULTI, the
-writes (RQ's own, `rq_store.success_commands`, and whatever must become visible with them: the jobs' `done` events),
-each small stream copied onto itself, EXEC. `stored` reads its replies. This is RQ's own guard (its
+whether Redis takes writes (a no-op SET XX, refused by a full Redis), how large each stream is and Redis's clock.
+`checked` reads the replies. Round 2 (`store_commands`), only if every job is still `started` by this worker with no
+dependents: MULTI, the writes (RQ's own, `rq_store.success_commands`, and whatever must become visible with them: the
+jobs' `done` events), EXEC; a stream not there yet is created by RESTORE at its size instead of XADD
+(rose.worker.stream_dump; its EXPIRE folded in), and each small stream that was there is copied onto itself. `stored`
+reads its replies. This is RQ's own guard (its
 `handle_job_success` WATCHes the dependents key and writes in MULTI/EXEC): EXEC writes nothing if a watched key
 changed since round 1 (a cancel, a stop, a dependent enqueued), and nothing if Redis refused a command as it was
 queued (a full Redis: EXECABORT). A write Redis refuses as it runs (a wrong type) does not stop the others.
@@ -26,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from redis.exceptions import NoPermissionError
 
 from rose.jobs import keys as rose_keys
+from rose.worker import stream_dump
 from rose.worker.redis_guard import is_oom
 from rose.worker.rq_store import JOB_OWNER_FIELD, JOB_STATUS_FIELD, STARTED, decoded
 
@@ -33,13 +36,14 @@ if TYPE_CHECKING:
     from rose.worker.running import Running
 
 # Redis gives a stream's newest node 4 KB at its first entry and trims it only once it is full, so a finished job's
-# two streams (RQ's result, rose's events: one entry each if it does not stream) kept ~4.7 KB each. A COPY stores the
-# nodes at their size: 9.6 -> 3.4 KB a job for 13-18 µs of Redis's CPU on the benchmarks' VM
-# (benchmarks/bench_command_price.py; DUMP + RESTORE: twice that). The copy grows with
-# the stream while the saving is at most one node's spare room: large streams are left as they are. A token event
-# stored as fields takes ~70 bytes at 4 tokens: a 128-token job streamed at a slow pace (~35-65 events) is inside.
-COMPACT_ENTRIES = 256  # the most entries of a stream compacted at its job's end (as round 1 read it),
-COMPACT_BYTES = 16384  # and the most bytes (MEMORY USAGE)
+# two streams (RQ's result, rose's events: one entry each if it does not stream) kept ~4.7 KB each. A stream round 2
+# creates is RESTOREd at its size (rose.worker.stream_dump); one that is there already (a streamed job's events) is
+# copied onto itself, which stores its nodes at their size. The copy grows with the stream while the saving is at
+# most one node's spare room: large streams are left as they are. A token event stored as fields takes ~70 bytes at
+# 4 tokens: a 128-token job streamed at a slow pace (~35-65 events) is inside.
+COMPACT_BYTES = (
+    16384  # the most bytes (MEMORY USAGE, as round 1 read it) of a stream compacted at its job's end
+)
 _COMPACTING = ":compacting"  # the copy's key: the stream's own, with this suffix
 
 
@@ -55,39 +59,57 @@ class Stored(enum.Enum):
 @dataclass(slots=True)
 class Checked:
     """Round 1's findings: `ours` (every job still `started` by this worker, with no dependents), `refusal` (Redis
-    refused the no-op write: full; nothing to send), `compact` (the streams small enough to copy), `copy` (whether
-    Redis has COPY, if round 1 asked; None if not)."""
+    refused the no-op write: full; nothing to send), `compact` (the streams there and small enough to copy),
+    `restore` (the streams not there yet, to create by RESTORE, their entries' ids at `now_ms`: Redis's clock),
+    `copy` (whether Redis has COPY, if round 1 asked; None if not)."""
 
     ours: bool
     refusal: Exception | None = None
     compact: list[str] = field(default_factory=list)
+    restore: list[str] = field(default_factory=list)
+    now_ms: int = 0
     copy: bool | None = None
 
 
 @dataclass(slots=True)
 class Outcome:
     """Round 2's replies read: what became of the writes (`stored`, `refusals`), and `copy`: False if Redis
-    refused COPY as unknown or not allowed (an ACL: ask no more), else None (the writes stand either way)."""
+    refused COPY as unknown or not allowed (an ACL: ask no more), else None (the writes stand either way);
+    `unrestored`: the streams whose RESTORE Redis refused as it ran (the others written: `rewrites` writes them
+    with XADD; restore no more)."""
 
     stored: Stored
     refusals: list[str] = field(default_factory=list)
     copy: bool | None = None
     full: bool = False  # REFUSED because Redis is full (maxmemory): nothing written
+    unrestored: list[str] = field(default_factory=list)
+    restorable: bool | None = None  # whether Redis took the probe's stream (None: not asked, or cannot tell)
+
+
+@dataclass(frozen=True, slots=True)
+class Asks:
+    """What round 1 asks beyond the jobs: `copy` (whether Redis has COPY: 6.2 and later, unless renamed away or
+    denied), `clock` (its TIME: the ids of the entries restored)."""
+
+    copy: bool = False
+    clock: bool = False
 
 
 def check_commands(
-    runs: Sequence[Running], streams: Sequence[str], ask_copy: bool = False
+    runs: Sequence[Running], streams: Sequence[str], asks: Asks = Asks()
 ) -> list[tuple[Any, ...]]:
     """Round 1: WATCH every job's hash and dependents set; their status, owner and dependents; a no-op write
-    (refused by a full Redis before anything is queued); each stream's entries and bytes; `ask_copy`: whether Redis
-    has COPY (6.2 and later, unless renamed away or denied)."""
+    (refused by a full Redis before anything is queued); each stream's entries and bytes; then what `asks` says."""
     watched = [key for run in runs for key in (run.key, run.job.dependents_key)]
     out: list[tuple[Any, ...]] = [("WATCH", *watched), ("SET", rose_keys.OOM_PROBE_KEY, "", "XX")]
     for run in runs:
         out += [("HMGET", run.key, JOB_STATUS_FIELD, JOB_OWNER_FIELD), ("SCARD", run.job.dependents_key)]
-    for stream in streams:
-        out += [("XLEN", stream), ("MEMORY", "USAGE", stream, "SAMPLES", "0")]
-    return out + [("COMMAND", "INFO", "COPY")] if ask_copy else out
+    out += [("MEMORY", "USAGE", stream, "SAMPLES", "0") for stream in streams]
+    if asks.clock:
+        out.append(("TIME",))
+    if asks.copy:
+        out.append(("COMMAND", "INFO", "COPY"))
+    return out
 
 
 def checked(
@@ -96,9 +118,13 @@ def checked(
     streams: Sequence[str],
     writes: Sequence[tuple[Any, ...]],
     replies: list[Any],
+    asks: Asks = Asks(),
+    copy: bool | None = None,
 ) -> Checked:
-    """Round 1's replies (an error reply as its exception) read; `writes`: round 2's, whose XADDs size a stream not
-    there yet. A Redis error but the no-op write's and the streams' (a WATCH or a job's read refused) is raised."""
+    """Round 1's replies (an error reply as its exception) read, `check_commands(..., asks)`'s; `writes`: round 2's,
+    whose XADDs size a stream not there yet (or make it, RESTOREd: with `asks.clock`, Redis taking restored streams);
+    `copy`: whether Redis has COPY, as known before (None: unknown; what round 1 asked is read instead). A Redis
+    error but the no-op write's, the streams' and the questions' (a WATCH or a job's read refused) is raised."""
     watch, probe, *rest = replies
     for reply in (watch, *rest[: 2 * len(runs)]):
         if isinstance(reply, Exception):
@@ -110,22 +136,31 @@ def checked(
         state, dependents = rest[2 * i], rest[2 * i + 1]
         if [decoded(v) for v in state] != mine or dependents:
             return Checked(ours=False)
-    sizes = rest[2 * len(runs) : 2 * len(runs) + 2 * len(streams)]
-    asked = rest[2 * len(runs) + 2 * len(streams) :]
-    copy = None if not asked else isinstance(asked[0], list) and bool(asked[0] and asked[0][0])
-    if copy is False:
-        return Checked(ours=True, copy=False)
+    sizes = rest[2 * len(runs) : 2 * len(runs) + len(streams)]
+    asked = iter(rest[2 * len(runs) + len(streams) :])
+    clock = next(asked) if asks.clock else None
+    now_ms = int(clock[0]) * 1000 + int(clock[1]) // 1000 if isinstance(clock, list) else 0
+    if asks.copy:
+        reply = next(asked)
+        copy = isinstance(reply, list) and bool(reply and reply[0])
     added = _added_bytes(writes)
-    # round 2 adds an entry to each; a reply that is no number (MEMORY renamed away, a key of another type): left
-    # as it is; a stream not there yet (0 entries, no size) is what round 2 adds to it, if anything
+    made = set(_made(writes)) if now_ms > 0 else set()
+    # a stream not there yet (no size) that round 2 makes with one XADD: RESTOREd at its size; else, once round 2
+    # added its entry, copied if small; a reply that is no number (MEMORY renamed away, a key of another type): left
+    # as it is
+    restored = [
+        stream for stream, size in zip(streams, sizes, strict=True) if size is None and stream in made
+    ]
     compact = [
         stream
-        for stream, entries, size in zip(streams, sizes[::2], sizes[1::2], strict=True)
-        if isinstance(entries, int) and entries < COMPACT_ENTRIES
+        for stream, size in zip(streams, sizes, strict=True)
+        if copy is not False and stream not in restored
         if (size is None and 0 < added.get(stream, 0) <= COMPACT_BYTES)
         or (isinstance(size, int) and size <= COMPACT_BYTES)
     ]
-    return Checked(ours=True, compact=compact, copy=copy)
+    return Checked(
+        ours=True, compact=compact, restore=restored, now_ms=now_ms, copy=copy if asks.copy else None
+    )
 
 
 def _added_bytes(writes: Sequence[tuple[Any, ...]]) -> dict[str, int]:
@@ -138,12 +173,93 @@ def _added_bytes(writes: Sequence[tuple[Any, ...]]) -> dict[str, int]:
     return added
 
 
-def store_commands(writes: Sequence[tuple[Any, ...]], compact: Sequence[str]) -> list[tuple[Any, ...]]:
-    """Round 2: the writes in one MULTI/EXEC; then, in a second (an unknown or denied COPY aborts that one, not
-    the writes), each stream of `compact` copied (REPLACE: a copy left by anything else is no matter) and the copy
-    renamed over it: the same entries, ids, groups and expiry, stored at their size. The copies run even if the
-    writes did not (a WATCH abort): a stream round 2 was to create is then not there (COPY 0, RENAME an error
-    reply, nothing changed), one that was is copied as it is."""
+def _made(writes: Sequence[tuple[Any, ...]]) -> dict[str, int]:
+    """The streams `writes` add exactly one entry to, with an id Redis picks (`*`): stream -> where the XADD is."""
+    made: dict[str, int] = {}
+    seen: set[str] = set()
+    for i, write in enumerate(writes):
+        if str(write[0]).upper() == "XADD":
+            key = decoded(write[1]) or ""
+            if key in seen or _xadd_fields(write) is None:
+                made.pop(key, None)
+            else:
+                made[key] = i
+            seen.add(key)
+    return made
+
+
+def _xadd_fields(write: tuple[Any, ...]) -> list[tuple[bytes, bytes]] | None:
+    """An XADD's (field, value) pairs if its id is `*` (its options skipped: NOMKSTREAM, MAXLEN / MINID [=|~] n
+    [LIMIT n]), else None."""
+    args = [_encoded(a) for a in write[2:]]
+    i = 0
+    if i < len(args) and args[i].upper() == b"NOMKSTREAM":
+        i += 1
+    if i < len(args) and args[i].upper() in (b"MAXLEN", b"MINID"):
+        i += 1
+        i += 1 if i < len(args) and args[i] in (b"=", b"~") else 0
+        i += 1
+        i += 2 if i < len(args) and args[i].upper() == b"LIMIT" else 0
+    if i >= len(args) or args[i] != b"*" or (len(args) - i - 1) % 2 or len(args) - i < 3:
+        return None
+    pairs = args[i + 1 :]
+    return list(zip(pairs[::2], pairs[1::2], strict=True))
+
+
+def _encoded(value: Any) -> bytes:
+    """An argument as redis-py sends it."""
+    if isinstance(value, bytes | bytearray | memoryview):
+        return bytes(value)
+    if isinstance(value, float):
+        return repr(value).encode()
+    return str(value).encode()
+
+
+def _restoring(
+    writes: Sequence[tuple[Any, ...]], streams: Sequence[str], now_ms: int
+) -> list[tuple[Any, ...]]:
+    """`writes` with each of `streams`' one XADD made a RESTORE of the stream it would create (its id: Redis's
+    clock at round 1, `now_ms`-0), an EXPIRE or PERSIST of it right after folded in."""
+    made = _made(writes)
+    at = {made[stream]: stream for stream in streams if stream in made}
+    out: list[tuple[Any, ...]] = []
+    skip = -1
+    for i, write in enumerate(writes):
+        if i == skip:
+            continue
+        stream = at.get(i)
+        if stream is None:
+            out.append(write)
+            continue
+        fields = _xadd_fields(write)
+        assert fields is not None
+        ttl_ms = 0
+        following = writes[i + 1] if i + 1 < len(writes) else ()
+        if len(following) >= 2 and decoded(following[1]) == stream:
+            name = str(following[0]).upper()
+            if name == "EXPIRE" and len(following) == 3 and int(following[2]) > 0:
+                ttl_ms, skip = int(following[2]) * 1000, i + 1
+            elif name == "PERSIST":
+                skip = i + 1
+        out.append(("RESTORE", stream, ttl_ms, stream_dump.payload([((now_ms, 0), fields)])))
+    return out
+
+
+def store_commands(
+    writes: Sequence[tuple[Any, ...]],
+    compact: Sequence[str],
+    restore: Sequence[str] = (),
+    now_ms: int = 0,
+    probe: bool = False,
+) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:
+    """Round 2 and the writes its first transaction holds (for `stored`): the writes in one MULTI/EXEC, each stream of
+    `restore` RESTOREd instead of XADDed (`_restoring`); then, in a second (an unknown or denied COPY aborts that
+    one, not the writes), each stream of `compact` copied (REPLACE: a copy left by anything else is no matter) and
+    the copy renamed over it: the same entries, ids, groups and expiry, stored at their size. The copies run even if
+    the writes did not (a WATCH abort): a stream round 2 was to create is then not there (COPY 0, RENAME an error
+    reply, nothing changed), one that was is copied as it is. `probe`: last, on its own, a stream restored onto
+    `RESTORE_PROBE_KEY` (expiring at once): does Redis take them (`stored` reads its reply)?"""
+    sent = _restoring(writes, restore, now_ms) if restore else list(writes)
     copies = [
         command
         for stream in compact
@@ -152,12 +268,19 @@ def store_commands(writes: Sequence[tuple[Any, ...]], compact: Sequence[str]) ->
             ("RENAME", stream + _COMPACTING, stream),
         )
     ]
-    return [("MULTI",), *writes, ("EXEC",), *([("MULTI",), *copies, ("EXEC",)] if copies else [])]
+    commands = [("MULTI",), *sent, ("EXEC",), *([("MULTI",), *copies, ("EXEC",)] if copies else [])]
+    if probe:
+        payload = stream_dump.payload([((1, 0), [(b"probe", b"1")])])
+        commands.append(("RESTORE", rose_keys.RESTORE_PROBE_KEY, 1, payload, "REPLACE"))
+    return commands, sent
 
 
-def stored(replies: list[Any], writes: int) -> Outcome:
+def stored(replies: list[Any], sent: Sequence[tuple[Any, ...]], probe: bool = False) -> Outcome:
     """Round 2's replies read (`store_commands`'s: MULTI's, one per write queued, EXEC's; then the copies' own
-    MULTI, queued and EXEC, if any). `writes`: how many writes the first transaction held."""
+    MULTI, queued and EXEC, if any; then the probe's, if `probe`). `sent`: the writes the first transaction held."""
+    restorable = _restorable(replies[-1]) if probe else None
+    replies = replies[:-1] if probe else replies
+    writes = len(sent)
     queued, done, copies = replies[1 : writes + 1], replies[writes + 1], replies[writes + 2 :]
     denied = any(
         isinstance(r, NoPermissionError) or (isinstance(r, Exception) and "unknown command" in str(r))
@@ -165,10 +288,37 @@ def stored(replies: list[Any], writes: int) -> Outcome:
     )
     copy = False if denied else None
     if done is None:
-        return Outcome(Stored.ABORTED, copy=copy)
+        return Outcome(Stored.ABORTED, copy=copy, restorable=restorable)
     if isinstance(done, Exception):  # EXECABORT: a command refused as it was queued (OOM, unknown command)
         errors = [r for r in queued if isinstance(r, Exception)] or [done]
         full = any(map(is_oom, errors))
-        return Outcome(Stored.REFUSED, [str(r) for r in errors], copy, full)
-    refused = [str(r) for r in done if isinstance(r, Exception)]
-    return Outcome(Stored.REFUSED if refused else Stored.STORED, refused, copy)
+        return Outcome(Stored.REFUSED, [str(r) for r in errors], copy, full, restorable=restorable)
+    unrestored = [
+        decoded(command[1]) or ""
+        for command, reply in zip(sent, done, strict=True)
+        if isinstance(reply, Exception) and str(command[0]).upper() == "RESTORE"
+    ]
+    refused = [
+        str(reply)
+        for command, reply in zip(sent, done, strict=True)
+        if isinstance(reply, Exception) and str(command[0]).upper() != "RESTORE"
+    ]
+    stored = Stored.REFUSED if refused else Stored.STORED
+    return Outcome(stored, refused, copy, unrestored=unrestored, restorable=restorable)
+
+
+def _restorable(reply: Any) -> bool | None:
+    """Whether the probe's reply says Redis takes a restored stream: None if it cannot tell (full, loading)."""
+    if not isinstance(reply, Exception):
+        return True
+    return None if is_oom(reply) or "LOADING" in str(reply) else False
+
+
+def rewrites(writes: Sequence[tuple[Any, ...]], streams: Sequence[str]) -> list[tuple[Any, ...]]:
+    """The writes of `writes` to `streams` (a RESTORE refused: their XADD, its EXPIRE or PERSIST), to send again."""
+    wanted = set(streams)
+    return [
+        write
+        for write in writes
+        if str(write[0]).upper() in ("XADD", "EXPIRE", "PERSIST") and decoded(write[1]) in wanted
+    ]

@@ -188,8 +188,8 @@ class FairQueue:
 
     def take(self, queues: list[Queue], room: int) -> list[tuple[str, Queue, Job | None]]:
         """Up to `room` jobs, the queues in order (a queue's jobs all come before the next queue's: a queue that
-        still holds jobs after a short take ends it): (id, queue, the job as its hash was, None if it has none), as
-        rq_start.dequeue gives them. A Redis error after a queue's jobs were taken returns those (the next take
+        still holds jobs after a short take ends it): (id, queue, the job as `rq_start.claimed`, None if it has no
+        status), as rq_start.dequeue gives them. A Redis error after a queue's jobs were taken returns those (the next take
         meets the error again)."""
         taken: list[tuple[str, Queue, Job | None]] = []
         for queue in queues:
@@ -205,9 +205,9 @@ class FairQueue:
                 job_id, tenant = decoded(flat[i]), decoded(flat[i + 1])
                 if tenant:
                     self.accounts.prepaid(job_id, tenant, float(flat[i + 2]))
-                taken.append(
-                    (job_id, queue, rq_start.restored(self.conn, job_id, flat[i + 3], self.serializer))
-                )
+                status, timeout = flat[i + 3]
+                job = rq_start.claimed(self.conn, job_id, queue, status, timeout, self.serializer)
+                taken.append((job_id, queue, job))
             if flat[0] and len(taken) < room:
                 break  # jobs still wait here that this take did not reach: no lower queue goes first
         return taken

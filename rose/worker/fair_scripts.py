@@ -102,8 +102,8 @@ return out
 # the job hash's enqueued_at field, the new mark's enqueued_at as the look read it, n weights, (tenant, weight) x n,
 # c charges, (tenant, amount) x c, m entries, (id, tenant, deadline or '', front '1'/'0', "<prompt tokens>|<all its
 # tokens>" expected) x m.
-# Returns {jobs still on the queue, then (id, tenant charged in advance or '', the advance: its prompt tokens, the
-# job's hash (flat)) per job taken}.
+# Returns {jobs still on the queue, then (id, tenant charged in advance or '', the advance: its prompt tokens, {the
+# job's status, its timeout}) per job taken}.
 _TAKE = """
 local queue, prefix, counters, FAR = KEYS[1], ARGV[1], KEYS[7], tonumber(ARGV[10])
 -- the counters this take read or charged, kept here and written once a tenant at its end (`charged`): a claim adds
@@ -245,7 +245,10 @@ local function claim(id, t)
   local place = redis.call('ZRANK', order, id)
   local score = place and place >= FAR and redis.call('ZSCORE', order, id)  -- far: the head's id takes it
   redis.call('ZREM', order, id)
-  local status = redis.call('HGET', ARGV[2] .. id, ARGV[8])  -- not the whole hash: stale ids may be many
+  -- its status and timeout (rq_start.CLAIM_FIELDS), all a start needs: not the whole hash (stale ids may be many;
+  -- the start reads the hash of those it starts)
+  local head = redis.call('HMGET', ARGV[2] .. id, ARGV[8], 'timeout')
+  local status = head[1]
   if not status then  -- its hash is gone (deleted, expired): off the queue too, as RQ drops such ids
     redis.call('LREM', queue, 1, id)
     return false
@@ -268,7 +271,7 @@ local function claim(id, t)
   out[#out + 1] = id
   out[#out + 1] = t
   out[#out + 1] = tostring(prompt)
-  out[#out + 1] = redis.call('HGETALL', ARGV[2] .. id)
+  out[#out + 1] = head
   return true, now
 end
 while left > 0 and pops > 0 do  -- deadline jobs first, earliest first
@@ -339,7 +342,7 @@ if left > 0 and pops > 0 and redis.call('SCARD', KEYS[5]) == 0 and redis.call('Z
     out[#out + 1] = id
     out[#out + 1] = ''
     out[#out + 1] = '0'
-    out[#out + 1] = redis.call('HGETALL', ARGV[2] .. id)
+    out[#out + 1] = redis.call('HMGET', ARGV[2] .. id, ARGV[8], 'timeout')
     left = left - 1
   end
 end

@@ -117,15 +117,32 @@ class Intake:
             started.append(run)
         if started:
             rq_start.mark_busy(recorder.pipe, self.rq)
-        # and whether each job's stream exists (a restart: its stream starts over with a reset)
-        results = recorder.execute([("EXISTS", keys.stream_key(run.id)) for run in started])
+        # and each job's hash as started, and whether its stream exists (a restart: it starts over with a reset)
+        reads = [
+            read
+            for run in started
+            for read in (rq_start.start_read(run.job), ("EXISTS", keys.stream_key(run.id)))
+        ]
+        results = recorder.execute(reads)
         rq_store.hold(self.rq, [run.execution for run in started])
-        for run, exists in zip(started, results, strict=True):
+        kept: list[Running] = []
+        for run, fields, exists in zip(started, results[::2], results[1::2], strict=True):
+            if not rq_start.restore(run.job, fields):
+                self._undo(run)
+                continue
             run.restarted = bool(exists)
+            kept.append(run)
             log.debug(
                 "job %s started from %s%s", run.id, run.queue.name, " (restart)" if run.restarted else ""
             )
-        return started
+        return kept
+
+    def _undo(self, run: Running) -> None:
+        """A job deleted between its take and its start: the start's writes (which made a hash of the job again)
+        are taken back."""
+        log.info("job %s vanished before it started; skipping", run.id)
+        rq_start.undo_start(self.rq.connection, run.job, run.execution)
+        rq_store.release(self.rq, run.execution)
 
     def _adopt(self, taken: Taken) -> list[Running]:
         """Jobs whose start transaction may or may not have gone through: pick up those we did start, start those

@@ -9,9 +9,11 @@ owner and dependents; round 2, only if every job is still `started` by this work
 writes in one MULTI/EXEC what `handle_job_success` writes for each job (RQ's own calls, recorded: worker counters, the
 job's status and Result, registries, expiry, execution cleanup; less the writes that change nothing, and one write
 per shared key for the batch: rq_store.success_commands, rose.worker.coalesce) and its `done` event (XADD, EXPIRE,
-PUBLISH: its token events are already in its stream, rose.worker.loop); then the job's two streams (RQ's result,
-rose's events) are stored again at their size (batch_store.COMPACT_ENTRIES). Atomic, as RQ's own WATCH + MULTI/EXEC:
-a job's end and its announcement become visible together, whatever the instant of a crash.
+PUBLISH: its token events are already in its stream, rose.worker.loop), each stream it creates (RQ's result, a
+not-streamed job's events) RESTOREd at its size instead (rose.worker.stream_dump, once Redis has shown it takes one);
+then each stream that was there (a streamed job's events) is stored again at its size (batch_store.COMPACT_BYTES).
+Atomic, as RQ's own WATCH + MULTI/EXEC: a job's end and its announcement become visible together, whatever the
+instant of a crash.
 
 `submit`, `advance` and `drain` return what became of the jobs (`Retired`: stored, or handed back to the loop). A
 batch in which a job is no longer `started` by this worker (canceled, stopped, deleted, taken over), or has
@@ -49,9 +51,13 @@ _REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError)
 class _Batch:
     runs: list[Running]
     writes: list[tuple[Any, ...]]
-    streams: list[str]  # to compact, if round 1 finds them small
-    reply: resp.Pending  # round 1's replies, then round 2's (`storing`), on the one connection WATCH holds on
-    storing: bool = False
+    streams: list[str]  # to restore if round 1 finds them not there, else to compact if small
+    asks: batch_store.Asks  # what round 1 asked beyond the jobs
+    reply: (
+        resp.Pending
+    )  # round 1's replies, then round 2's (once `sent`), on the one connection WATCH holds on
+    sent: list[tuple[Any, ...]] | None = None  # round 2's first transaction, once sent
+    probe: bool = False  # round 2 asks whether Redis takes restored streams
 
 
 @dataclass(slots=True)
@@ -80,6 +86,8 @@ class Retirer:
         self._batches: collections.deque[_Batch] = collections.deque()
         self.batched_jobs = 0  # jobs stored by batches (the others went through RQ's handler)
         self._copy: bool | None = None  # whether Redis has COPY (None: the next batch's round 1 asks)
+        # whether Redis takes a stream restored at its size (stream_dump; None: the next batch's round 2 asks)
+        self._restore: bool | None = None
 
     @property
     def busy(self) -> bool:
@@ -110,19 +118,20 @@ class Retirer:
                 *(command for run in runs for command in self.announce(run)),
             ]
         )
-        # the jobs' streams kept at their size, not in Redis's 4 KB first node (batch_store.COMPACT_ENTRIES), where
-        # Redis has COPY (asked in the first batch's round 1)
+        # the jobs' streams kept at their size, not in Redis's 4 KB first node: restored where Redis takes it, else
+        # copied where it has COPY (batch_store.COMPACT_BYTES; asked in the first batch)
         streams = (
             [key for run in runs for key in (keys.rq_results_key(run.id), keys.stream_key(run.id))]
-            if self._copy is not False
+            if self._copy is not False or self._restore is not False
             else []
         )
-        check = batch_store.check_commands(runs, streams, ask_copy=self._copy is None)
+        asks = batch_store.Asks(copy=self._copy is None, clock=self._restore is True)
+        check = batch_store.check_commands(runs, streams, asks)
         try:
             pending = resp.Pending(self.rq.connection, resp.pack_commands(check), len(check))
         except _REDIS_ERRORS as exc:
             return self._hand_back(runs, exc)
-        self._batches.append(_Batch(runs, writes, streams, pending))
+        self._batches.append(_Batch(runs, writes, streams, asks, pending))
         return Retired()
 
     def advance(self, wait: bool = False) -> Retired:
@@ -133,7 +142,11 @@ class Retirer:
             try:
                 while wait or batch.reply.ready():
                     # round 1 read: round 2 sent (None: its replies next), or the batch ends here
-                    ended = self._settle(batch, batch.reply.read()) if batch.storing else self._store(batch)
+                    ended = (
+                        self._settle(batch, batch.reply.read())
+                        if batch.sent is not None
+                        else self._store(batch)
+                    )
                     if ended is not None:
                         self._batches.remove(batch)
                         retired.add(ended)
@@ -155,7 +168,13 @@ class Retirer:
         """Round 1 read: round 2 sent (None), or the batch handed back (not ours, dependents: the loop checks them,
         then stores what is still ours through RQ's handler)."""
         found = batch_store.checked(
-            self.rq.name, batch.runs, batch.streams, batch.writes, batch.reply.read(keep=True)
+            self.rq.name,
+            batch.runs,
+            batch.streams,
+            batch.writes,
+            batch.reply.read(keep=True),
+            batch.asks,
+            self._copy,
         )
         if found.copy is not None:
             self._copy = found.copy
@@ -167,15 +186,29 @@ class Retirer:
         if not found.ours:
             batch.reply.abandon()  # its WATCH goes with the connection
             return Retired(handed_back=batch.runs)
-        commands = batch_store.store_commands(batch.writes, found.compact)
+        batch.probe = self._restore is None  # does Redis take restored streams? asked after the writes
+        commands, batch.sent = batch_store.store_commands(
+            batch.writes, found.compact, found.restore, found.now_ms, batch.probe
+        )
         batch.reply.send(resp.pack_commands(commands), len(commands))
-        batch.storing = True
         return None
 
     def _settle(self, batch: _Batch, replies: list[Any]) -> Retired:
-        outcome = batch_store.stored(replies, len(batch.writes))
+        assert batch.sent is not None
+        outcome = batch_store.stored(replies, batch.sent, batch.probe)
         if outcome.copy is False:  # COPY unknown (a failover to an older server?) or denied by an ACL
             self._copy = False
+        if outcome.restorable is not None:
+            self._restore = outcome.restorable
+        if outcome.unrestored:  # a stream Redis would not restore (a failover to another server?): XADD it
+            log.warning(
+                "Redis refused to restore %d streams; writing them as entries", len(outcome.unrestored)
+            )
+            self._restore = False
+            with self.rq.connection.pipeline() as pipe:
+                for command in batch_store.rewrites(batch.writes, outcome.unrestored):
+                    pipe.execute_command(*command)
+                pipe.execute()
         if outcome.stored is batch_store.Stored.ABORTED:
             # a watched key changed (canceled, stopped, a dependent enqueued): the loop checks them, then stores
             # what is still ours through RQ's handler
@@ -195,6 +228,8 @@ class Retirer:
 
     def _hand_back(self, runs: list[Running], exc: BaseException) -> Retired:
         log.error("could not store the results of %d jobs (%s); the loop retries them", len(runs), exc)
+        if self._restore:  # after a reconnect (a failover?): asked again
+            self._restore = None
         if self._batches:
             self._batches = collections.deque(b for b in self._batches if b.runs is not runs)
         return Retired(handed_back=runs)

@@ -1,12 +1,17 @@
 """Taking jobs off RQ's queues and starting them, the RQ way (with rose.worker.rq_store, rq_scan and rq_worker, the
 one place that knows RQ's internals: an RQ upgrade that changes how a job starts touches this file).
 
-Ids move into the queue's intermediate list (`dequeue`: LMOVE, reading their hashes in the same script; `dequeue_blocking`:
-BLMOVE, as RQ's own dequeue), so a crash between dequeue and start loses none (rose.worker.recovery puts them
-back); a start is what RQ's `prepare_execution` + `prepare_job_execution` write (`record_start`): an Execution (its
-hash, the job's ExecutionRegistry, the StartedJobRegistry, the worker's execution index), the job `started` by this
-worker and persisted, sent for a take's jobs as one transaction (`Recorder`, `coalesced`: one write a take for the
-keys they share).
+Ids move into the queue's intermediate list (`dequeue`: LMOVE, reading each job's status and timeout in the same
+script; `dequeue_blocking`: BLMOVE, as RQ's own dequeue), so a crash between dequeue and start loses none
+(rose.worker.recovery puts them back); a start is what RQ's `prepare_execution` + `prepare_job_execution` write
+(`record_start`): an Execution (its hash, the job's ExecutionRegistry, the StartedJobRegistry, the worker's execution
+index), the job `started` by this worker and persisted, sent for a take's jobs as one transaction (`Recorder`,
+`coalesced`: one write a take for the keys they share), which reads each started job's hash last (`start_read`,
+`restore`).
+
+A script reads only a job's status and timeout (`CLAIM_FIELDS`, `claimed`: what the start needs to write), never its
+whole hash: each value a script reads is converted to Lua and back, and a job's hash through a script cost Redis
+about five times an HGETALL of it.
 """
 
 from __future__ import annotations
@@ -15,14 +20,16 @@ import contextlib
 import zlib
 from typing import TYPE_CHECKING, Any
 
+from rq.exceptions import NoSuchJobError
 from rq.executions import Execution
 from rq.job import Job, JobStatus
 from rq.queue import Queue
 from rq.serializers import resolve_serializer
+from rq.utils import parse_timeout
 from rq.worker import BaseWorker, WorkerStatus
 
 from rose.worker.coalesce import coalesced
-from rose.worker.rq_store import JOB_OWNER_FIELD, JOB_STATUS_FIELD, decoded
+from rose.worker.rq_store import JOB_OWNER_FIELD, JOB_STATUS_FIELD, JOB_TIMEOUT_FIELD, decoded
 
 if TYPE_CHECKING:
     from redis import Redis
@@ -32,10 +39,12 @@ if TYPE_CHECKING:
 
 # ---- dequeue --------------------------------------------------------------------------------------------------
 
+CLAIM_FIELDS = (JOB_STATUS_FIELD, JOB_TIMEOUT_FIELD)  # what a script reads of a job it moves (HMGET)
+
 # KEYS: each queue's list, then its intermediate list, highest priority first; ARGV[1]: the most ids to move;
-# ARGV[2]: the prefix of job hashes. Moves ids as RQ's own dequeue does (LMOVE into the intermediate list) and returns
-# {queue index (1-based), id, the job's hash (flat), ...}: dequeue and fetch in one round trip, with no need to know
-# the queues' lengths first.
+# ARGV[2]: the prefix of job hashes; ARGV[3], ARGV[4]: CLAIM_FIELDS. Moves ids as RQ's own dequeue does (LMOVE into
+# the intermediate list) and returns {queue index (1-based), id, {the job's status, its timeout} (false: none), ...}:
+# dequeue in one round trip, with no need to know the queues' lengths first.
 _DEQUEUE = """
 local out, left = {}, tonumber(ARGV[1])
 for i = 1, #KEYS, 2 do
@@ -44,7 +53,7 @@ for i = 1, #KEYS, 2 do
     if not id then break end
     out[#out + 1] = (i + 1) / 2
     out[#out + 1] = id
-    out[#out + 1] = redis.call('HGETALL', ARGV[2] .. id)
+    out[#out + 1] = redis.call('HMGET', ARGV[2] .. id, ARGV[3], ARGV[4])
     left = left - 1
   end
 end
@@ -56,14 +65,15 @@ def dequeue(
     conn: Redis, queues: list[Queue], limit: int, serializer: Any
 ) -> list[tuple[str, Queue, Job | None]]:
     """Up to `limit` jobs from the queues, highest priority first, without blocking, in one round trip: (id, queue,
-    the job as its hash was, None if it has none). A crash before the start leaves the ids in the intermediate
-    lists, findable (`requeue_stuck`)."""
+    the job as `claimed` (its status and timeout), None if it has no status). A crash before the start leaves the
+    ids in the intermediate lists, findable (`requeue_stuck`)."""
     keys = [key for q in queues for key in (q.key, q.intermediate_queue_key)]
-    flat = conn.eval(_DEQUEUE, len(keys), *keys, limit, job_hash_prefix())
+    flat = conn.eval(_DEQUEUE, len(keys), *keys, limit, job_hash_prefix(), *CLAIM_FIELDS)
     taken: list[tuple[str, Queue, Job | None]] = []
     for i in range(0, len(flat), 3):
         queue, job_id = queues[int(flat[i]) - 1], decoded(flat[i + 1])
-        taken.append((job_id, queue, restored(conn, job_id, flat[i + 2], serializer)))
+        status, timeout = flat[i + 2]
+        taken.append((job_id, queue, claimed(conn, job_id, queue, status, timeout, serializer)))
     return taken
 
 
@@ -72,13 +82,33 @@ def job_hash_prefix() -> str:
     return Job.redis_job_namespace_prefix
 
 
-def restored(conn: Redis, job_id: str, fields: list[bytes], serializer: Any) -> Job | None:
-    """The job from its hash as HGETALL gave it (flat), None if it has none."""
-    if not fields:
+def claimed(
+    conn: Redis, job_id: str, queue: Queue, status: bytes | None, timeout: bytes | None, serializer: Any
+) -> Job | None:
+    """A job as a script read it (its status and timeout, `CLAIM_FIELDS`): what `record_start` needs; the rest of
+    its hash is read by the start (`restore`). None: no status (no such job)."""
+    if not status:
         return None
     job = Job(job_id, connection=conn, serializer=serializer)
-    job.restore(dict(zip(fields[::2], fields[1::2], strict=True)))
+    job.origin = queue.name
+    job._status = JobStatus(decoded(status))
+    job.timeout = parse_timeout(decoded(timeout)) if timeout else None
     return job
+
+
+def restore(job: Job, fields: dict[bytes, bytes]) -> bool:
+    """`job` as its hash was read (HGETALL); False if the hash holds no job (deleted, or written only by the start:
+    deleted between the take and the start)."""
+    try:
+        job.restore(fields)
+    except NoSuchJobError:
+        return False
+    return True
+
+
+def start_read(job: Job) -> tuple[str, ...]:
+    """What a start reads of each job it started, after its writes (`Recorder.execute`): its whole hash."""
+    return ("HGETALL", job.key)
 
 
 def job_kwargs(data: bytes, serializer: Any) -> dict[str, Any] | None:
@@ -134,6 +164,14 @@ def record_start(pipe: Pipeline, worker: RQWorker, job: Job, ttl: int) -> Execut
     job.prepare_for_execution(worker.name, pipeline=pipe)
     pipe.persist(job.key)  # as RQ 3's prepare_job_execution: a running job must not expire under us
     return execution
+
+
+def undo_start(conn: Redis, job: Job, execution: Execution) -> None:
+    """Take back `record_start`'s writes for a job deleted meanwhile: the hash they made, the Execution."""
+    with conn.pipeline() as pipe:
+        pipe.delete(job.key)
+        execution.delete(job, pipeline=pipe)
+        pipe.execute()
 
 
 def mark_busy(pipe: Pipeline, worker: RQWorker) -> None:

@@ -60,7 +60,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-JOB_STATUS_FIELD, JOB_OWNER_FIELD = "status", "worker_name"  # fields of RQ's job hash
+JOB_STATUS_FIELD, JOB_OWNER_FIELD, JOB_TIMEOUT_FIELD = (
+    "status",
+    "worker_name",
+    "timeout",
+)  # fields of RQ's job hash
 JOB_ENQUEUED_FIELD = "enqueued_at"  # RQ stamps it at each enqueue, a requeue too (ISO 8601, UTC)
 STARTED, QUEUED, FINISHED = JobStatus.STARTED.value, JobStatus.QUEUED.value, JobStatus.FINISHED.value
 CANCELED, STOPPED, FAILED = JobStatus.CANCELED.value, JobStatus.STOPPED.value, JobStatus.FAILED.value

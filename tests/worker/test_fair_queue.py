@@ -425,8 +425,9 @@ def test_what_a_take_costs_redis_a_job(r):
 
     assert len(taken) == 10
     # no mark yet: one HMGET for the scan from the tail for the newest indexed id (256 ids a chunk), one for the ids
-    # read; HEXISTS for the order's first two ids only (what an earlier version's take left)
-    assert calls("hmget") == 2 and calls("hexists") <= 2
+    # read, and one a claim (the job's status and timeout; never its whole hash: the start reads that); HEXISTS for
+    # the order's first two ids only (what an earlier version's take left)
+    assert calls("hmget") == 2 + 10 and calls("hgetall") == 0 and calls("hexists") <= 2
     assert calls("sadd") == 2 and calls("zincrby") == 0
     # a's jobs are first in the queue: each claim of one finds it at the head; b's sit behind a's, removed by value
     assert calls("lmove") == 5 and calls("lrem") == 5 and calls("rpush") == 16 + 5

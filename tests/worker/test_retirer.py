@@ -280,9 +280,9 @@ def test_a_cancel_between_the_two_rounds_aborts_the_batch_and_nothing_is_stored(
     canceled, other = finished_runs(parts, r, 2)
     real_store_commands = batch_store.store_commands
 
-    def cancel_first(writes, compact):
+    def cancel_first(*args):
         Client(r, queue="rose").cancel(canceled.id)
-        return real_store_commands(writes, compact)
+        return real_store_commands(*args)
 
     monkeypatch.setattr(batch_store, "store_commands", cancel_first)
     parts.retirer.submit([canceled, other])
@@ -300,9 +300,9 @@ def test_a_dependent_enqueued_between_the_two_rounds_aborts_the_batch(parts, r, 
     real_store_commands = batch_store.store_commands
     dependents = []
 
-    def enqueue_dependent_first(writes, compact):
+    def enqueue_dependent_first(*args):
         dependents.append(Client(r, queue="rose").submit("after", max_tokens=1, depends_on=parent.id))
-        return real_store_commands(writes, compact)
+        return real_store_commands(*args)
 
     monkeypatch.setattr(batch_store, "store_commands", enqueue_dependent_first)
     parts.retirer.submit([parent, other])
@@ -321,9 +321,9 @@ def test_a_connection_lost_between_the_rounds_hands_the_batch_back_with_nothing_
     runs = finished_runs(parts, r, 2)
     real_store_commands = batch_store.store_commands
 
-    def kill_first(writes, compact):
+    def kill_first(*args):
         r.client_kill_filter(_type="normal", skipme=True)  # every other client: the batch's connection too
-        return real_store_commands(writes, compact)
+        return real_store_commands(*args)
 
     monkeypatch.setattr(batch_store, "store_commands", kill_first)
     parts.retirer.submit(runs)
@@ -375,9 +375,9 @@ def test_redis_full_between_the_rounds_writes_nothing(parts, r, monkeypatch, ful
     runs = finished_runs(parts, r, 2)
     real_store_commands = batch_store.store_commands
 
-    def fill_first(writes, compact):
+    def fill_first(*args):
         full(True)
-        return real_store_commands(writes, compact)
+        return real_store_commands(*args)
 
     monkeypatch.setattr(batch_store, "store_commands", fill_first)
     parts.retirer.submit(runs)
@@ -459,16 +459,20 @@ def test_readers_waiting_on_a_jobs_streams_get_its_end(parts, r, redis_server):
     parts.announce([run])
 
 
-def test_a_long_stream_is_left_as_it_is(parts, r):
+def test_a_streamed_jobs_events_are_copied_at_their_size(parts, r):
+    """A stream there before round 2 (a streamed job's events) gets its `done` event by XADD, then is copied onto
+    itself at its size, in the first batch and in those that restore the streams they create."""
+    retired_twice(parts, r, 1)
     (run,) = finished_runs(parts, r, 1)
     stream = keys.stream_key(run.id)
-    most = batch_store.COMPACT_ENTRIES
-    for i in range(most + 1):
-        r.xadd(stream, {"event": json.dumps({"event": "token", "seq": i})})
-    before = r.memory_usage(stream)
+    for i in range(40):
+        r.xadd(stream, {"event": json.dumps({"type": "token", "seq": i, "text": "ab"})})
+    entries = r.xrange(stream)
+    assert r.memory_usage(stream) > 4096
     parts.retirer.submit([run])
     assert parts.retirer.drain().stored == [run]
-    assert r.xlen(stream) == most + 2 and r.memory_usage(stream) >= before
+    assert r.xrange(stream)[:-1] == entries and r.memory_usage(stream) < 4096
+    assert [e["type"] for e in stream_events(r, run.id)][-1] == "done"
     parts.announce([run])
 
 
@@ -486,11 +490,12 @@ def test_a_large_stream_is_left_as_it_is(parts, r):
     parts.announce([run])
 
 
-@pytest.mark.parametrize("renamed", ["COPY", "COMMAND"])
-def test_a_redis_without_copy_stores_the_batch_as_it_is(tmp_path, renamed):
-    """A Redis without COPY (before 6.2, or renamed away), or that will not say (COMMAND renamed away): the results
-    are stored, the streams left as written."""
-    server = RedisServerProcess(directory=tmp_path, args=["--rename-command", renamed, ""])
+@pytest.mark.parametrize("renamed", [("COPY", "RESTORE"), ("COMMAND", "RESTORE")])
+def test_a_redis_without_copy_or_restore_stores_the_batch_as_it_is(tmp_path, renamed):
+    """A Redis without COPY (before 6.2, or renamed away), or that will not say (COMMAND renamed away), and without
+    RESTORE: the results are stored, the streams left as written."""
+    args = [x for command in renamed for x in ("--rename-command", command, "")]
+    server = RedisServerProcess(directory=tmp_path, args=args)
     server.start()
     try:
         r = server.client()
@@ -502,6 +507,25 @@ def test_a_redis_without_copy_stores_the_batch_as_it_is(tmp_path, renamed):
                 assert all(job_state(r, run)["status"] == JobStatus.FINISHED for run in runs)
                 assert all(min(stream_sizes(r, run).values()) > 4096 for run in runs)
                 parts.announce(runs)
+        r.close()
+    finally:
+        server.stop()
+
+
+def test_a_redis_without_copy_restores_the_streams_at_their_size(tmp_path):
+    server = RedisServerProcess(directory=tmp_path, args=["--rename-command", "COPY", ""])
+    server.start()
+    try:
+        r = server.client()
+        for parts in worker_parts(server):
+            sizes = []
+            for _ in range(2):  # the first batch asks, the second restores
+                runs = finished_runs(parts, r, 2)
+                parts.retirer.submit(runs)
+                assert parts.retirer.drain().stored == runs
+                sizes.append(max(max(stream_sizes(r, run).values()) for run in runs))
+                parts.announce(runs)
+            assert sizes[0] > 4096 and sizes[1] < 2048, sizes
         r.close()
     finally:
         server.stop()
@@ -521,11 +545,17 @@ def test_a_result_stream_too_large_to_copy_is_left_as_it_is(parts, r):
 
 
 def test_copy_denied_by_an_acl_leaves_the_writes_standing_and_is_not_tried_again(new_redis_server):
-    """COMMAND INFO says Redis has COPY, an ACL denies it: the first batch's copies are refused as they are queued,
-    in a transaction of their own, and its results stand; later batches copy nothing."""
+    """COMMAND INFO says Redis has COPY, an ACL denies it (and RESTORE, as `-@dangerous` does): the first batch's
+    copies are refused as they are queued, in a transaction of their own, and its results stand, as do those of the
+    batch whose RESTORE is refused; later batches copy and restore nothing."""
     r = new_redis_server.client()
     r.acl_setuser(
-        "default", enabled=True, nopass=True, commands=["+@all", "-copy"], keys=["~*"], channels=["*"]
+        "default",
+        enabled=True,
+        nopass=True,
+        commands=["+@all", "-copy", "-restore"],
+        keys=["~*"],
+        channels=["*"],
     )
     for parts in worker_parts(new_redis_server):
         for _ in range(3):
@@ -535,6 +565,99 @@ def test_copy_denied_by_an_acl_leaves_the_writes_standing_and_is_not_tried_again
             assert all(job_state(r, run)["status"] == JobStatus.FINISHED for run in runs)
             assert all(min(stream_sizes(r, run).values()) > 4096 for run in runs)  # left as written
             parts.announce(runs)
-            copies = r.info("commandstats").get("cmdstat_copy", {})
+            stats = r.info("commandstats")
+            copies, restores = stats.get("cmdstat_copy", {}), stats.get("cmdstat_restore", {})
             assert copies.get("rejected_calls") == 4 and not copies.get("calls")  # the first batch's only
+            assert restores.get("rejected_calls") == 1 and not restores.get("calls")  # its probe only
     r.close()
+
+
+def retired_twice(parts, r, n: int) -> list:
+    """The jobs of a second batch: the first asked whether Redis takes restored streams."""
+    for _ in range(2):
+        runs = finished_runs(parts, r, n)
+        parts.retirer.submit(runs)
+        assert parts.retirer.drain().stored == runs
+        parts.announce(runs)
+    return runs
+
+
+def test_the_streams_a_batch_creates_are_restored_as_xadd_and_copy_leave_them(parts, r):
+    """From the second batch on, a stream round 2 creates (RQ's result, a not-streamed job's events) is RESTOREd at
+    its size, its expiry folded in: one command where XADD, EXPIRE, COPY and RENAME were four, and Redis holds it
+    byte for byte as an XADD of the same entry (same id) copied at its size, with the same expiry."""
+    retired_twice(parts, r, 2)
+    r.config_resetstat()
+    runs = finished_runs(parts, r, 3)
+    parts.retirer.submit(runs)
+    assert parts.retirer.drain().stored == runs
+    parts.announce(runs)
+    stats = r.info("commandstats")
+    assert stats["cmdstat_restore"]["calls"] == 6
+    assert not any(f"cmdstat_{name}" in stats for name in ("xadd", "copy", "rename"))
+    for run in runs:
+        for key in (f"rq:results:{run.id}", keys.stream_key(run.id)):
+            assert parts.rq.default_result_ttl - 5 < r.ttl(key) <= parts.rq.default_result_ttl
+            ((entry_id, fields),) = r.xrange(key)
+            r.xadd("as-xadd", fields, id=entry_id)
+            r.copy("as-xadd", "as-xadd-copied")
+            assert r.dump(key) == r.dump("as-xadd-copied")
+            r.delete("as-xadd", "as-xadd-copied")
+        assert [e["type"] for e in stream_events(r, run.id)] == ["done"]
+        assert job_state(r, run)["result_keys"] == sorted(run.result)
+        assert Client(r, queue="rose").job(run.id).result(timeout=1)["token_ids"] == [5, 6]
+
+
+def test_readers_waiting_on_restored_streams_get_the_end(parts, r, redis_server):
+    """RESTORE wakes a reader blocked on the stream it creates, as XADD does."""
+    retired_twice(parts, r, 1)
+    (run,) = finished_runs(parts, r, 1)
+    got: dict[str, object] = {}
+
+    def read(name: str, key: str) -> None:
+        with redis_server.client() as reader:
+            got[name] = reader.xread({key: "$"}, block=10_000)
+
+    threads = [
+        threading.Thread(target=read, args=("events", keys.stream_key(run.id))),
+        threading.Thread(target=read, args=("result", f"rq:results:{run.id}")),
+    ]
+    for thread in threads:
+        thread.start()
+    wait_for(lambda: r.info("clients")["blocked_clients"] == 2, 5, what="two readers blocked")
+    r.config_resetstat()
+    parts.retirer.submit([run])
+    assert parts.retirer.drain().stored == [run]
+    for thread in threads:
+        thread.join(10)
+    assert r.info("commandstats")["cmdstat_restore"]["calls"] == 2
+    assert json.loads(got["events"][0][1][0][1][b"event"])["type"] == "done"
+    assert got["result"][0][1][0][0] == r.xrange(f"rq:results:{run.id}")[0][0]
+    parts.announce([run])
+
+
+def test_a_stream_made_between_the_rounds_gets_its_entry_all_the_same(parts, r, monkeypatch):
+    """A stream round 1 found not there but that exists by round 2: its RESTORE is refused (BUSYKEY), the other
+    writes stand, the entry is written with XADD after all, and no stream is restored again."""
+    retired_twice(parts, r, 1)
+    (run,) = finished_runs(parts, r, 1)
+    real_store_commands = batch_store.store_commands
+
+    def make_first(*args):
+        r.xadd(f"rq:results:{run.id}", {"made": "meanwhile"})
+        return real_store_commands(*args)
+
+    monkeypatch.setattr(batch_store, "store_commands", make_first)
+    parts.retirer.submit([run])
+    assert parts.retirer.drain().stored == [run]
+    parts.announce([run])
+    assert [fields for _, fields in r.xrange(f"rq:results:{run.id}")][0] == {b"made": b"meanwhile"}
+    assert Client(r, queue="rose").job(run.id).result(timeout=1)["token_ids"] == [5, 6]
+    assert [e["type"] for e in stream_events(r, run.id)] == ["done"]
+    monkeypatch.undo()
+    r.config_resetstat()
+    (later,) = finished_runs(parts, r, 1)
+    parts.retirer.submit([later])
+    assert parts.retirer.drain().stored == [later]
+    assert "cmdstat_restore" not in r.info("commandstats")
+    parts.announce([later])
