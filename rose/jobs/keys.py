@@ -13,9 +13,9 @@ FUNC_PATH = "rose.jobs.generate"
 TOKENS_CHANNEL_PREFIX = "rose:tokens:"
 STREAM_PREFIX = "rose:stream:"
 WORKER_INFO_PREFIX = "rose:worker:"
-FAIR_PREFIX = (
-    "rose:fair:"  # the fair-share index of each queue, and the fleet's counters (rose.worker.fair_queue)
-)
+FAIR_PREFIX = "rose:fair:"  # the fleet's fair-share counters (rose.worker.fair_queue)
+# each queue's fair-share index (2: its entries carry their costs; an earlier version's is under FAIR_PREFIX)
+FAIR_INDEX_PREFIX = "rose:fair2:"
 # Jobs whose end is stored in RQ but whose terminal event may not be in their stream yet: job id -> worker name
 # (rose.worker.seal). Normally empty but for the jobs ending this instant.
 SEALS_KEY = "rose:seals"
@@ -54,14 +54,14 @@ def worker_info_key(worker_name: str) -> str:
 
 
 def fair_key(queue_name: str, part: str) -> str:
-    """A key of `queue_name`'s fair-share index: mark, mark_enqueued, indexed, tenants, deadlines, order
+    """A key of `queue_name`'s fair-share index: mark, mark_enqueued, order, tenants, deadlines
     (rose.worker.fair_queue)."""
-    return f"{FAIR_PREFIX}{queue_name}:{part}"
+    return f"{FAIR_INDEX_PREFIX}{queue_name}:{part}"
 
 
 def fair_tenant_key(queue_name: str, tenant: str) -> str:
-    """The list of `tenant`'s waiting job ids in `queue_name`'s fair-share index."""
-    return f"{FAIR_PREFIX}{queue_name}:tenant:{tenant}"
+    """The list of `tenant`'s waiting jobs in `queue_name`'s fair-share index."""
+    return f"{FAIR_INDEX_PREFIX}{queue_name}:tenant:{tenant}"
 
 
 def fair_counters_key() -> str:

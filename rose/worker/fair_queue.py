@@ -4,14 +4,18 @@ Producers enqueue to the RQ queue as ever, and its list stays the truth: `rq inf
 `Job.get_position` read it as they always did. Beside it rose keeps an index of the queue's waiting jobs in Redis,
 shared by the fleet (`keys.fair_key`):
 
-    rose:fair:<queue>:mark          the newest id indexed, while it waits: the next look starts after it
-    rose:fair:<queue>:mark_enqueued "<id>|<its job's enqueued_at>" as it became the mark: did its job come back?
-    rose:fair:<queue>:indexed       hash: the ids in the index -> "<prompt tokens>|<all its tokens>", expected
-    rose:fair:<queue>:tenant:<T>    list: tenant T's waiting ids, in queue order
-    rose:fair:<queue>:tenants       set: the tenants whose list may hold ids
-    rose:fair:<queue>:deadlines     sorted set: "<id>|<tenant>" of the waiting jobs with a deadline, by deadline
-    rose:fair:<queue>:order         sorted set: the indexed ids by their place in the queue (first: lowest)
-    rose:fair:counters              sorted set: each tenant's service in tokens / its weight (the fleet, all queues)
+    rose:fair2:<queue>:mark          the newest id indexed, while it waits: the next look starts after it
+    rose:fair2:<queue>:mark_enqueued "<id>|<its job's enqueued_at>" as it became the mark: did its job come back?
+    rose:fair2:<queue>:order         sorted set: the indexed ids by their place in the queue (first: lowest)
+    rose:fair2:<queue>:tenant:<T>    list: tenant T's waiting jobs, in queue order: "<id>|<cost>"
+    rose:fair2:<queue>:tenants       set: the tenants whose list may hold ids
+    rose:fair2:<queue>:deadlines     sorted set: "<id>|<cost>|<tenant>" of the waiting jobs with a deadline, by it
+    rose:fair:counters               sorted set: each tenant's service in tokens / its weight (the fleet, all queues)
+
+where a job's cost is "<prompt tokens>|<all its tokens>", expected (`expected_tokens`), carried by its entry so that a
+claim reads nothing else of the index. (An earlier version kept the costs in a hash beside the order, under
+`rose:fair:<queue>:*`: a fleet mid-upgrade keeps both indexes, each worker its own version's, and both take from the
+one RQ list, which stays the truth.)
 
 `FairQueue.take` is one or two round trips a queue: the look reads what the queue holds past the mark (sought near
 the tail, then around as many ids from the head as the index holds, then from the list's nearer end: `MARK_NEAR`;
@@ -122,7 +126,7 @@ def waiting(conn: Redis, queue_name: str) -> dict[str, int]:
         *lengths, deadlines = pipe.execute()
     found = {t: int(n) for t, n in zip(tenants, lengths, strict=True) if n}
     for member in deadlines:
-        tenant = decoded(member).partition("|")[2]
+        tenant = decoded(member).split("|", 3)[3]  # "<id>|<cost>|<tenant>", the cost "<prompt>|<all>"
         found[tenant] = found.get(tenant, 0) + 1
     return found
 
@@ -149,10 +153,6 @@ def expected_tokens(kwargs: Mapping[str, Any] | None, typical: float | None) -> 
 
 class Accounts(Protocol):
     """What a take asks of the worker's accounts (rose.worker.tenants.Tenants)."""
-
-    def estimate(self) -> float:
-        """A job's expected tokens when its data does not say (taken unindexed)."""
-        ...
 
     def typical(self) -> float | None:
         """The tokens this worker's jobs generated so far, on average (None: none ended yet)."""
@@ -221,11 +221,10 @@ class FairQueue:
             queue.key,
             queue.intermediate_queue_key,
             keys.fair_key(name, "mark"),
-            keys.fair_key(name, "indexed"),
+            keys.fair_key(name, "order"),
             keys.fair_key(name, "tenants"),
             keys.fair_key(name, "deadlines"),
             keys.fair_counters_key(),
-            keys.fair_key(name, "order"),
             keys.fair_key(name, "mark_enqueued"),
         ]
         # handed over before the first script, which may take: owed again if it fails (an outage must not lose them;
@@ -240,7 +239,6 @@ class FairQueue:
                 expected,
                 newest,
                 room,
-                repr(float(self.accounts.estimate())),
                 POPS * room + EXTRA_POPS,
                 rq_store.JOB_STATUS_FIELD,
                 rq_store.QUEUED,

@@ -14,7 +14,8 @@ local function mark_record(key, prefix, field, id)
 end
 """
 
-# KEYS: queue, mark, indexed, the mark's record ("<id>|<its job's enqueued_at>" as a look read it, TAKE's set_mark).
+# KEYS: queue, mark, order (the index: its ids), the mark's record ("<id>|<its job's enqueued_at>" as a look read it,
+# TAKE's set_mark).
 # ARGV: limit, head (at least 1), job hash prefix, scan back, ids read around where the mark should be (from the tail,
 # then around as many ids from the head as the index holds), the job hash's enqueued_at field. Returns {mark, newest
 # id looked at, its enqueued_at as read, then (id, front "1"/"0", the job's data) for each id not in the index}.
@@ -32,7 +33,7 @@ if mark and not came_back then  -- LPOS reads one id after another: where the ma
   if p then
     start = p + 1
   else  -- behind a burst: the ids up to the mark are about the indexed ones (fewer when some left the queue)
-    local guess = math.min(redis.call('HLEN', KEYS[3]), n) - 1
+    local guess = math.min(redis.call('ZCARD', KEYS[3]), n) - 1
     local lo = math.max(0, guess - near)
     local around = redis.call('LRANGE', KEYS[1], lo, guess + 16)
     for j = #around, 1, -1 do
@@ -60,7 +61,7 @@ if start == nil then  -- no mark, its job left the queue, or came back: after th
   while i >= 0 and i >= n - back and start == 0 do
     local lo = math.max(0, i - 255, n - back)
     local chunk = redis.call('LRANGE', KEYS[1], lo, i)
-    local indexed = #chunk > 0 and redis.call('HMGET', KEYS[3], unpack(chunk)) or {}  -- one call a chunk
+    local indexed = #chunk > 0 and redis.call('ZMSCORE', KEYS[3], unpack(chunk)) or {}  -- one call a chunk
     for j = #chunk, 1, -1 do
       if indexed[j] and stayed(chunk[j]) then start = lo + j; break end
     end
@@ -72,11 +73,11 @@ local tail = redis.call('LRANGE', KEYS[1], start, start + limit - 1)
 local newest = tail[#tail]
 local out = {mark or '', newest or '', newest and redis.call('HGET', ARGV[3] .. newest, ARGV[6]) or ''}
 local seen = {}
--- the ids not in the index, with their data: one HMGET tells which are in it (a call for the tail, one for the
+-- the ids not in the index, with their data: one ZMSCORE tells which are in it (a call for the tail, one for the
 -- head's window; not one an id)
 local function add(ids, from, to, step, front)
   if #ids == 0 then return end
-  local known = redis.call('HMGET', KEYS[3], unpack(ids))
+  local known = redis.call('ZMSCORE', KEYS[3], unpack(ids))
   for i = from, to, step do
     local id = ids[i]
     if not seen[id] and not known[i] then
@@ -95,17 +96,17 @@ end
 return out
 """
 
-# KEYS: queue, intermediate, mark, indexed, tenants, deadlines, counters (a sorted set: tenant -> service), order (a
-# sorted set: the indexed ids by their place in the queue), the mark's record (LOOK).
-# ARGV: tenant list prefix, job hash prefix, expected mark, new mark, room, a job's tokens (unindexed), max pops,
-# job status field, its queued value, how far from the head a claim moves the head's id into its place (`unqueue`),
-# the job hash's enqueued_at field, the new mark's enqueued_at as the look read it, n weights, (tenant, weight) x n,
-# c charges, (tenant, amount) x c, m entries, (id, tenant, deadline or '', front '1'/'0', "<prompt tokens>|<all its
-# tokens>" expected) x m.
+# KEYS: queue, intermediate, mark, order (a sorted set: the indexed ids by their place in the queue), tenants,
+# deadlines, counters (a sorted set: tenant -> service), the mark's record (LOOK).
+# ARGV: tenant list prefix, job hash prefix, expected mark, new mark, room, max pops, job status field, its queued
+# value, how far from the head a claim moves the head's id into its place (`unqueue`), the job hash's enqueued_at
+# field, the new mark's enqueued_at as the look read it, n weights, (tenant, weight) x n, c charges, (tenant, amount)
+# x c, m entries, (id, tenant, deadline or '', front '1'/'0', "<prompt tokens>|<all its tokens>" expected) x m.
+# A tenant's list holds "<id>|<prompt tokens>|<all its tokens>", the deadlines "<id>|<prompt>|<all>|<tenant>".
 # Returns {jobs still on the queue, then (id, tenant charged in advance or '', the advance: its prompt tokens, {the
 # job's status, its timeout}) per job taken}.
 _TAKE = """
-local queue, prefix, counters, FAR = KEYS[1], ARGV[1], KEYS[7], tonumber(ARGV[10])
+local queue, prefix, order, counters, FAR = KEYS[1], ARGV[1], KEYS[4], KEYS[7], tonumber(ARGV[9])
 -- the counters this take read or charged, kept here and written once a tenant at its end (`charged`): a claim adds
 -- as ZINCRBY would (the same doubles), without a call a job. Nothing may read the counters from Redis once a claim
 -- charged one (lift's ZREVRANGE runs while indexing, before any claim)
@@ -120,8 +121,8 @@ local function add_to(t, x)
   return known[t]
 end
 local weight = {}
-local a = 14
-for _ = 1, tonumber(ARGV[13]) do weight[ARGV[a]] = tonumber(ARGV[a + 1]); a = a + 2 end
+local a = 13
+for _ = 1, tonumber(ARGV[12]) do weight[ARGV[a]] = tonumber(ARGV[a + 1]); a = a + 2 end
 local c = tonumber(ARGV[a]); a = a + 1
 for _ = 1, c do redis.call('ZINCRBY', counters, ARGV[a + 1], ARGV[a]); a = a + 2 end
 -- VTC's lift: the lowest counter among the tenants with waiting jobs (found once), else the highest of all
@@ -151,16 +152,15 @@ end
 local function set_mark(id, at)
   if id then
     redis.call('SET', KEYS[3], id)
-    if at and at ~= '' then redis.call('SET', KEYS[9], id .. '|' .. at) else redis.call('DEL', KEYS[9]) end
+    if at and at ~= '' then redis.call('SET', KEYS[8], id .. '|' .. at) else redis.call('DEL', KEYS[8]) end
   else
     redis.call('DEL', KEYS[3])
-    local record = redis.call('GET', KEYS[9])
-    if record then redis.call('SET', KEYS[9], string.match(record, '|[^|]*$')) end
+    local record = redis.call('GET', KEYS[8])
+    if record then redis.call('SET', KEYS[8], string.match(record, '|[^|]*$')) end
   end
 end
 -- index what the look found, unless another worker moved the mark meanwhile (it indexed the same ids)
 local m = tonumber(ARGV[a]); a = a + 1
-local order = KEYS[8]
 if (redis.call('GET', KEYS[3]) or '') == ARGV[3] then
   -- each id's place: after the newest indexed for the ids past the mark, before the first for those at the head
   local last = m > 0 and redis.call('ZRANGE', order, -1, -1, 'WITHSCORES') or {}
@@ -170,14 +170,14 @@ if (redis.call('GET', KEYS[3]) or '') == ARGV[3] then
   for _ = 1, m do
     local id, t, deadline, front, cost = ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3], ARGV[a + 4]
     a = a + 5
-    if redis.call('HSETNX', KEYS[4], id, cost) == 1 then
-      if front == '1' then front_place = front_place - 1; redis.call('ZADD', order, front_place, id)
-      else back = back + 1; redis.call('ZADD', order, back, id) end
+    local place = front == '1' and front_place - 1 or back + 1
+    if redis.call('ZADD', order, 'NX', place, id) == 1 then  -- not indexed yet (by another take)
+      if front == '1' then front_place = place else back = place end
       if deadline ~= '' then
-        redis.call('ZADD', KEYS[6], deadline, id .. '|' .. t)
+        redis.call('ZADD', KEYS[6], deadline, id .. '|' .. cost .. '|' .. t)
       else  -- pushed first (the reply is the list's length); a list that was empty lifts its tenant
         local list = prefix .. t
-        if redis.call(front == '1' and 'LPUSH' or 'RPUSH', list, id) == 1 then lift(t) end
+        if redis.call(front == '1' and 'LPUSH' or 'RPUSH', list, id .. '|' .. cost) == 1 then lift(t) end
         if not listed[t] then  -- every take: a set that lost a tenant is mended by its next job
           redis.call('SADD', KEYS[5], t)
           listed[t] = true
@@ -185,18 +185,14 @@ if (redis.call('GET', KEYS[3]) or '') == ARGV[3] then
       end
     end
   end
-  if ARGV[4] ~= '' then set_mark(ARGV[4], ARGV[12]) end
+  if ARGV[4] ~= '' then set_mark(ARGV[4], ARGV[11]) end
 end
 if redis.call('LLEN', queue) == 0 then  -- nothing waits: whatever the index holds is stale (canceled, emptied)
   for _, t in ipairs(redis.call('SMEMBERS', KEYS[5])) do redis.call('DEL', prefix .. t) end
-  redis.call('DEL', KEYS[3], KEYS[4], KEYS[5], KEYS[6], order, KEYS[9])
+  redis.call('DEL', KEYS[3], order, KEYS[5], KEYS[6], KEYS[8])
   return {0}
 end
--- ids the order holds but the index does not (taken by a worker of an earlier version) put places off: a few a take
-for _, id in ipairs(redis.call('ZRANGE', order, 0, 1)) do
-  if redis.call('HEXISTS', KEYS[4], id) == 0 then redis.call('ZREM', order, id) end
-end
-local out, left, pops, estimate = {0}, tonumber(ARGV[5]), tonumber(ARGV[7]), tonumber(ARGV[6])
+local out, left, pops = {0}, tonumber(ARGV[5]), tonumber(ARGV[6])
 local extra = {}  -- by tenant: the tokens expected of the jobs this take gave it, beyond their prompts
 local mark = redis.call('GET', KEYS[3])
 -- where an indexed id is in the queue's list: its place in the order, checked, else searched around it (ids that
@@ -225,7 +221,7 @@ local function unqueue(id, at, score, place)
   end
   if score and at and at >= FAR then  -- its place known far from the head, and where it is
     local head = redis.call('LINDEX', queue, 0)
-    if head ~= id and head ~= mark and redis.call('HEXISTS', KEYS[4], head) == 1 then
+    if head ~= id and head ~= mark and redis.call('ZSCORE', order, head) then
       redis.call('LSET', queue, at, head)
       redis.call('LPOP', queue)
       redis.call('ZADD', order, score, head)
@@ -237,30 +233,26 @@ local function unqueue(id, at, score, place)
   redis.call('RPUSH', KEYS[2], id)
   return true
 end
-local function claim(id, t)
-  local cost = redis.call('HGET', KEYS[4], id) or ('0|' .. estimate)
-  local prompt, all = string.match(cost, '^([^|]*)|(.*)$')
-  prompt, all = tonumber(prompt), tonumber(all)
-  redis.call('HDEL', KEYS[4], id)
+local function claim(id, t, prompt, all)
   local place = redis.call('ZRANK', order, id)
   local score = place and place >= FAR and redis.call('ZSCORE', order, id)  -- far: the head's id takes it
   redis.call('ZREM', order, id)
   -- its status and timeout (rq_start.CLAIM_FIELDS), all a start needs: not the whole hash (stale ids may be many;
   -- the start reads the hash of those it starts)
-  local head = redis.call('HMGET', ARGV[2] .. id, ARGV[8], 'timeout')
+  local head = redis.call('HMGET', ARGV[2] .. id, ARGV[7], 'timeout')
   local status = head[1]
   if not status then  -- its hash is gone (deleted, expired): off the queue too, as RQ drops such ids
     redis.call('LREM', queue, 1, id)
     return false
   end
-  if status ~= ARGV[9] then return false end  -- canceled, ended
+  if status ~= ARGV[8] then return false end  -- canceled, ended
   local at = (id == mark or score) and locate(id, place)
   -- the mark moves to the id before it (none: look from the head), unless its job came back since the ids up to it
   -- were read (its stamp is not the record's): those before it now arrived meanwhile, and the next look reads them
-  if id == mark and not select(2, mark_record(KEYS[9], ARGV[2], ARGV[11], id)) then
+  if id == mark and not select(2, mark_record(KEYS[8], ARGV[2], ARGV[10], id)) then
     local p = at or redis.call('LPOS', queue, id)
     mark = p and p > 0 and redis.call('LINDEX', queue, p - 1)
-    set_mark(mark, mark and redis.call('HGET', ARGV[2] .. mark, ARGV[11]))
+    set_mark(mark, mark and redis.call('HGET', ARGV[2] .. mark, ARGV[10]))
   end
   if not unqueue(id, at, score, place) then return false end
   local now = nil
@@ -278,8 +270,8 @@ while left > 0 and pops > 0 do  -- deadline jobs first, earliest first
   local first = redis.call('ZPOPMIN', KEYS[6])
   if #first == 0 then break end
   pops = pops - 1
-  local id, t = string.match(first[1], '^([^|]*)|(.*)$')  -- RQ's job ids have no |
-  if claim(id, t) then left = left - 1 end
+  local id, prompt, all, t = string.match(first[1], '^([^|]*)|([^|]*)|([^|]*)|(.*)$')  -- RQ's job ids have no |
+  if claim(id, t, tonumber(prompt), tonumber(all)) then left = left - 1 end
 end
 -- then the tenant with the lowest counter, plus what this take gave it: a heap of (counter, tenant)
 local heap = {}
@@ -315,12 +307,13 @@ if left > 0 then
 end
 while left > 0 and pops > 0 and #heap > 0 do
   local e = pop()
-  local id = redis.call('LPOP', prefix .. e[2])
-  if not id then
+  local entry = redis.call('LPOP', prefix .. e[2])
+  if not entry then
     redis.call('SREM', KEYS[5], e[2])
   else
     pops = pops - 1
-    local taken, now = claim(id, e[2])
+    local id, prompt, all = string.match(entry, '^([^|]*)|([^|]*)|(.*)$')
+    local taken, now = claim(id, e[2], tonumber(prompt), tonumber(all))
     if taken then
       left = left - 1
       e[1] = (now or counter(e[2])) + (extra[e[2]] or 0)  -- the counter as the claim left it
@@ -333,7 +326,6 @@ if left > 0 and pops > 0 and redis.call('SCARD', KEYS[5]) == 0 and redis.call('Z
   while left > 0 do
     local id = redis.call('LMOVE', queue, KEYS[2], 'LEFT', 'RIGHT')
     if not id then break end
-    redis.call('HDEL', KEYS[4], id)
     redis.call('ZREM', order, id)
     if id == mark then
       mark = false
@@ -342,7 +334,7 @@ if left > 0 and pops > 0 and redis.call('SCARD', KEYS[5]) == 0 and redis.call('Z
     out[#out + 1] = id
     out[#out + 1] = ''
     out[#out + 1] = '0'
-    out[#out + 1] = redis.call('HMGET', ARGV[2] .. id, ARGV[8], 'timeout')
+    out[#out + 1] = redis.call('HMGET', ARGV[2] .. id, ARGV[7], 'timeout')
     left = left - 1
   end
 end
@@ -365,14 +357,14 @@ def _function(name: str, body: str) -> str:
 # the look; no entries). Returns {"took", TAKE's reply...}, or {"looked", LOOK's reply...} with nothing taken: the
 # caller places what the look found and sends TAKE.
 _LOOK_TAKE = """
-local looked = look({KEYS[1], KEYS[3], KEYS[4], KEYS[9]}, {ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]})
+local looked = look({KEYS[1], KEYS[3], KEYS[4], KEYS[8]}, {ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]})
 if #looked > 3 then
   table.insert(looked, 1, 'looked')
   return looked
 end
 local args = {}
 for i = 7, #ARGV do args[#args + 1] = ARGV[i] end
-args[3], args[4], args[12] = looked[1], looked[2], looked[3]
+args[3], args[4], args[11] = looked[1], looked[2], looked[3]
 local took = take(KEYS, args)
 table.insert(took, 1, 'took')
 return took

@@ -40,10 +40,13 @@ def crc64(data: bytes) -> int:
     return int(_CRC64.calc(data))
 
 
+_NUMERIC_START = frozenset(b"-0123456789")
+
+
 def _integer(value: bytes) -> int | None:
     """The integer a listpack stores `value` as (Redis's `lpStringToInt64`: digits, an optional minus, no leading
     zero, 64 bits), None if it stays a string."""
-    if not 0 < len(value) <= 20:
+    if not 0 < len(value) <= 20 or value[0] not in _NUMERIC_START:
         return None
     try:
         number = int(value)
@@ -52,13 +55,16 @@ def _integer(value: bytes) -> int | None:
     return number if str(number).encode() == value and -(2**63) <= number < 2**63 else None
 
 
+_SMALL = [bytes((n, 1)) for n in range(128)]  # 0..127: one byte, then its length backwards (1)
+
+
 def _element(value: bytes | int) -> bytes:
     """One listpack element: its encoding and data, then its length backwards (`lpEncodeBacklen`)."""
     number = value if isinstance(value, int) else _integer(value)
     if number is not None:
         if 0 <= number <= 127:
-            body = bytes([number])
-        elif -4096 <= number <= 4095:
+            return _SMALL[number]
+        if -4096 <= number <= 4095:
             body = bytes([0xC0 | ((number >> 8) & 0x1F), number & 0xFF])
         elif -(2**15) <= number < 2**15:
             body = b"\xf1" + struct.pack("<h", number)
@@ -72,8 +78,8 @@ def _element(value: bytes | int) -> bytes:
         data = value if isinstance(value, bytes) else b""
         n = len(data)
         if n < 64:
-            body = bytes([0x80 | n]) + data
-        elif n < 4096:
+            return bytes((0x80 | n,)) + data + bytes((n + 1,))  # its length backwards: one byte
+        if n < 4096:
             body = bytes([0xE0 | (n >> 8), n & 0xFF]) + data
         else:
             body = b"\xf0" + struct.pack("<I", n) + data
@@ -83,6 +89,8 @@ def _element(value: bytes | int) -> bytes:
 def _backlen(n: int) -> bytes:
     """An element's length, read backwards from its last byte: 7 bits a byte, the most significant first, every
     byte but the first flagged (`lpEncodeBacklen`)."""
+    if n < 128:
+        return bytes((n,))
     groups = [n & 127]
     while n := n >> 7:
         groups.append(n & 127)

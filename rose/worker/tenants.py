@@ -7,7 +7,7 @@ workers taking at the same moment see each other's picks. Then each job is settl
 and `release` (the job ended, or left this worker) refunds what the advance overcharged. The charges, tokens / weight
 by tenant, wait in `pending` until the next take adds them to the counters in Redis (`take_pending`), or `flush`
 does (one round trip) when no take came for `flush_every` seconds. `typical()` is the mean tokens a job of this
-worker generated so far, `estimate()` the mean it cost in all (a job taken without its data read).
+worker generated so far.
 
 Labels: the first `MAX_LABELS` tenants seen get their own series on /metrics and row in the info hash; the others
 share `(other)` (a tenant per end user would otherwise grow them without bound). The counters in Redis are exact
@@ -35,7 +35,6 @@ if TYPE_CHECKING:
     from rose.worker.running import Running
 
 WAITS_KEPT = 1000  # queue waits kept per tenant, for the info hash's p50 / p99
-FIRST_ESTIMATE = 256.0  # tokens a job is expected to cost before any has ended here
 MAX_LABELS = 100  # tenants with series of their own on /metrics
 OTHER = "(other)"
 WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, 4 * 3600, 86400)
@@ -73,7 +72,6 @@ class Tenants:
         self._labels: set[str] = set()
         self._queued: set[str] = set()  # labels the queued gauge was set for
         self._jobs_ended = 0
-        self._tokens_ended = 0
         self._generated_ended = 0
         self._next_flush = 0.0
         reg, model = metrics.registry, metrics.model
@@ -130,7 +128,6 @@ class Tenants:
     def on_ended(self, run: Running, prompt_tokens: int, generated: int) -> None:
         self._serve(run, prompt_tokens)
         self._jobs_ended += 1
-        self._tokens_ended += prompt_tokens + generated
         self._generated_ended += generated
         self.release(run.id)
 
@@ -154,9 +151,6 @@ class Tenants:
         child.inc(n)
         if beyond:
             self.pending[account.tenant] += beyond / self.weight(account.tenant)
-
-    def estimate(self) -> float:
-        return self._tokens_ended / self._jobs_ended if self._jobs_ended else FIRST_ESTIMATE
 
     def typical(self) -> float | None:
         return self._generated_ended / self._jobs_ended if self._jobs_ended else None

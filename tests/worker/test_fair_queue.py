@@ -25,7 +25,7 @@ from rose.worker.tenants import Tenants
 
 pytestmark = pytest.mark.timeout(60)
 
-ESTIMATE = 100.0  # tokens a job is settled at (and what a job taken unindexed is charged)
+ESTIMATE = 100.0  # tokens a job is settled at
 
 
 def submit(r, n: int, tenant: str | None = None, **fields) -> list[str]:
@@ -34,14 +34,10 @@ def submit(r, n: int, tenant: str | None = None, **fields) -> list[str]:
 
 
 class Accounts:
-    """A worker's accounts as a take sees them: a fixed estimate, nothing pending; records the advances."""
+    """A worker's accounts as a take sees them: nothing pending; records the advances."""
 
-    def __init__(self, estimate: float) -> None:
-        self._estimate = estimate
+    def __init__(self) -> None:
         self.advances: dict[str, tuple[str, float]] = {}
-
-    def estimate(self) -> float:
-        return self._estimate
 
     def typical(self) -> float | None:
         return None
@@ -56,8 +52,8 @@ class Accounts:
         self.advances[job_id] = (tenant, tokens)
 
 
-def taker(r, weights=None, estimate=ESTIMATE) -> FairQueue:
-    return FairQueue(r, JSONSerializer, weights or {}, Accounts(estimate))
+def taker(r, weights=None) -> FairQueue:
+    return FairQueue(r, JSONSerializer, weights or {}, Accounts())
 
 
 def tenants_of(r, ids: list[str]) -> list[str]:
@@ -127,7 +123,7 @@ def test_canceled_and_deleted_jobs_are_never_taken(r):
     assert r.llen(keys.fair_tenant_key("rose", "a")) == 4  # still indexed: the index learns at their turn
     taken = [i for i, _, _ in fair.take([queue], 5)]
     assert taken == [ids[1], ids[4]]
-    assert r.hlen(keys.fair_key("rose", "indexed")) == 0  # the index holds nothing stale
+    assert r.zcard(keys.fair_key("rose", "order")) == 0  # the index holds nothing stale
     assert fair.take([queue], 4) == []
     # only the jobs taken were charged in advance: a prompt "a 3" (3 characters: 0.75 tokens)
     assert fair.accounts.advances == {i: ("a", 0.8) for i in (ids[0], ids[1], ids[4])}
@@ -231,7 +227,7 @@ def test_a_look_behind_a_burst_finds_the_mark_where_the_index_says_or_from_the_n
     while batch := fair.take([queue], 1):
         taken += [i for i, _, _ in batch]
     assert taken == ids[8:]
-    assert r.hlen(keys.fair_key("rose", "indexed")) == 0
+    assert r.zcard(keys.fair_key("rose", "order")) == 0
 
 
 def test_a_job_far_from_the_head_is_taken_by_moving_the_heads_id_into_its_place(r, monkeypatch):
@@ -290,7 +286,7 @@ def test_the_head_is_not_moved_when_it_is_the_mark_and_a_far_mark_is_found_where
     look, look_take, arrived = r.register_script(fair_scripts.LOOK), fair._look_take, []
 
     def late_look(keys, args):  # jobs arrive and x is requeued between the look and the take
-        out = [b"looked", *look(keys=[keys[0], keys[2], keys[3], keys[8]], args=args[:6])]
+        out = [b"looked", *look(keys=[keys[0], keys[2], keys[3], keys[7]], args=args[:6])]
         arrived.extend(submit(r, 10, "u"))
         CanceledJobRegistry("rose", connection=r, serializer=JSONSerializer).requeue(x[0])
         return out
@@ -328,19 +324,6 @@ def test_the_mark_found_far_past_its_place_is_removed_by_value(r, monkeypatch):
     while batch := fair.take([queue], 1):
         taken += [i for i, _, _ in batch]
     assert sorted(taken) == sorted(front)
-
-
-def test_order_entries_of_ids_no_longer_indexed_are_dropped(r):
-    """Ids in the order but not in the index (claimed by a worker of an earlier version) are pruned, lowest first."""
-    queue = Queue("rose", connection=r, serializer=JSONSerializer)
-    ids = submit(r, 4, "a")
-    fair = taker(r)
-    assert [i for i, _, _ in fair.take([queue], 1)] == ids[:1]
-    order = keys.fair_key("rose", "order")
-    r.zadd(order, {"gone-1": -2, "gone-2": -1})
-    assert [i for i, _, _ in fair.take([queue], 1)] == ids[1:2]
-    assert r.zscore(order, "gone-1") is None and r.zscore(order, "gone-2") is None
-    assert r.zrange(order, 0, -1) == [i.encode() for i in ids[2:]]
 
 
 def test_the_look_goes_on_after_the_newest_indexed_job_is_taken_or_requeued(r):
@@ -424,10 +407,12 @@ def test_what_a_take_costs_redis_a_job(r):
         return int(stats.get(f"cmdstat_{name}", {}).get("calls", 0))
 
     assert len(taken) == 10
-    # no mark yet: one HMGET for the scan from the tail for the newest indexed id (256 ids a chunk), one for the ids
-    # read, and one a claim (the job's status and timeout; never its whole hash: the start reads that); HEXISTS for
-    # the order's first two ids only (what an earlier version's take left)
-    assert calls("hmget") == 2 + 10 and calls("hgetall") == 0 and calls("hexists") <= 2
+    # no mark yet: one ZMSCORE for the scan from the tail for the newest indexed id (256 ids a chunk), one for the
+    # ids read; the look reads each new job's data (16) and the newest one's enqueued_at; an HMGET a claim (the job's
+    # status and timeout; never its whole hash: the start reads that); nothing else read of a job or its index entry
+    # but its place (its cost comes with its tenant list's entry)
+    assert calls("zmscore") == 2 and calls("hmget") == 10 and calls("hgetall") == 0
+    assert calls("hget") == 16 + 1 and calls("hdel") == 0 and calls("zrank") == 10
     assert calls("sadd") == 2 and calls("zincrby") == 0
     # a's jobs are first in the queue: each claim of one finds it at the head; b's sit behind a's, removed by value
     assert calls("lmove") == 5 and calls("lrem") == 5 and calls("rpush") == 16 + 5

@@ -119,3 +119,26 @@ def test_a_job_canceled_or_deleted_on_the_queue_is_dropped_not_started(rq, r):
     assert [run.id for run in runs] == [ids[0]]
     assert r.hget(Job.key_for(ids[1]), "status") == b"canceled"
     assert r.lrange("rq:queue:rose:intermediate", 0, -1) == []
+
+
+def test_a_job_deleted_between_its_take_and_its_start_is_not_started_and_leaves_nothing(rq, r, monkeypatch):
+    """The take's script reads a job's status and timeout only; the start reads its hash after its writes. A job
+    deleted in between finds a hash the start's writes made: that start is taken back (the hash and its execution
+    deleted), the others stand."""
+    ids = submit(r, 2)
+    real_execute = rq_start.Recorder.execute
+
+    def delete_first(recorder, reads=()):
+        r.delete(Job.key_for(ids[1]))
+        return real_execute(recorder, reads)
+
+    monkeypatch.setattr(rq_start.Recorder, "execute", delete_first)
+    runs = Intake(rq).take(2, None)
+    assert [run.id for run in runs] == ids[:1]
+    assert runs[0].job.kwargs["prompt"] == "prompt 0" and runs[0].job.get_status(refresh=False) == "started"
+    assert not r.exists(Job.key_for(ids[1])) and not r.keys(f"rq:execution:{ids[1]}:*")
+    assert not r.exists(f"rq:executions:{ids[1]}")
+    started = StartedJobRegistry("rose", connection=r)
+    assert [job_id for job_id, _ in started.get_job_and_execution_ids()] == ids[:1]
+    assert set(rq.executions) == {runs[0].execution.id}
+    assert r.lrange("rq:queue:rose:intermediate", 0, -1) == []
