@@ -1,6 +1,6 @@
 #!/usr/bin/env python
-"""What a Redis command costs Redis's CPU by how it is sent, and what the retirement's compaction of a finished job's
-two streams costs: the prices behind `rose bench redis`'s figures, on one real redis-server on a CPU of its own.
+"""What a Redis command costs Redis's CPU by how it is sent, and what writing a finished job's two streams at their
+size costs: the prices behind `rose bench redis`'s figures, on one real redis-server on a CPU of its own.
 
     python benchmarks/bench_command_price.py [--jobs 6400 --batch 128 --repeats 5]
 
@@ -9,8 +9,10 @@ two streams costs: the prices behind `rose bench redis`'s figures, on one real r
    that makes each write a `redis.pcall` of its arguments (the retirement's until session 29). Prints Redis's
    main-thread CPU a command.
 2. A finished job's two streams (RQ's result, one entry with a 2,500-character return value; rose's, one terminal
-   event), compacted as the retirement does (`batch_store.store_commands`: COPY, RENAME each, in MULTI/EXEC) or
-   not. Prints Redis's CPU and the streams' bytes a job.
+   event) written by the retirement's round 2 (`batch_store.store_commands`, --batch jobs a round trip): XADD and
+   EXPIRE each, as written (`as written`); then copied at their size (`copied`: COPY, RENAME each, in a second
+   MULTI/EXEC); or RESTOREd at their size, their expiry with them (`restored`: rose.worker.stream_dump). Prints
+   Redis's CPU and the streams' bytes a job.
 
 Medians of --repeats runs, the ways alternating; each run on a flushed Redis.
 """
@@ -29,6 +31,8 @@ from rose.bench.redis_cost import cpu_split  # noqa: E402
 from rose.harness.redis_server import RedisServerProcess  # noqa: E402
 from rose.worker import resp  # noqa: E402
 from rose.worker.batch_store import store_commands  # noqa: E402
+
+STREAM_WAYS = ["as written", "copied", "restored"]
 
 # ARGV: the writes, each as its argument count followed by its arguments
 _PCALL_EACH = """
@@ -78,20 +82,29 @@ def command_price(r, how: str, jobs: int, batch: int) -> float:
     return (cpu_s(r) - start) * 1e6 / (3 * jobs)
 
 
-def compaction_price(r, compact: bool, jobs: int, batch: int) -> tuple[float, float]:
-    """(Redis CPU µs, bytes) a job: its two streams written, then the retirement's MULTI/EXEC compacting them or
-    not (its CPU only); the bytes its streams hold then (`MEMORY USAGE`, a hundred jobs)."""
+def streams_price(r, way: str, jobs: int, batch: int) -> tuple[float, float]:
+    """(Redis CPU µs, bytes) a job: its two streams written `way` (STREAM_WAYS), --batch jobs a round trip; the
+    bytes its streams hold then (`MEMORY USAGE`, a hundred jobs)."""
     r.flushall()
-    pipe = r.pipeline(transaction=False)
-    for i in range(jobs):
-        pipe.xadd(f"rq:results:{i}", {"type": "1", "return_value": RESULT})
-        pipe.xadd(f"rose:stream:{i}", {"event": DONE})
-    pipe.execute()
+    now_ms = int(r.time()[0]) * 1000
     start = cpu_s(r)
     for first in range(0, jobs, batch):
         ids = range(first, min(first + batch, jobs))
-        streams = [key for i in ids for key in (f"rq:results:{i}", f"rose:stream:{i}")] if compact else []
-        commands, _ = store_commands([], streams)
+        writes: list[tuple[str, ...]] = []
+        for i in ids:
+            writes += [
+                ("XADD", f"rq:results:{i}", "MAXLEN", "~", "10", "*", "type", "1", "return_value", RESULT),
+                ("EXPIRE", f"rq:results:{i}", "500"),
+                ("XADD", f"rose:stream:{i}", "*", "event", DONE),
+                ("EXPIRE", f"rose:stream:{i}", "500"),
+            ]
+        streams = [key for i in ids for key in (f"rq:results:{i}", f"rose:stream:{i}")]
+        commands, _ = store_commands(
+            writes,
+            streams if way == "copied" else [],
+            streams if way == "restored" else [],
+            now_ms,
+        )
         resp.Pending(r, resp.pack_commands(commands), len(commands)).read()
     used = (cpu_s(r) - start) * 1e6 / jobs
     sample = range(0, jobs, max(1, jobs // 100))
@@ -126,14 +139,14 @@ def main() -> None:
         for way, price in medians(prices).items():
             runs = " / ".join(f"{v:.2f}" for v in prices[way])
             print(f"{way}: {price:.2f} µs a command (runs {runs})")
-        memory: dict[str, list[float]] = {"compacted": [], "as written": []}
+        memory: dict[str, list[float]] = {way: [] for way in STREAM_WAYS}
 
-        def compaction(way: str) -> float:
-            used, nbytes = compaction_price(r, way == "compacted", args.jobs, args.batch)
+        def streams(way: str) -> float:
+            used, nbytes = streams_price(r, way, args.jobs, args.batch)
             memory[way].append(nbytes)
             return used
 
-        cost = alternate(list(memory), args.repeats, compaction)
+        cost = alternate(STREAM_WAYS, args.repeats, streams)
         for way, used in medians(cost).items():
             print(
                 f"{way}: {used:.2f} µs a job, {statistics.median(memory[way]):,.0f} bytes a job (two streams)"

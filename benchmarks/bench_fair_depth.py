@@ -31,10 +31,7 @@ from rose.worker.fair_queue import FairQueue  # noqa: E402
 
 
 class Accounts:
-    """A worker's accounts as a take sees them: a fixed estimate, nothing owed."""
-
-    def estimate(self) -> float:
-        return 100.0
+    """A worker's accounts as a take sees them: nothing owed."""
 
     def typical(self) -> float | None:
         return None

@@ -41,9 +41,8 @@ if TYPE_CHECKING:
 # copied onto itself, which stores its nodes at their size. The copy grows with the stream while the saving is at
 # most one node's spare room: large streams are left as they are. A token event stored as fields takes ~70 bytes at
 # 4 tokens: a 128-token job streamed at a slow pace (~35-65 events) is inside.
-COMPACT_BYTES = (
-    16384  # the most bytes (MEMORY USAGE, as round 1 read it) of a stream compacted at its job's end
-)
+# the most bytes (MEMORY USAGE, as round 1 read it) of a stream compacted at its job's end
+COMPACT_BYTES = 16384
 _COMPACTING = ":compacting"  # the copy's key: the stream's own, with this suffix
 
 
@@ -75,8 +74,8 @@ class Checked:
 class Outcome:
     """Round 2's replies read: what became of the writes (`stored`, `refusals`), and `copy`: False if Redis
     refused COPY as unknown or not allowed (an ACL: ask no more), else None (the writes stand either way);
-    `unrestored`: the streams whose RESTORE Redis refused as it ran (the others written: `rewrites` writes them
-    with XADD; restore no more)."""
+    `unrestored`: the streams whose RESTORE Redis refused as it ran (the other writes done: `rewrites` writes them
+    with XADD), `restorable` False then unless each was there already (BUSYKEY)."""
 
     stored: Stored
     refusals: list[str] = field(default_factory=list)
@@ -99,7 +98,8 @@ def check_commands(
     runs: Sequence[Running], streams: Sequence[str], asks: Asks = Asks()
 ) -> list[tuple[Any, ...]]:
     """Round 1: WATCH every job's hash and dependents set; their status, owner and dependents; a no-op write
-    (refused by a full Redis before anything is queued); each stream's entries and bytes; then what `asks` says."""
+    (refused by a full Redis before anything is queued); each stream's bytes (None: not there); then what `asks`
+    says."""
     watched = [key for run in runs for key in (run.key, run.job.dependents_key)]
     out: list[tuple[Any, ...]] = [("WATCH", *watched), ("SET", rose_keys.OOM_PROBE_KEY, "", "XX")]
     for run in runs:
@@ -189,12 +189,12 @@ def _made(writes: Sequence[tuple[Any, ...]]) -> dict[str, int]:
 
 
 def _xadd_fields(write: tuple[Any, ...]) -> list[tuple[bytes, bytes]] | None:
-    """An XADD's (field, value) pairs if its id is `*` (its options skipped: NOMKSTREAM, MAXLEN / MINID [=|~] n
-    [LIMIT n]), else None."""
+    """An XADD's (field, value) pairs if its id is `*` (its options skipped: MAXLEN / MINID [=|~] n [LIMIT n]),
+    else None; None for NOMKSTREAM too (a RESTORE would make the stream it must not)."""
     args = [_encoded(a) for a in write[2:]]
+    if b"NOMKSTREAM" in (a.upper() for a in args[: args.index(b"*") if b"*" in args else len(args)]):
+        return None
     i = 0
-    if i < len(args) and args[i].upper() == b"NOMKSTREAM":
-        i += 1
     if i < len(args) and args[i].upper() in (b"MAXLEN", b"MINID"):
         i += 1
         i += 1 if i < len(args) and args[i] in (b"=", b"~") else 0
@@ -292,12 +292,22 @@ def stored(replies: list[Any], sent: Sequence[tuple[Any, ...]], probe: bool = Fa
     if isinstance(done, Exception):  # EXECABORT: a command refused as it was queued (OOM, unknown command)
         errors = [r for r in queued if isinstance(r, Exception)] or [done]
         full = any(map(is_oom, errors))
+        if any(  # RESTORE denied (an ACL, renamed away: a failover to another server?): restore no more
+            isinstance(r, Exception) and not is_oom(r) and str(c[0]).upper() == "RESTORE"
+            for c, r in zip(sent, queued, strict=True)
+        ):
+            restorable = False
         return Outcome(Stored.REFUSED, [str(r) for r in errors], copy, full, restorable=restorable)
-    unrestored = [
-        decoded(command[1]) or ""
+    unrestorable = [
+        (decoded(command[1]) or "", reply)
         for command, reply in zip(sent, done, strict=True)
         if isinstance(reply, Exception) and str(command[0]).upper() == "RESTORE"
     ]
+    # a stream made between the rounds (BUSYKEY: nothing but this batch should write it) is no reason to restore no
+    # more; a payload or an ACL refused is
+    if any(not str(reply).startswith("BUSYKEY") for _, reply in unrestorable):
+        restorable = False
+    unrestored = [stream for stream, _ in unrestorable]
     refused = [
         str(reply)
         for command, reply in zip(sent, done, strict=True)
@@ -307,11 +317,15 @@ def stored(replies: list[Any], sent: Sequence[tuple[Any, ...]], probe: bool = Fa
     return Outcome(stored, refused, copy, unrestored=unrestored, restorable=restorable)
 
 
+# replies that say nothing of RESTORE: a full Redis, one loading its data, a replica (mid-failover), a cluster's move
+_PASSING = ("LOADING", "READONLY", "MASTERDOWN", "TRYAGAIN", "BUSY ")
+
+
 def _restorable(reply: Any) -> bool | None:
-    """Whether the probe's reply says Redis takes a restored stream: None if it cannot tell (full, loading)."""
+    """Whether the probe's reply says Redis takes a restored stream: None if it cannot tell."""
     if not isinstance(reply, Exception):
         return True
-    return None if is_oom(reply) or "LOADING" in str(reply) else False
+    return None if is_oom(reply) or str(reply).startswith(_PASSING) else False
 
 
 def rewrites(writes: Sequence[tuple[Any, ...]], streams: Sequence[str]) -> list[tuple[Any, ...]]:

@@ -245,6 +245,7 @@ class FairQueue:
                 FAR,
                 rq_store.JOB_ENQUEUED_FIELD,
                 stamp,
+                rq_store.JOB_TIMEOUT_FIELD,
                 len(self.weights) // 2,
                 *self.weights,
                 len(charges) // 2,

@@ -100,8 +100,9 @@ return out
 # deadlines, counters (a sorted set: tenant -> service), the mark's record (LOOK).
 # ARGV: tenant list prefix, job hash prefix, expected mark, new mark, room, max pops, job status field, its queued
 # value, how far from the head a claim moves the head's id into its place (`unqueue`), the job hash's enqueued_at
-# field, the new mark's enqueued_at as the look read it, n weights, (tenant, weight) x n, c charges, (tenant, amount)
-# x c, m entries, (id, tenant, deadline or '', front '1'/'0', "<prompt tokens>|<all its tokens>" expected) x m.
+# field, the new mark's enqueued_at as the look read it, the job hash's timeout field, n weights, (tenant, weight) x
+# n, c charges, (tenant, amount) x c, m entries, (id, tenant, deadline or '', front '1'/'0', "<prompt tokens>|<all
+# its tokens>" expected) x m.
 # A tenant's list holds "<id>|<prompt tokens>|<all its tokens>", the deadlines "<id>|<prompt>|<all>|<tenant>".
 # Returns {jobs still on the queue, then (id, tenant charged in advance or '', the advance: its prompt tokens, {the
 # job's status, its timeout}) per job taken}.
@@ -121,8 +122,8 @@ local function add_to(t, x)
   return known[t]
 end
 local weight = {}
-local a = 13
-for _ = 1, tonumber(ARGV[12]) do weight[ARGV[a]] = tonumber(ARGV[a + 1]); a = a + 2 end
+local a = 14
+for _ = 1, tonumber(ARGV[13]) do weight[ARGV[a]] = tonumber(ARGV[a + 1]); a = a + 2 end
 local c = tonumber(ARGV[a]); a = a + 1
 for _ = 1, c do redis.call('ZINCRBY', counters, ARGV[a + 1], ARGV[a]); a = a + 2 end
 -- VTC's lift: the lowest counter among the tenants with waiting jobs (found once), else the highest of all
@@ -239,7 +240,7 @@ local function claim(id, t, prompt, all)
   redis.call('ZREM', order, id)
   -- its status and timeout (rq_start.CLAIM_FIELDS), all a start needs: not the whole hash (stale ids may be many;
   -- the start reads the hash of those it starts)
-  local head = redis.call('HMGET', ARGV[2] .. id, ARGV[7], 'timeout')
+  local head = redis.call('HMGET', ARGV[2] .. id, ARGV[7], ARGV[12])
   local status = head[1]
   if not status then  -- its hash is gone (deleted, expired): off the queue too, as RQ drops such ids
     redis.call('LREM', queue, 1, id)
@@ -334,7 +335,7 @@ if left > 0 and pops > 0 and redis.call('SCARD', KEYS[5]) == 0 and redis.call('Z
     out[#out + 1] = id
     out[#out + 1] = ''
     out[#out + 1] = '0'
-    out[#out + 1] = redis.call('HMGET', ARGV[2] .. id, ARGV[7], 'timeout')
+    out[#out + 1] = redis.call('HMGET', ARGV[2] .. id, ARGV[7], ARGV[12])
     left = left - 1
   end
 end

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import time
 
+from rq.exceptions import NoSuchJobError
 from rq.job import Job
 from rq.queue import Queue
 
@@ -74,7 +75,7 @@ class Intake:
             raise
 
     def _dequeue(self, limit: int) -> list[tuple[str, Queue, Job | None]]:
-        """Up to `limit` jobs without blocking, in one round trip (ids moved and their hashes read together). Fewer
+        """Up to `limit` jobs without blocking, in one round trip (ids moved, each job's status and timeout read). Fewer
         than asked: the queues are empty now, and no dequeue is tried until a probe says otherwise."""
         if self.fair is not None:
             fetched = self.fair.take(self.rq.queues, limit)
@@ -139,10 +140,10 @@ class Intake:
 
     def _undo(self, run: Running) -> None:
         """A job deleted between its take and its start: the start's writes (which made a hash of the job again)
-        are taken back."""
+        are taken back. A Redis error leaves the start in limbo (`take`), where `_adopt` undoes it."""
         log.info("job %s vanished before it started; skipping", run.id)
-        rq_start.undo_start(self.rq.connection, run.job, run.execution)
         rq_store.release(self.rq, run.execution)
+        rq_start.undo_start(self.rq.connection, run.id, run.queue, run.execution)
 
     def _adopt(self, taken: Taken) -> list[Running]:
         """Jobs whose start transaction may or may not have gone through: pick up those we did start, start those
@@ -158,7 +159,12 @@ class Intake:
                 execution = rq_start.started_execution(conn, queue, job_id, name)
                 if execution is None:
                     continue
-                job = Job.fetch(job_id, connection=conn, serializer=self.rq.serializer)
+                try:
+                    job = Job.fetch(job_id, connection=conn, serializer=self.rq.serializer)
+                except NoSuchJobError:  # deleted before its start, which made a hash of it again
+                    log.info("job %s vanished before it started; taking its start back", job_id)
+                    rq_start.undo_start(conn, job_id, queue, execution)
+                    continue
                 rq_store.hold(self.rq, [execution])
                 run = _running(job, queue, execution)
                 run.restarted = bool(conn.exists(keys.stream_key(job_id)))

@@ -53,9 +53,8 @@ class _Batch:
     writes: list[tuple[Any, ...]]
     streams: list[str]  # to restore if round 1 finds them not there, else to compact if small
     asks: batch_store.Asks  # what round 1 asked beyond the jobs
-    reply: (
-        resp.Pending
-    )  # round 1's replies, then round 2's (once `sent`), on the one connection WATCH holds on
+    # round 1's replies, then round 2's (once `sent`), on the one connection WATCH holds on
+    reply: resp.Pending
     sent: list[tuple[Any, ...]] | None = None  # round 2's first transaction, once sent
     probe: bool = False  # round 2 asks whether Redis takes restored streams
 
@@ -200,11 +199,12 @@ class Retirer:
             self._copy = False
         if outcome.restorable is not None:
             self._restore = outcome.restorable
-        if outcome.unrestored:  # a stream Redis would not restore (a failover to another server?): XADD it
+        if outcome.unrestored:
+            # a stream Redis would not restore (made between the rounds, or a failover to another server): its entry
+            # is written now, out of the transaction (the loop waits for this one round trip: it should never come)
             log.warning(
                 "Redis refused to restore %d streams; writing them as entries", len(outcome.unrestored)
             )
-            self._restore = False
             with self.rq.connection.pipeline() as pipe:
                 for command in batch_store.rewrites(batch.writes, outcome.unrestored):
                     pipe.execute_command(*command)

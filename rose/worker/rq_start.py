@@ -166,8 +166,11 @@ def record_start(pipe: Pipeline, worker: RQWorker, job: Job, ttl: int) -> Execut
     return execution
 
 
-def undo_start(conn: Redis, job: Job, execution: Execution) -> None:
-    """Take back `record_start`'s writes for a job deleted meanwhile: the hash they made, the Execution."""
+def undo_start(conn: Redis, job_id: str, queue: Queue, execution: Execution) -> None:
+    """Take back `record_start`'s writes for a job deleted meanwhile: the hash they made, the Execution (its hash,
+    the job's ExecutionRegistry, the StartedJobRegistry, the worker's execution index)."""
+    job = Job(job_id, connection=conn)
+    job.origin = queue.name
     with conn.pipeline() as pipe:
         pipe.delete(job.key)
         execution.delete(job, pipeline=pipe)

@@ -11,12 +11,13 @@ says where it is, and the job's timeout arithmetic.
 
 TAKEN is a started job being admitted: it fails at once (a bad payload, a prompt the engine refuses) or enters the
 engine, and only then the loop's running jobs. Every phase in the running jobs (all but TAKEN and RETIRING) can end
-otherwise: STOPPING (`rq`'s stop commands: stored as stopped, tried again after a Redis error), failed (timeout,
-step error), canceled or deleted, lost to another worker. FINISHED jobs go to the retirer in batches; jobs with a
-success callback, and those the retirer hands back, are stored by RQ's own `handle_job_success` on the loop's thread
-once a probe has read their status (CHECKING -> STORING): a job canceled before that read is never stored as
-finished (RQ's handler WATCHes only the job's dependents: a cancel in the step between the read and the store comes
-too late), and a success callback never runs twice. Only the job loop (rose.worker.loop) moves a job from phase to phase.
+otherwise: failed (step error), canceled or deleted, lost to another worker; the ACTIVE ones (TAKEN, GENERATING)
+also timed out, past their deadline or STOPPING (`rq`'s stop commands: stored as stopped, tried again after a Redis
+error). FINISHED jobs go to the retirer in batches; jobs with a success callback, and those the retirer hands back,
+are stored by RQ's own `handle_job_success` on the loop's thread once a probe has read their status (CHECKING ->
+STORING): a job canceled before that read is never stored as finished (RQ's handler WATCHes only the job's
+dependents: a cancel in the step between the read and the store comes too late), and a success callback never runs
+twice. Only the job loop (rose.worker.loop) moves a job from phase to phase.
 """
 
 from __future__ import annotations
@@ -62,6 +63,8 @@ class Phase(enum.Enum):
     )
 
 
+# phases of a job still running: a stop command, its timeout or its deadline ends it (a finished one is stored)
+ACTIVE = (Phase.TAKEN, Phase.GENERATING)
 # phases of a job whose status must be read before RQ's handler may store it, and the phase each goes to once read
 CHECKED_PHASE = {Phase.CHECKING: Phase.STORING, Phase.RECHECKING: Phase.CALLED_BACK}
 # phases in which RQ's handler stores the job on the loop's thread, and the phase each goes back to on a Redis error
@@ -133,14 +136,12 @@ class Running:
     def past_deadline(self, now: float) -> bool:
         """Whether the job's deadline (Unix time) passed while it runs."""
         deadline = self.request.deadline if self.request is not None else None
-        return deadline is not None and self.phase in (Phase.TAKEN, Phase.GENERATING) and now >= deadline
+        return deadline is not None and self.phase in ACTIVE and now >= deadline
 
     def timed_out(self, now_mono: float) -> bool:
         """Whether the job ran past its timeout without finishing (a finished job's result is stored regardless)."""
         return (
-            self.timeout is not None
-            and self.phase in (Phase.TAKEN, Phase.GENERATING)
-            and now_mono - self.started_mono > self.timeout
+            self.timeout is not None and self.phase in ACTIVE and now_mono - self.started_mono > self.timeout
         )
 
     def build_result(

@@ -2,10 +2,11 @@
 
 Redis gives a stream's first node 4 KB of room at its first entry (`stream-node-max-bytes`) and trims it only once
 the node is full, so a finished job's streams (RQ's result, rose's `done` event: one small entry each) would each
-keep ~4.7 KB until they expire. Compacting one after an XADD takes a COPY onto a new key and a RENAME back (what
-rose.worker.batch_store did for every stream: four commands and two allocations of the node). RESTORE of a payload
-built here creates the stream with its node allocated at its size: one command, and one third of the Redis time
-(benchmarks/README.md, "The streams restored at their size").
+keep ~4.7 KB until they expire. Compacting one after its XADD and EXPIRE takes a COPY onto a new key and a RENAME
+back: four commands and two allocations of its node. RESTORE of a payload built here creates the stream with its node
+allocated at its size and its expiry set: one command, and about three quarters of Redis's time for a job's two
+streams (`python benchmarks/bench_command_price.py`: 10.7 against 14.6 µs, the same bytes; benchmarks/README.md,
+`rose bench redis`, session 30).
 
 The payload is the oldest stream encoding Redis still loads (`RDB_TYPE_STREAM_LISTPACKS`, RDB version 9: Redis 5.0
 and every later version, Valkey too): type 15; one radix-tree node (its master id as 16 big-endian bytes, and its

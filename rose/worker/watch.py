@@ -32,14 +32,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from rose.worker import probe, rq_store
-from rose.worker.running import CHECKED_PHASE, Phase, Running
+from rose.worker.running import ACTIVE, CHECKED_PHASE, Running
 
 log = logging.getLogger(__name__)
 
 # Every running job's status is read this often (about a microsecond of Redis per job): deletions and jobs taken
 # over are rare, and after an outage the worker reads them at once (`check_all`).
 STATUS_INTERVAL_S = 5.0
-STOPPABLE = (Phase.TAKEN, Phase.GENERATING)  # a stop command finds a job only while it runs
 
 
 class Verdict(enum.Enum):
@@ -100,7 +99,7 @@ class Watch:
         while self._stops:
             job_id, execution_id = self._stops.popleft()
             run = running.get(job_id)
-            if run is not None and run.phase in STOPPABLE and execution_id in ("", run.execution.id):
+            if run is not None and run.phase in ACTIVE and execution_id in ("", run.execution.id):
                 found.append(Finding(run, Verdict.STOP))
             else:  # as RQ's worker does: a job that ended first (its result waiting to be stored, a full Redis
                 # holding it back) is left as it is

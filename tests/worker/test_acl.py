@@ -128,5 +128,8 @@ def test_documented_acl_lines_allow_every_documented_operation(acl):
     send_stop_job_command(operator, long.id, serializer=JSONSerializer)
     wait_status(operator, long, "stopped")
 
-    # the worker did all of it as rose-worker, and stops cleanly (stop() raises what the worker raised)
+    # the worker did all of it as rose-worker, and stops cleanly (stop() raises what the worker raised); its line lets
+    # it create a finished job's streams at their size (RESTORE: its first retirement asks), none refused
     wt.stop()
+    restores = acl.admin.info("commandstats")["cmdstat_restore"]
+    assert restores["calls"] >= 1 and restores["rejected_calls"] == 0 and restores["failed_calls"] == 0

@@ -97,7 +97,7 @@ def test_weights_give_shares_in_their_ratio(r):
     weights = {"a": 2.0}
     order = take_served(r, taker(r, weights), queue, 30, weights=weights)
     assert order.count("a") == 20 and order.count("b") == 10
-    # within one take several jobs at once: each counts `estimate` tokens over its weight
+    # within one take several jobs at once: each counts its expected tokens over its weight
     r.delete(keys.fair_counters_key())
     many = taker(r, weights).take([queue], 9)
     assert tenants_of(r, [i for i, _, _ in many]).count("a") == 6

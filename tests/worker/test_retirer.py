@@ -638,7 +638,7 @@ def test_readers_waiting_on_restored_streams_get_the_end(parts, r, redis_server)
 
 def test_a_stream_made_between_the_rounds_gets_its_entry_all_the_same(parts, r, monkeypatch):
     """A stream round 1 found not there but that exists by round 2: its RESTORE is refused (BUSYKEY), the other
-    writes stand, the entry is written with XADD after all, and no stream is restored again."""
+    writes stand, the entry is written with XADD after all, and later batches restore as before."""
     retired_twice(parts, r, 1)
     (run,) = finished_runs(parts, r, 1)
     real_store_commands = batch_store.store_commands
@@ -659,5 +659,29 @@ def test_a_stream_made_between_the_rounds_gets_its_entry_all_the_same(parts, r, 
     (later,) = finished_runs(parts, r, 1)
     parts.retirer.submit([later])
     assert parts.retirer.drain().stored == [later]
-    assert "cmdstat_restore" not in r.info("commandstats")
+    assert r.info("commandstats")["cmdstat_restore"]["calls"] == 2
     parts.announce([later])
+
+
+def test_restore_denied_after_the_probe_hands_the_batch_back_once_then_restores_no_more(new_redis_server):
+    """An ACL that denies RESTORE once the probe said yes (a failover to a server set up otherwise): the batch is
+    refused as it is queued, nothing written, and goes back to RQ's handler; later batches write XADD and COPY."""
+    r = new_redis_server.client()
+    for parts in worker_parts(new_redis_server):
+        retired_twice(parts, r, 1)
+        r.acl_setuser(
+            "default", enabled=True, nopass=True, commands=["+@all", "-restore"], keys=["~*"], channels=["*"]
+        )
+        runs = finished_runs(parts, r, 2)
+        parts.retirer.submit(runs)
+        assert parts.retirer.drain().handed_back == runs
+        assert all(r.hget(run.key, "status") == b"started" for run in runs)
+        assert parts.check(runs) == {}
+        for run in runs:
+            parts.endings.succeed(run)  # what the loop does with them: RQ's handler
+        later = finished_runs(parts, r, 2)
+        parts.retirer.submit(later)
+        assert parts.retirer.drain().stored == later
+        assert all(max(stream_sizes(r, run).values()) < 2048 for run in later)  # copied
+        parts.announce(later)
+    r.close()

@@ -5,6 +5,7 @@ job canceled or deleted while its id waits on the queue is dropped, not started.
 from __future__ import annotations
 
 import pytest
+import redis
 from rq.executions import Execution
 from rq.job import Job
 from rq.registry import StartedJobRegistry
@@ -13,6 +14,7 @@ from worker_helpers import registered_rq_worker
 
 from rose.jobs.client import Client
 from rose.worker import rq_start
+from rose.worker.fair_queue import FairQueue
 from rose.worker.intake import Intake
 from rose.worker.running import Running
 
@@ -121,7 +123,35 @@ def test_a_job_canceled_or_deleted_on_the_queue_is_dropped_not_started(rq, r):
     assert r.lrange("rq:queue:rose:intermediate", 0, -1) == []
 
 
-def test_a_job_deleted_between_its_take_and_its_start_is_not_started_and_leaves_nothing(rq, r, monkeypatch):
+class NoAccounts:
+    """A fair take's accounts with nothing owed (rose.worker.fair_queue.Accounts)."""
+
+    def typical(self):
+        return None
+
+    def take_pending(self):
+        return {}
+
+    def owe(self, charges) -> None:
+        pass
+
+    def prepaid(self, job_id, tenant, tokens) -> None:
+        pass
+
+
+def assert_left_nothing(r, rq, job_id: str) -> None:
+    assert not r.exists(Job.key_for(job_id)) and not r.keys(f"rq:execution:{job_id}:*")
+    assert not r.exists(f"rq:executions:{job_id}")
+    started = StartedJobRegistry("rose", connection=r)
+    assert job_id not in [i for i, _ in started.get_job_and_execution_ids()]
+    assert all(execution.job_id != job_id for execution in rq.executions.values())
+    assert r.lrange("rq:queue:rose:intermediate", 0, -1) == []
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "fair"])
+def test_a_job_deleted_between_its_take_and_its_start_is_not_started_and_leaves_nothing(
+    rq, r, monkeypatch, policy
+):
     """The take's script reads a job's status and timeout only; the start reads its hash after its writes. A job
     deleted in between finds a hash the start's writes made: that start is taken back (the hash and its execution
     deleted), the others stand."""
@@ -133,12 +163,30 @@ def test_a_job_deleted_between_its_take_and_its_start_is_not_started_and_leaves_
         return real_execute(recorder, reads)
 
     monkeypatch.setattr(rq_start.Recorder, "execute", delete_first)
-    runs = Intake(rq).take(2, None)
+    fair = FairQueue(r, JSONSerializer, {}, NoAccounts()) if policy == "fair" else None
+    runs = Intake(rq, fair).take(2, None)
     assert [run.id for run in runs] == ids[:1]
     assert runs[0].job.kwargs["prompt"] == "prompt 0" and runs[0].job.get_status(refresh=False) == "started"
-    assert not r.exists(Job.key_for(ids[1])) and not r.keys(f"rq:execution:{ids[1]}:*")
-    assert not r.exists(f"rq:executions:{ids[1]}")
-    started = StartedJobRegistry("rose", connection=r)
-    assert [job_id for job_id, _ in started.get_job_and_execution_ids()] == ids[:1]
+    assert_left_nothing(r, rq, ids[1])
     assert set(rq.executions) == {runs[0].execution.id}
-    assert r.lrange("rq:queue:rose:intermediate", 0, -1) == []
+
+
+def test_a_start_whose_reply_was_lost_takes_back_a_job_deleted_before_it(rq, r, monkeypatch):
+    """The start went through, its reply did not, and one of its jobs had been deleted before it: the next take
+    carries on with the job it did start and takes the other's start back."""
+    ids = submit(r, 2)
+    real_execute = rq_start.Recorder.execute
+
+    def delete_first_lose_reply(recorder, reads=()):
+        r.delete(Job.key_for(ids[1]))
+        real_execute(recorder, reads)
+        raise redis.ConnectionError("reply lost")
+
+    monkeypatch.setattr(rq_start.Recorder, "execute", delete_first_lose_reply)
+    intake = Intake(rq)
+    with pytest.raises(redis.ConnectionError):
+        intake.take(2, None)
+    monkeypatch.undo()
+    runs = intake.take(2, None)  # the limbo's: adopted
+    assert [run.id for run in runs] == ids[:1] and runs[0].job.kwargs["prompt"] == "prompt 0"
+    assert_left_nothing(r, rq, ids[1])

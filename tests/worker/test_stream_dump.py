@@ -67,6 +67,10 @@ def test_crc64_is_redis_s():
             (b"longer", b"y" * 64),
             (b"longest", b"z" * 5000),
         ],  # each string length's encoding
+        [
+            (b"return_value", b"r" * 20000)
+        ],  # an element past 16,383 bytes: its length backwards in three bytes
+        [(b"return_value", b"r" * 2_100_000)],  # and past 2,097,151: in four
     ],
 )
 def test_a_restored_stream_is_the_stream_xadd_makes_stored_at_its_size(r, fields):
