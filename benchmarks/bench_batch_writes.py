@@ -2,13 +2,15 @@
 """What a take's starts and a retirement's writes cost Redis per job, by batch size: rose-worker's own functions
 (rose.worker.rq_start, rose.worker.rq_store, rose.worker.coalesce, the outbox's done events) against a real
 redis-server on a CPU of its own, RQ's writes as recorded (`raw`) against what rose-worker sends (`sent`: less the
-writes that change nothing, coalesced) and what it sends with its streams compacted (`compacted`: the job's result
-stream and events copied at their size, batch_store.COMPACT_BYTES), alternating chunk by chunk on one Redis.
+writes that change nothing, coalesced) and that with the job's two streams (its result, its events) stored at their
+size, copied after their XADD (`copied`, a Redis without RESTORE) or RESTOREd instead (`restored`, what rose-worker
+sends: rose.worker.stream_dump), alternating chunk by chunk on one Redis.
 
     python benchmarks/bench_batch_writes.py [--jobs 1536 --batches 2,8,64]
 
-A take: the dequeue script (ids moved, hashes read), then the starts in one transaction. A retirement: the
-retirer's two rounds (WATCH and reads, then MULTI/EXEC) with RQ's success writes and each job's done event (a not-streamed job: 128 generated tokens).
+A take: the dequeue script (ids moved, each job's status and timeout read), then the starts in one transaction, which
+reads each job's hash last. A retirement: the retirer's two rounds (WATCH and reads, then MULTI/EXEC) with RQ's
+success writes and each job's done event (a not-streamed job: 128 generated tokens).
 Prints Redis's main-thread CPU per job (its commands, round trips and all; net of nothing: Redis is busy throughout)
 and the commands a job costs; for the retirement, the bytes its two streams keep a job (`MEMORY USAGE`).
 """
@@ -38,7 +40,7 @@ from rose.worker.publisher import Publisher  # noqa: E402
 from rose.worker.rq_worker import RQWorker  # noqa: E402
 from rose.worker.running import Choice, Running, job_timeout  # noqa: E402
 
-VARIANTS = ("raw", "sent", "compacted")
+VARIANTS = ("raw", "sent", "copied", "restored")
 CHUNK = 8  # batches per variant before switching (fewer where the jobs would not make two chunks a variant)
 
 
@@ -59,7 +61,11 @@ def start(rq: RQWorker, n: int, sent: bool) -> list[Running]:
     with rq.connection.pipeline() as pipe:
         for command in coalesced(commands) if sent else commands:
             pipe.execute_command(*command)
-        pipe.execute()
+        for run in runs:
+            pipe.execute_command(*rq_start.start_read(run.job))
+        replies = pipe.execute()
+    for run, fields in zip(runs, replies[len(replies) - len(runs) :], strict=True):
+        assert rq_start.restore(run.job, fields)
     rq_store.hold(rq, [run.execution for run in runs])
     return runs
 
@@ -90,15 +96,16 @@ def retire(rq: RQWorker, outbox: Outbox, runs: list[Running], variant: str) -> N
         *rq_store.success_commands(rq, runs, slim=sent),
         *(command for run in runs for command in outbox.done_commands(run)),
     ]
-    compact = [key for run in runs for key in streams(run)] if variant == "compacted" else []
+    at_size = [key for run in runs for key in streams(run)] if variant in ("copied", "restored") else []
     if sent:
         writes = coalesced(writes)
     # the retirer's two rounds (rose.worker.retirer), on one connection: WATCH and reads, then MULTI/EXEC
-    check = batch_store.check_commands(runs, compact)
+    asks = batch_store.Asks(clock=variant == "restored")
+    check = batch_store.check_commands(runs, at_size, asks)
     pending = resp.Pending(rq.connection, resp.pack_commands(check), len(check))
-    found = batch_store.checked(rq.name, runs, compact, writes, pending.read(keep=True))
-    assert found.ours and len(found.compact) == len(compact), found
-    store, sent = batch_store.store_commands(writes, found.compact)
+    found = batch_store.checked(rq.name, runs, at_size, writes, pending.read(keep=True), asks)
+    assert found.ours and len(found.compact) + len(found.restore) == len(at_size), found
+    store, sent = batch_store.store_commands(writes, found.compact, found.restore, found.now_ms)
     pending.send(resp.pack_commands(store), len(store))
     assert batch_store.stored(pending.read(), sent) == batch_store.Outcome(batch_store.Stored.STORED)
     for run in runs:
@@ -172,9 +179,10 @@ def main() -> None:
     cpus = cpu_split(True)
     print(f"Redis on CPU {cpus['redis']}; CPU µs (commands) per job, raw = RQ's writes as recorded")
     print(
-        "| batch | phase | raw | sent | sent / raw | compacted | compacted / sent | streams' bytes a job, sent → compacted |"
+        "| batch | phase | raw | sent | sent / raw | copied | copied / sent | restored | restored / sent "
+        "| streams' bytes a job, sent → copied → restored |"
     )
-    print("|---:|---|---:|---:|---:|---:|---:|---|")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---|")
     with RedisServerProcess(cpus=cpus["redis"]).start() as server:
         r = server.client()
         rq = RQWorker(
@@ -191,11 +199,12 @@ def main() -> None:
                 us = {v: totals[v][0] * 1e6 / totals[v][1] for v in VARIANTS}
                 cmds = {v: totals[v][2] / totals[v][1] for v in VARIANTS}
                 cells = " | ".join(f"{us[v]:.1f} ({cmds[v]:.1f})" for v in VARIANTS[:2])
-                size = f"{kept['sent']:,.0f} → {kept['compacted']:,.0f}" if phase == "retire" else ""
-                print(
-                    f"| {batch} | {phase} | {cells} | {us['sent'] / us['raw']:.2f} | "
-                    f"{us['compacted']:.1f} ({cmds['compacted']:.1f}) | {us['compacted'] / us['sent']:.2f} | {size} |"
+                at_size = " | ".join(
+                    f"{us[v]:.1f} ({cmds[v]:.1f}) | {us[v] / us['sent']:.2f}" for v in ("copied", "restored")
                 )
+                size = " → ".join(f"{kept[v]:,.0f}" for v in ("sent", "copied", "restored"))
+                size = size if phase == "retire" else ""
+                print(f"| {batch} | {phase} | {cells} | {us['sent'] / us['raw']:.2f} | {at_size} | {size} |")
         outbox.publisher.close(timeout=1)
 
 

@@ -25,7 +25,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from redis.exceptions import NoPermissionError
+from redis.exceptions import (
+    ClusterDownError,
+    MasterDownError,
+    NoPermissionError,
+    ReadOnlyError,
+    TryAgainError,
+)
 
 from rose.jobs import keys as rose_keys
 from rose.worker import stream_dump
@@ -293,7 +299,7 @@ def stored(replies: list[Any], sent: Sequence[tuple[Any, ...]], probe: bool = Fa
         errors = [r for r in queued if isinstance(r, Exception)] or [done]
         full = any(map(is_oom, errors))
         if any(  # RESTORE denied (an ACL, renamed away: a failover to another server?): restore no more
-            isinstance(r, Exception) and not is_oom(r) and str(c[0]).upper() == "RESTORE"
+            str(c[0]).upper() == "RESTORE" and _restorable(r) is False
             for c, r in zip(sent, queued, strict=True)
         ):
             restorable = False
@@ -305,7 +311,7 @@ def stored(replies: list[Any], sent: Sequence[tuple[Any, ...]], probe: bool = Fa
     ]
     # a stream made between the rounds (BUSYKEY: nothing but this batch should write it) is no reason to restore no
     # more; a payload or an ACL refused is
-    if any(not str(reply).startswith("BUSYKEY") for _, reply in unrestorable):
+    if any(not str(reply).startswith("BUSYKEY") and _restorable(reply) is False for _, reply in unrestorable):
         restorable = False
     unrestored = [stream for stream, _ in unrestorable]
     refused = [
@@ -317,15 +323,16 @@ def stored(replies: list[Any], sent: Sequence[tuple[Any, ...]], probe: bool = Fa
     return Outcome(stored, refused, copy, unrestored=unrestored, restorable=restorable)
 
 
-# replies that say nothing of RESTORE: a full Redis, one loading its data, a replica (mid-failover), a cluster's move
-_PASSING = ("LOADING", "READONLY", "MASTERDOWN", "TRYAGAIN", "BUSY ")
+# refusals that say nothing of RESTORE (as redis-py names them; a Redis loading its data raises instead): a replica
+# (mid-failover), its primary down, a cluster's move, a script running
+_PASSING = (ReadOnlyError, MasterDownError, TryAgainError, ClusterDownError)
 
 
 def _restorable(reply: Any) -> bool | None:
-    """Whether the probe's reply says Redis takes a restored stream: None if it cannot tell."""
+    """Whether a RESTORE's reply says Redis takes a restored stream: None if it cannot tell (full, failing over)."""
     if not isinstance(reply, Exception):
         return True
-    return None if is_oom(reply) or str(reply).startswith(_PASSING) else False
+    return None if is_oom(reply) or isinstance(reply, _PASSING) or str(reply).startswith("BUSY ") else False
 
 
 def rewrites(writes: Sequence[tuple[Any, ...]], streams: Sequence[str]) -> list[tuple[Any, ...]]:

@@ -24,15 +24,16 @@ its head (where ids pushed to the front land); finding nothing new, the same scr
 the index holds every waiting job). Else it returns each new job's data; the worker reads each one's tenant and
 deadline (`placement`); then one script indexes them (unless another worker moved the mark meanwhile: it indexed the
 same ids) and claims up to `room` jobs: the deadline jobs earliest first, then one at a time the oldest job of the
-tenant with the lowest counter (a heap; the counters kept in the script, written once a tenant). A claim moves the id
-from the queue's list to RQ's intermediate list in one script, as RQ's own dequeue moves ids (the id first in the
-order: LMOVE from the head, moved back if another id was there; else LREM and RPUSH; one `FAR` from the head or more,
-found by its place in the order, has the head's id moved into its place instead: LREM reads every id ahead), so a
-crash at any point loses nothing and rose.worker.recovery applies unchanged; a job no longer `queued` (canceled,
-deleted) is dropped from the index when its turn comes, at the cost of one HGET; taking the mark's job moves the mark
-to the id before it (unless its job came back: below). A take pops at most `POPS` index entries per job it may take
-plus `EXTRA_POPS`; an index found with the queue empty is dropped whole. If the index is empty while the queue is not
-(a look that fell behind a burst), the queue's head is taken first come, first served.
+tenant with the lowest counter (a heap; the counters kept in the script, written once a tenant). A claim moves the
+id from the queue's list to RQ's intermediate list in one script, as RQ's own dequeue moves ids (the id first in the
+order: LMOVE from the head, moved back if another id was there; else LREM and RPUSH; one `FAR` from the head or
+more, found by its place in the order, has the head's id moved into its place instead: LREM reads every id ahead),
+so a crash at any point loses nothing and rose.worker.recovery applies unchanged; a job no longer `queued`
+(canceled, deleted) is dropped from the index when its turn comes, at the cost of one HMGET (its status and
+timeout); taking the mark's job moves the mark to the id before it (unless its job came back: below). A take pops at
+most `POPS` index entries per job it may take plus `EXTRA_POPS`; an index found with the queue empty is dropped
+whole. If the index is empty while the queue is not (a look that fell behind a burst), the queue's head is taken
+first come, first served.
 
 The mark's job canceled and requeued (RQ puts it at the tail and stamps its `enqueued_at` anew) leaves the jobs after
 it that no look had read before the mark. A take records the mark's job's `enqueued_at` beside it, as the look read it

@@ -10,14 +10,14 @@ says where it is, and the job's timeout arithmetic.
                                         └─ CHECKING / RECHECKING (a Redis error while storing)
 
 TAKEN is a started job being admitted: it fails at once (a bad payload, a prompt the engine refuses) or enters the
-engine, and only then the loop's running jobs. Every phase in the running jobs (all but TAKEN and RETIRING) can end
-otherwise: failed (step error), canceled or deleted, lost to another worker; the ACTIVE ones (TAKEN, GENERATING)
-also timed out, past their deadline or STOPPING (`rq`'s stop commands: stored as stopped, tried again after a Redis
-error). FINISHED jobs go to the retirer in batches; jobs with a success callback, and those the retirer hands back,
-are stored by RQ's own `handle_job_success` on the loop's thread once a probe has read their status (CHECKING ->
-STORING): a job canceled before that read is never stored as finished (RQ's handler WATCHes only the job's
-dependents: a cancel in the step between the read and the store comes too late), and a success callback never runs
-twice. Only the job loop (rose.worker.loop) moves a job from phase to phase.
+engine, and only then the loop's running jobs. Every phase but RETIRING can end otherwise: failed (step error),
+canceled or deleted, lost to another worker; the ACTIVE ones (TAKEN, GENERATING) also timed out, past their deadline
+or STOPPING (`rq`'s stop commands: stored as stopped, tried again after a Redis error). FINISHED jobs go to the
+retirer in batches; jobs with a success callback, and those the retirer hands back, are stored by RQ's own
+`handle_job_success` on the loop's thread once a probe has read their status (CHECKING -> STORING): a job canceled
+before that read is never stored as finished (RQ's handler WATCHes only the job's dependents: a cancel in the step
+between the read and the store comes too late), and a success callback never runs twice. Only the job loop
+(rose.worker.loop) moves a job from phase to phase.
 """
 
 from __future__ import annotations

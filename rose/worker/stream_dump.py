@@ -15,8 +15,8 @@ little-endian. The listpack holds what `streamAppendItem` writes: a master entry
 fields, a 0), then each entry (flags, id as a difference from the master's, its values, or its fields and values when
 they differ from the master's, and how many elements it took). Redis checks the CRC, the node key's length and the
 listpack's header (every element too, with `sanitize-dump-payload yes`), so a payload that does not hold together is
-refused, never loaded: rose.worker.batch_store asks once whether Redis takes one (`probe_commands`), and otherwise
-writes with XADD as before.
+refused, never loaded: rose.worker.batch_store asks once whether Redis takes one (`store_commands(probe=True)`, read
+by `stored`), and otherwise writes with XADD as before.
 """
 
 from __future__ import annotations

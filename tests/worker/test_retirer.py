@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import pytest
 import redis
+from redis._parsers.base import BaseParser
 from rq.job import Job, JobStatus
 from rq.registry import FinishedJobRegistry, StartedJobRegistry
 from rq.results import Result
@@ -675,6 +676,7 @@ def test_restore_denied_after_the_probe_hands_the_batch_back_once_then_restores_
         runs = finished_runs(parts, r, 2)
         parts.retirer.submit(runs)
         assert parts.retirer.drain().handed_back == runs
+        r.config_resetstat()
         assert all(r.hget(run.key, "status") == b"started" for run in runs)
         assert parts.check(runs) == {}
         for run in runs:
@@ -683,5 +685,43 @@ def test_restore_denied_after_the_probe_hands_the_batch_back_once_then_restores_
         parts.retirer.submit(later)
         assert parts.retirer.drain().stored == later
         assert all(max(stream_sizes(r, run).values()) < 2048 for run in later)  # copied
+        assert "cmdstat_restore" not in r.info("commandstats")  # not even asked again
         parts.announce(later)
     r.close()
+
+
+def parsed(error: str) -> Exception:
+    """An error reply as redis-py hands it over."""
+    return BaseParser.parse_error(error)
+
+
+@pytest.mark.parametrize(
+    ("reply", "restorable"),
+    [
+        (b"OK", True),
+        (parsed("NOPERM User rose-worker has no permissions to run the 'restore' command"), False),
+        (parsed("ERR DUMP payload version or checksum are wrong"), False),
+        (parsed("ERR unknown command 'RESTORE'"), False),
+        (parsed("OOM command not allowed when used memory > 'maxmemory'."), None),
+        (parsed("READONLY You can't write against a read only replica."), None),
+        (parsed("MASTERDOWN Link with MASTER is down and replica-serve-stale-data is set to 'no'."), None),
+        (parsed("TRYAGAIN Multiple keys request during rehashing of slot"), None),
+        (parsed("BUSY Redis is busy running a script."), None),
+    ],
+)
+def test_what_the_probe_says_of_restore(reply, restorable):
+    """Only a refusal of RESTORE itself (denied, unknown, its payload refused) says Redis will not take one; a full
+    Redis or one failing over says nothing (asked again)."""
+    sent = [("HSET", "k", "f", "v")]
+    replies = [b"OK", b"QUEUED", [1], reply]  # MULTI, the write queued, EXEC, the probe
+    assert batch_store.stored(replies, sent, probe=True).restorable is restorable
+
+
+def test_an_xadd_that_must_not_make_its_stream_is_never_restored():
+    writes = [
+        ("XADD", "s", "NOMKSTREAM", "*", "f", "v"),
+        ("XADD", "t", "MAXLEN", "~", "10", "NOMKSTREAM", "*", "f", "v"),
+        ("XADD", "u", "MAXLEN", "~", "10", "*", "f", "v"),
+    ]
+    commands, sent = batch_store.store_commands(writes, [], ["s", "t", "u"], 1_796_001_267_333)
+    assert [c[:2] for c in sent] == [("XADD", "s"), ("XADD", "t"), ("RESTORE", "u")]
