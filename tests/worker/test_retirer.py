@@ -434,15 +434,14 @@ def test_a_batchs_streams_are_stored_at_their_size_with_their_data_and_expiry(pa
     parts.announce(runs)
 
 
-def test_readers_waiting_on_a_jobs_streams_get_its_end(parts, r, redis_server):
-    """A reader blocked on rose's events (XREAD, as `Job.stream()`) and one on RQ's result (`latest_result(timeout)`)
-    both get the end, written and compacted in one script."""
-    (run,) = finished_runs(parts, r, 1)
+def blocked_readers_get_the_end(parts, r, redis_server, run, since: str) -> None:
+    """A reader blocked on rose's events (XREAD, as `Job.stream()`) and one on RQ's result (`latest_result(timeout)`),
+    both from `since`, while `run` is retired: both get its end."""
     got: dict[str, object] = {}
 
     def read(name: str, key: str) -> None:
         with redis_server.client() as reader:
-            got[name] = reader.xread({key: "0-0"}, block=10_000)
+            got[name] = reader.xread({key: since}, block=10_000)
 
     threads = [
         threading.Thread(target=read, args=("events", keys.stream_key(run.id))),
@@ -458,6 +457,12 @@ def test_readers_waiting_on_a_jobs_streams_get_its_end(parts, r, redis_server):
     assert json.loads(got["events"][0][1][0][1][b"event"])["type"] == "done"
     assert got["result"][0][1][0][0] == r.xrange(f"rq:results:{run.id}")[0][0]
     parts.announce([run])
+
+
+def test_readers_waiting_on_a_jobs_streams_get_its_end(parts, r, redis_server):
+    """Both readers get the end, written (XADD) and copied at its size in the first batch."""
+    (run,) = finished_runs(parts, r, 1)
+    blocked_readers_get_the_end(parts, r, redis_server, run, "0-0")
 
 
 def test_a_streamed_jobs_events_are_copied_at_their_size(parts, r):
@@ -613,28 +618,9 @@ def test_readers_waiting_on_restored_streams_get_the_end(parts, r, redis_server)
     """RESTORE wakes a reader blocked on the stream it creates, as XADD does."""
     retired_twice(parts, r, 1)
     (run,) = finished_runs(parts, r, 1)
-    got: dict[str, object] = {}
-
-    def read(name: str, key: str) -> None:
-        with redis_server.client() as reader:
-            got[name] = reader.xread({key: "$"}, block=10_000)
-
-    threads = [
-        threading.Thread(target=read, args=("events", keys.stream_key(run.id))),
-        threading.Thread(target=read, args=("result", f"rq:results:{run.id}")),
-    ]
-    for thread in threads:
-        thread.start()
-    wait_for(lambda: r.info("clients")["blocked_clients"] == 2, 5, what="two readers blocked")
     r.config_resetstat()
-    parts.retirer.submit([run])
-    assert parts.retirer.drain().stored == [run]
-    for thread in threads:
-        thread.join(10)
+    blocked_readers_get_the_end(parts, r, redis_server, run, "$")
     assert r.info("commandstats")["cmdstat_restore"]["calls"] == 2
-    assert json.loads(got["events"][0][1][0][1][b"event"])["type"] == "done"
-    assert got["result"][0][1][0][0] == r.xrange(f"rq:results:{run.id}")[0][0]
-    parts.announce([run])
 
 
 def test_a_stream_made_between_the_rounds_gets_its_entry_all_the_same(parts, r, monkeypatch):
